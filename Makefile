@@ -1,0 +1,29 @@
+# make train   — create .venv, install pitstop, prepare the digits shards, train (ARGS="key=value ...")
+# make test    — create .venv, install pitstop + test deps, run the test suite (PYTEST_ARGS="-k ...")
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install train test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m recipe.prepare
+	$(BIN)/python -m recipe.train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf outputs data .pytest_cache

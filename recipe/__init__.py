@@ -1,0 +1,1 @@
+"""The image-classification recipe: everything image-specific lives here and in conf/."""

@@ -1,0 +1,43 @@
+"""Train an image classifier from the composed config.
+
+    python -m recipe.train                                    # digits, small CNN, MLflow in outputs/
+    python -m recipe.train model=resnet18 optim=adamw trainer.epochs=3
+    python -m recipe.train -m optim=sgd,adamw                 # a sweep, one run dir per job
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from pitstop.errors import PitstopError
+from pitstop.runner import Runner
+
+log = logging.getLogger("recipe.train")
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run one training job in the run dir Hydra resolved; return its summary."""
+    run_dir = HydraConfig.get().runtime.output_dir
+    with open_dict(cfg):
+        cfg.run_dir = run_dir  # single runs and sweep jobs alike: this job's own dir
+    return Runner(cfg, run_dir).run()
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        summary = train(cfg)
+    except PitstopError as e:
+        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return summary["metrics"].get("val_accuracy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Image-specific pieces of the recipe: shard decoding + augmentation, models, accuracy."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from pitstop.data.dataset import ShardedDataset
+
+IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm")
+
+
+class ImageShards(ShardedDataset):
+    """Image + class-label shards (``KEY.png|jpg`` and ``KEY.cls``) as produced by ``recipe.prepare``."""
+
+    def __init__(self, root: str, name: str = "digits", num_classes: int = 10, channels: int = 3,
+                 image_size: int | None = None, mean=None, std=None, augment: dict | None = None, **kw):
+        super().__init__(root, **kw)
+        self.name, self.num_classes, self.channels, self.image_size = name, int(num_classes), int(channels), image_size
+        self.mean = torch.tensor(list(mean or [0.5] * self.channels)).view(-1, 1, 1)
+        self.std = torch.tensor(list(std or [0.5] * self.channels)).view(-1, 1, 1)
+        augment = dict(augment or {})
+        self.pad, self.hflip = int(augment.get("pad", 0)), bool(augment.get("hflip", False))
+        self.prepare_hint = f"python -m recipe.prepare data={name} data.root={root}"
+
+    def decode(self, sample: dict, *, train: bool, seed: int) -> tuple[torch.Tensor, int]:
+        ext = next((e for e in IMAGE_EXTS if e in sample), None)
+        if ext is None:
+            raise ValueError(f"no image member (has {sorted(k for k in sample if not k.startswith('__'))})")
+        img = Image.open(io.BytesIO(sample[ext]))
+        img = img.convert("L" if self.channels == 1 else "RGB")
+        if self.image_size and img.size != (self.image_size, self.image_size):
+            img = img.resize((self.image_size, self.image_size), Image.BILINEAR)
+        x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+        x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
+        if train and (self.pad or self.hflip):
+            x = self._augment(x, np.random.default_rng(seed))
+        x = (x.float().div_(255.0) - self.mean) / self.std
+        label = int(sample["cls"].decode().strip())
+        if not 0 <= label < self.num_classes:
+            raise ValueError(f"label {label} outside [0, {self.num_classes})")
+        return x, label
+
+    def _augment(self, x: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+        # Random translation by up to ``pad`` pixels (pad + crop) and optional horizontal flip; the
+        # randomness comes from a per-sample seed, so it is identical after any restart.
+        if self.pad:
+            h, w = x.shape[-2:]
+            padded = torch.nn.functional.pad(x, (self.pad,) * 4)
+            dy, dx = rng.integers(0, 2 * self.pad + 1, size=2)
+            x = padded[:, dy:dy + h, dx:dx + w]
+        if self.hflip and rng.random() < 0.5:
+            x = x.flip(-1)
+        return x
+
+
+class SmallCNN(nn.Module):
+    """A compact conv net; adaptive pooling makes it work for any input size (8x8 digits and up)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32, dropout: float = 0.1):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+        self.features = nn.Sequential(
+            block(in_channels, width), block(width, 2 * width), nn.MaxPool2d(2),
+            block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+    """torchvision's ResNet-18 from scratch (no pretrained weights); a 1-channel stem when asked."""
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    if in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
+
+
+def top1_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Number of samples whose arg-max class is the target (summed by the evaluator into accuracy)."""
+    return (outputs.argmax(dim=1) == targets).sum()

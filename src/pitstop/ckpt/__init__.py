@@ -1,0 +1,1 @@
+"""Checkpoint backends: one module per backend."""

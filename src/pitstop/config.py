@@ -1,0 +1,61 @@
+"""Checks that turn bad config values into one clear line before anything expensive starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.errors import ConfigError
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def positive_int(cfg: DictConfig, key: str, optional: bool = False) -> None:
+    v = _get(cfg, key)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+
+
+def positive_number(cfg: DictConfig, key: str, optional: bool = False) -> None:
+    v = _get(cfg, key)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"{key} must be a positive number, got {v!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Validate the parts of the config every run relies on (components validate their own)."""
+    for key in ("trainer.batch_size", "trainer.log_every_steps"):
+        positive_int(cfg, key)
+    for key in ("trainer.max_steps", "trainer.epochs", "trainer.eval_every_steps", "trainer.eval_max_batches"):
+        positive_int(cfg, key, optional=True)
+    if _get(cfg, "trainer.max_steps") is None and _get(cfg, "trainer.epochs") is None:
+        raise ConfigError("set trainer.max_steps or trainer.epochs")
+    positive_number(cfg, "optim.lr")
+    positive_number(cfg, "trainer.grad_clip", optional=True)
+    if not isinstance(_get(cfg, "seed"), int) or isinstance(_get(cfg, "seed"), bool):
+        raise ConfigError(f"seed must be an integer, got {_get(cfg, 'seed')!r}")
+    workers = _get(cfg, "loader.num_workers")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"loader.num_workers must be an integer >= 0, got {workers!r}")
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as flat ``a.b.c -> value`` pairs (for tracker params)."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            out[prefix] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out

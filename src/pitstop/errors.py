@@ -1,0 +1,13 @@
+"""Errors that pitstop reports as one clear line (what is at fault, what to do)."""
+
+
+class PitstopError(Exception):
+    """Base class: the entry points print ``error: <message>`` and exit with status 2."""
+
+
+class ConfigError(PitstopError):
+    """A configuration value is invalid; raised before training starts."""
+
+
+class DataError(PitstopError):
+    """The data set is missing, corrupt or inconsistent with its index."""

@@ -1,0 +1,230 @@
+"""A stateful, deterministic loader over sharded data (the common part of every ``loader`` option).
+
+Each rank runs ``streams`` readers (DataLoader workers, or one in-process reader); each reader reads a
+disjoint set of shards, decodes and batches in the worker, and hands whole batches to the trainer.
+The trainer-side :class:`ShardLoader` counts only batches actually handed out, so its
+``state_dict()`` — epoch, batches this epoch, each stream's sample position — is exact: prefetched
+batches are never counted, and a resumed loader continues with bitwise-identical batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+
+from pitstop.data.dataset import ShardedDataset
+from pitstop.data.shards import read_shard
+from pitstop.errors import ConfigError, DataError
+from pitstop.loader import plan
+from pitstop.seed import derive_seed
+
+
+class _Failure:
+    """Sent from a worker instead of raising, so the trainer gets the one-line message intact."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class StreamReader(IterableDataset):
+    """Worker side: reads the streams of one rank from given positions and yields batches."""
+
+    def __init__(self, *, urls, counts, dataset, open_shard, train, seed, epoch, batch_size, drop_last,
+                 shuffle, partitions, streams, rank, world_size, starts, rotation):
+        self.urls, self.counts, self.dataset, self.open_shard = urls, counts, dataset, open_shard
+        self.train, self.seed, self.epoch, self.batch_size = train, seed, epoch, batch_size
+        self.drop_last, self.shuffle, self.partitions, self.streams = drop_last, shuffle, partitions, streams
+        self.rank, self.world_size, self.starts, self.rotation = rank, world_size, starts, rotation
+
+    def __iter__(self):
+        info = get_worker_info()
+        local_streams = [0] if info is None else [(info.id + self.rotation) % info.num_workers]
+        if info is None and self.streams > 1:
+            raise ConfigError("in-process reading supports one stream; set loader.num_workers to match")
+        for s in local_streams:
+            yield from self._stream(self.rank * self.streams + s)
+
+    def _stream(self, g: int) -> Iterator[dict | _Failure]:
+        total_streams = self.streams * self.world_size
+        shards = plan.stream_shards(len(self.urls), self.partitions, g, total_streams, self.seed, self.epoch, self.shuffle)
+        pos = self.starts.get(g, 0)
+        skip = pos
+        items, keys, skipped, bytes_read = [], [], 0, 0
+        for shard in shards:
+            n = self.counts[shard]
+            if skip >= n:  # wholly consumed before the restart: not even opened
+                skip -= n
+                continue
+            url = self.urls[shard]
+            try:
+                raw = self.open_shard(url)
+                bytes_read += len(raw)
+                samples = read_shard(raw, url)
+                if len(samples) != n:
+                    raise DataError(f"shard {url} has {len(samples)} samples but the index says {n}; re-run recipe.prepare")
+            except DataError as e:
+                if not self.dataset.skip_corrupt:
+                    yield _Failure(str(e))
+                    return
+                samples = [None] * n
+            order = plan.sample_order(n, self.seed, self.epoch, shard, self.shuffle)
+            for i in order[skip:]:
+                pos += 1
+                sample = samples[i]
+                try:
+                    if sample is None:
+                        raise DataError(f"unreadable shard {url}")
+                    seed = derive_seed(self.seed, self.epoch, sample["__key__"])
+                    items.append(self.dataset.decode(sample, train=self.train, seed=seed))
+                    keys.append(sample["__key__"])
+                except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
+                    if not self.dataset.skip_corrupt:
+                        key = sample["__key__"] if sample else f"#{i}"
+                        yield _Failure(f"corrupt sample {key!r} in shard {url}: {e} "
+                                       f"(set data.skip_corrupt=true to skip and count such samples)")
+                        return
+                    skipped += 1
+                if len(items) == self.batch_size:
+                    yield self._batch(g, pos, items, keys, skipped, bytes_read)
+                    items, keys, skipped, bytes_read = [], [], 0, 0
+            skip = 0
+        if items and not self.drop_last:
+            yield self._batch(g, pos, items, keys, skipped, bytes_read)
+
+    @staticmethod
+    def _batch(g, pos, items, keys, skipped, bytes_read) -> dict:
+        return {"data": default_collate(items), "stream": g, "end": pos, "keys": keys,
+                "skipped": skipped, "bytes_read": bytes_read}
+
+
+class ShardLoader:
+    """Trainer side: an endless iterator of batches across epochs with an exact, saveable position."""
+
+    kind = "base"
+
+    def __init__(self, dataset: ShardedDataset, split: str, batch_size: int, seed: int, *, rank: int = 0,
+                 world_size: int = 1, train: bool = True, num_workers: int = 2, partitions: int | None = None,
+                 shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
+                 prefetch_factor: int = 4, timeout: float = 0, **_: Any):
+        if int(batch_size) <= 0:
+            raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+        self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
+        self.rank, self.world_size, self.train = rank, world_size, train
+        self.num_workers, self.pin_memory, self.prefetch_factor = int(num_workers), pin_memory, prefetch_factor
+        self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
+        self.streams = max(1, self.num_workers)
+        shards = dataset.index.shards(split)
+        self.urls = [dataset.index.resolve(s) for s in shards]
+        self.counts = [s.samples for s in shards]
+        self.partitions = int(partitions or len(shards))
+        total_streams = self.streams * world_size
+        if total_streams > self.partitions:
+            raise ConfigError(
+                f"{split} split has {self.partitions} partitions but {world_size} rank(s) x {self.streams} "
+                f"worker(s) = {total_streams} readers; lower loader.num_workers or write more shards")
+        self.epoch, self.batches, self.positions = 0, 0, {}
+        self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_read": 0}
+        self.sample_log: Callable[[list[str]], None] | None = None
+
+    # ---- the plan (pure) -------------------------------------------------------------------------
+    def _stream_batches(self, epoch: int, g: int) -> int:
+        shards = plan.stream_shards(len(self.urls), self.partitions, g, self.streams * self.world_size,
+                                    self.seed, epoch, self.shuffle)
+        return plan.num_batches(sum(self.counts[s] for s in shards), self.batch_size, self.drop_last)
+
+    def steps_per_epoch(self, epoch: int | None = None) -> int:
+        """Batches each rank hands out per epoch: the same on every rank (the smallest rank's count)."""
+        e = self.epoch if epoch is None else epoch
+        return min(
+            sum(self._stream_batches(e, r * self.streams + s) for s in range(self.streams))
+            for r in range(self.world_size)
+        )
+
+    # ---- position ---------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        return {"world_size": self.world_size, "streams": self.streams, "partitions": self.partitions,
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches": self.batches,
+                "positions": {str(k): v for k, v in self.positions.items()}, "layout": self.layout()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["layout"] != self.layout():
+            changed = {k: (state["layout"].get(k), v) for k, v in self.layout().items() if state["layout"].get(k) != v}
+            raise ConfigError(f"cannot resume the data position: loader layout changed {changed} (saved, now); "
+                              f"keep the same world size, loader.num_workers and batch size to resume")
+        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
+        self.positions = {int(k): int(v) for k, v in state["positions"].items()}
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def open_shard(self, url: str) -> bytes:
+        raise NotImplementedError
+
+    def _reader(self, epoch: int) -> Iterator[dict | _Failure]:
+        counts = [self._stream_batches(epoch, self.rank * self.streams + s) for s in range(self.streams)]
+        seq = plan.round_robin(counts)
+        rotation = seq[self.batches] if self.batches < len(seq) else 0
+        # Workers hand out batches round-robin starting at worker 0; rotate stream ids so that the
+        # stream whose turn it was when we stopped comes first.  Streams already exhausted yield nothing.
+        reader = StreamReader(urls=self.urls, counts=self.counts, dataset=self.dataset, open_shard=self.open_shard,
+                              train=self.train, seed=self.seed, epoch=epoch, batch_size=self.batch_size,
+                              drop_last=self.drop_last, shuffle=self.shuffle, partitions=self.partitions,
+                              streams=self.streams, rank=self.rank, world_size=self.world_size,
+                              starts=dict(self.positions), rotation=rotation)
+        if self.num_workers == 0:
+            return iter(reader)
+        return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                               prefetch_factor=self.prefetch_factor, timeout=self.timeout,
+                               multiprocessing_context=_mp_context()))
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            if self.batches >= self.steps_per_epoch():
+                self.epoch, self.batches, self.positions = self.epoch + 1, 0, {}
+            it = self._reader(self.epoch)
+            limit = self.steps_per_epoch()
+            for item in it:
+                if isinstance(item, _Failure):
+                    raise DataError(item.message)
+                self.batches += 1
+                self.positions[item["stream"]] = item["end"]
+                self.stats["samples"] += len(item["keys"])
+                self.stats["skipped_corrupt"] += item["skipped"]
+                self.stats["bytes_read"] += item["bytes_read"]
+                if self.sample_log is not None:
+                    self.sample_log(item["keys"])
+                yield item["data"]
+                if self.batches >= limit:
+                    break
+            del it
+            if self.batches < limit:  # every reader ran dry early (samples skipped as corrupt)
+                self.batches = limit
+
+    def iterate_once(self) -> Iterator[Any]:
+        """One pass over this rank's share (evaluation): no shuffling, no position kept."""
+        for item in self._reader(0):
+            if isinstance(item, _Failure):
+                raise DataError(item.message)
+            yield item["data"]
+
+
+def _mp_context():
+    # fork is fastest on Linux and keeps start-up cheap; workers touch no CUDA state.
+    import multiprocessing as mp
+
+    return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+
+
+def timed(it: Iterator[Any]) -> Iterator[tuple[Any, float]]:
+    """Yield ``(item, seconds waited for it)``."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield item, time.perf_counter() - t0

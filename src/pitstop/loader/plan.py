@@ -1,0 +1,51 @@
+"""The epoch plan: which samples each stream reads, in which order — pure functions only.
+
+Nothing here holds a live RNG: every order is derived from ``(seed, epoch, ...)``, so the plan of any
+epoch can be recomputed after a restart and a saved position (a few integers) is enough to continue.
+
+Vocabulary
+- *partition*: a fixed logical slice of the shards of one epoch (``shard_order[p::P]``).  ``P`` is fixed
+  for a data set/config and does not depend on how many processes read it.
+- *stream*: what one reader (one DataLoader worker of one rank) reads, in order.  With ``G`` streams in
+  all, stream ``g`` reads partitions ``p`` with ``p % G == g``, one after the other.
+- *position*: how many samples of its stream a reader has handed to the trainer (consumed) this epoch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pitstop.seed import derive_seed
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(num_shards))
+    return np.random.default_rng(derive_seed("shards", seed, epoch)).permutation(num_shards).tolist()
+
+
+def sample_order(num_samples: int, seed: int, epoch: int, shard: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(num_samples))
+    return np.random.default_rng(derive_seed("samples", seed, epoch, shard)).permutation(num_samples).tolist()
+
+
+def stream_shards(num_shards: int, partitions: int, stream: int, streams: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The shards stream ``stream`` of ``streams`` reads this epoch, in reading order."""
+    order = shard_order(num_shards, seed, epoch, shuffle)
+    out: list[int] = []
+    for p in range(stream, partitions, streams):
+        out.extend(order[p::partitions])
+    return out
+
+
+def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def round_robin(counts: list[int]) -> list[int]:
+    """The order in which an in-order DataLoader hands out batches of workers with these counts."""
+    seq: list[int] = []
+    for i in range(max(counts, default=0)):
+        seq.extend(w for w, n in enumerate(counts) if i < n)
+    return seq

@@ -1,0 +1,1 @@
+"""Experiment trackers: ``mlflow`` (default) or ``none``.  All logging happens off the training thread."""

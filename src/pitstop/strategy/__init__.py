@@ -1,0 +1,1 @@
+"""How the model is placed and replicated: one module per strategy."""

@@ -1,0 +1,58 @@
+"""``strategy=single``: one process, one device (CUDA when present, else CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move(b, device, non_blocking) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+class Single:
+    name = "single"
+
+    def __init__(self, device: str = "auto", **_: Any):
+        self.requested = device
+        self.rank, self.local_rank, self.world_size = 0, 0, 1
+        self.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.device.type == "cuda"
+
+    def setup(self) -> None:
+        if self.requested == "auto":
+            self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        else:
+            self.device = torch.device(self.requested)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def to_device(self, batch: Any) -> Any:
+        return move(batch, self.device, non_blocking=self.pin_memory)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass

@@ -1,0 +1,44 @@
+"""What one training step computes: a generic supervised objective (inputs, targets) -> loss.
+
+Nothing here knows about images: the loss and the metrics come from the config (``task.loss``,
+``task.metrics``); each metric returns a *sum* over the batch, which evaluation divides by the count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+
+class Supervised:
+    def __init__(self, loss: nn.Module, metrics: dict[str, Callable[..., torch.Tensor]] | None = None):
+        self.loss_fn = loss
+        self.metrics = dict(metrics or {})
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return self.loss_fn(model(inputs), targets)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Any], all_reduce_sum: Callable, device: torch.device,
+                 max_batches: int | None = None) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64, device=device)  # count, loss, metrics...
+        for i, (inputs, targets) in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            outputs = model(inputs)
+            n = targets.shape[0]
+            sums[0] += n
+            sums[1] += self.loss_fn(outputs, targets).double() * n
+            for j, fn in enumerate(self.metrics.values()):
+                sums[2 + j] += fn(outputs, targets).double()
+        model.train(was_training)
+        sums = all_reduce_sum(sums)
+        count = max(sums[0].item(), 1.0)
+        out = {"val_loss": sums[1].item() / count, "val_samples": sums[0].item()}
+        out.update({f"val_{name}": sums[2 + j].item() / count for j, name in enumerate(self.metrics)})
+        return out

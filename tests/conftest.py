@@ -1,0 +1,72 @@
+"""Shared fixtures: compose the real conf/ with Hydra's compose API, shrink it, train for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+PY = sys.executable
+
+
+def compose_cfg(overrides: list[str], root: Path, config_name: str = "train"):
+    """Compose conf/<config_name>.yaml with overrides; data/outputs under ``root``."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.cwd = str(root)
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as in a real run: the job's config has no hydra node
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> Path:
+    """A project-like dir whose data/digits holds the real digits shards (prepared once)."""
+    from recipe.prepare import prepare
+
+    root = tmp_path_factory.mktemp("proj")
+    cfg = compose_cfg([], root, config_name="prepare")
+    prepare(cfg.data)
+    return root
+
+
+@pytest.fixture
+def make_cfg(data_root, tmp_path):
+    """compose(overrides) -> cfg with debug=tiny, the shared digits shards and a fresh run dir."""
+
+    def make(*overrides: str, debug: str | None = "tiny"):
+        ov = [f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp_path / 'outputs'}",
+              f"run_dir={tmp_path / 'run'}"]
+        if debug:
+            ov.append(f"debug={debug}")
+        cfg = compose_cfg([*ov, *overrides], tmp_path)
+        return cfg
+
+    return make
+
+
+def train(cfg) -> dict:
+    from pitstop.runner import Runner
+
+    return Runner(cfg, cfg.run_dir).run()
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]

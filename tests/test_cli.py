@@ -1,0 +1,84 @@
+"""The real command line in subprocesses: a run, a -m sweep, run-dir reuse and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import PY, ROOT
+
+
+def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240):
+    flags = [a for a in args if a.startswith("-")]
+    args = [a for a in args if not a.startswith("-")]
+    cmd = [PY, "-m", module, *flags, f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp_path / 'outputs'}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_cli_writes_run_dir(data_root, tmp_path):
+    run_dir = tmp_path / "pinned"
+    p = cli(["debug=tiny", f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 12 and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "train.log").is_file()
+    # The same command again reuses the same dir (resume relies on this).
+    p = cli(["debug=tiny", f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["outputs", "pinned"] or not (tmp_path / "outputs" / "runs").exists()
+
+
+def test_multirun_sweep_over_two_options(data_root, tmp_path):
+    p = cli(["-m", "optim=sgd,adamw", "debug=tiny", "trainer.max_steps=4"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "multirun").iterdir())
+    assert len(sweeps) == 1
+    jobs = sorted(d for d in sweeps[0].iterdir() if d.is_dir())
+    assert [d.name for d in jobs] == ["0", "1"]
+    targets = set()
+    for d in jobs:
+        assert json.loads((d / "summary.json").read_text())["final_step"] == 4
+        targets.add(next(line for line in (d / ".hydra" / "config.yaml").read_text().splitlines() if "torch.optim." in line).strip())
+    assert targets == {"_target_: torch.optim.SGD", "_target_: torch.optim.AdamW"}
+
+
+def test_unknown_option_lists_valid_ones(data_root, tmp_path):
+    p = cli(["model=nope", "debug=tiny"], data_root, tmp_path)
+    assert p.returncode != 0
+    assert "Could not find 'model/nope'" in p.stderr and "cnn" in p.stderr and "resnet18" in p.stderr
+
+
+def last_line(p) -> str:
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_missing_data_dir_is_one_line_with_the_command(data_root, tmp_path):
+    p = cli(["debug=tiny", f"data.root={tmp_path}/missing"], data_root, tmp_path)
+    assert p.returncode == 2
+    line = last_line(p)
+    assert line.startswith("error: data dir not found: ") and f"{tmp_path}/missing" in line
+    assert "python -m recipe.prepare data=digits" in line and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optim.lr=abc", "optim.lr must be a positive number, got 'abc'"),
+    ("trainer.batch_size=-4", "trainer.batch_size must be a positive integer, got -4"),
+    ("trainer.batch_size=many", "trainer.batch_size must be a positive integer, got 'many'"),
+])
+def test_bad_values_fail_before_training(data_root, tmp_path, override, expected):
+    p = cli(["debug=tiny", override, f"run_dir={tmp_path / 'r'}"], data_root, tmp_path)
+    assert p.returncode == 2 and last_line(p) == f"error: {expected}"
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # failed before the first step
+
+
+def test_prepare_cli_is_idempotent(data_root, tmp_path):
+    p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
+    assert p.returncode == 0, p.stderr[-2000:]
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    assert sum(s["samples"] for s in index["splits"]["train"]) + sum(s["samples"] for s in index["splits"]["val"]) == 1797
+    assert len(index["splits"]["train"]) == 8 and all(len(s["sha256"]) == 64 for s in index["splits"]["train"])
+    p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
+    assert p.returncode == 0 and "already exist" in p.stdout + p.stderr

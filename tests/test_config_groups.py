@@ -1,0 +1,146 @@
+"""One test per option of every config group: compose the real conf/, shrink with debug=tiny, train."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import CONF, compose_cfg, read_jsonl, train
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
+
+
+def test_every_group_has_its_documented_options():
+    assert options("data") == ["digits", "imagefolder", "synthetic"]
+    assert options("model") == ["cnn", "resnet18"]
+    assert options("optim") == ["adamw", "sgd"]
+    assert {"plain"} <= set(options("loader")) and {"single"} <= set(options("strategy"))
+    assert {"none"} <= set(options("ckpt")) and options("logger") == ["mlflow", "none"]
+    for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "logger", "trainer", "debug"):
+        for name in options(group):  # small, commented YAML named for its variant
+            assert Path(CONF, group, f"{name}.yaml").read_text().lstrip().startswith("#"), (group, name)
+    assert Path(CONF, "train.yaml").read_text().startswith("# python -m recipe.train")
+
+
+def check_run(cfg, summary: dict) -> None:
+    assert summary["final_step"] == cfg.trainer.max_steps
+    lines = [r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, cfg.trainer.max_steps + 1))
+    assert all(np.isfinite(r["loss"]) and r["fetch_seconds"] >= 0 and r["lr"] > 0 for r in lines)
+    assert len(summary["params_sha256"]) == 64
+    assert 0.0 <= summary["metrics"]["val_accuracy"] <= 1.0
+    assert set(summary["wall_clock"]) >= {"compute", "data_wait", "checkpoint", "other", "total"}
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_model(make_cfg, model):
+    overrides = [f"model={model}"] + (["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]",
+                                       "data.std=[0.5,0.5,0.5]", "trainer.max_steps=4"] if model == "resnet18" else [])
+    cfg = make_cfg(*overrides)
+    check_run(cfg, train(cfg))
+
+
+@pytest.mark.parametrize("optim", options("optim"))
+def test_optim(make_cfg, optim):
+    cfg = make_cfg(f"optim={optim}")
+    summary = train(cfg)
+    check_run(cfg, summary)
+    lrs = [r["lr"] for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "lr" in r]
+    assert lrs[0] < lrs[-3] or lrs[-1] < max(lrs)  # the schedule moves the lr (warm-up, then decay)
+
+
+@pytest.mark.parametrize("opt", options("loader"))
+def test_loader(make_cfg, opt):
+    cfg = make_cfg(f"loader={opt}", "loader.num_workers=2")
+    check_run(cfg, train(cfg))
+
+
+@pytest.mark.parametrize("opt", options("strategy"))
+def test_strategy(make_cfg, opt):
+    cfg = make_cfg(f"strategy={opt}")
+    check_run(cfg, train(cfg))
+
+
+@pytest.mark.parametrize("opt", options("ckpt"))
+def test_ckpt(make_cfg, opt):
+    cfg = make_cfg(f"ckpt={opt}")
+    check_run(cfg, train(cfg))
+
+
+def test_trainer_epochs(make_cfg):
+    cfg = make_cfg("trainer.max_steps=null", "trainer.epochs=1", "trainer.batch_size=128", "trainer.eval_every_steps=null")
+    summary = train(cfg)
+    assert summary["epoch"] == 0 and summary["final_step"] == summary["total_steps"] > 0
+    assert summary["data"]["samples"] == 1438  # one full epoch: every training sample once
+
+
+def test_logger_none(make_cfg):
+    cfg = make_cfg("logger=none")
+    check_run(cfg, train(cfg))
+    assert not os.path.exists(os.path.join(cfg.run_dir, "mlflow_run_id"))
+
+
+def test_logger_mlflow_real_store(make_cfg, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = make_cfg("logger=mlflow", f"logger.tracking_uri={uri}")
+    summary = train(cfg)
+    check_run(cfg, summary)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.batch_size"] == "16" and run.data.params["model._target_"] == "recipe.vision.SmallCNN"
+    for key in ("loss", "lr", "samples_per_s", "fetch_seconds", "compute_seconds", "val_accuracy"):
+        assert key in run.data.metrics, key
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4, 8, 12]
+
+
+def test_data_synthetic(make_cfg, tmp_path):
+    from recipe.prepare import prepare
+
+    cfg = make_cfg("data=synthetic", "data.num_samples=80", "data.image_size=32", "data.prepare.samples_per_shard=16",
+                   f"data.root={tmp_path}/synth")
+    prepare(cfg.data)
+    check_run(cfg, train(cfg))
+
+
+def test_data_imagefolder(make_cfg, tmp_path):
+    from recipe.prepare import prepare
+
+    src = tmp_path / "tree"
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog", "eel"):
+        (src / c).mkdir(parents=True)
+        for i in range(12):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(buf, format="JPEG" if i % 2 else "PNG")
+            (src / c / f"{i}.{'jpg' if i % 2 else 'png'}").write_bytes(buf.getvalue())
+    cfg = make_cfg("data=imagefolder", f"data.source={src}", "data.num_classes=3", "data.image_size=16",
+                   "data.prepare.samples_per_shard=8", "data.prepare.val_fraction=0.25")
+    prepare(cfg.data)
+    summary = train(cfg)
+    check_run(cfg, summary)
+    # 27 train images, batch 16, partial last batch kept: 2 steps/epoch, so 12 steps = 6 full epochs
+    assert summary["data"]["samples"] == 6 * 27 and summary["epoch"] == 5
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiment_presets_compose(make_cfg, name):
+    cfg = make_cfg(f"experiment={name}")
+    assert cfg.trainer.max_steps == 12  # debug overlay still applies on top of the experiment
+    if name == "digits_resnet18":
+        cfg = make_cfg(f"experiment={name}", "trainer.max_steps=3")
+        check_run(cfg, train(cfg))
+
+
+def test_debug_preset_is_tiny(make_cfg):
+    cfg = make_cfg()
+    assert cfg.trainer.max_steps <= 20 and cfg.logger._target_.endswith("NullLogger")
