@@ -1,15 +1,20 @@
-"""``logger=mlflow``: a real MLflow run; every call to MLflow happens on a background thread.
+"""``logger=mlflow``: a real MLflow run, fed from a separate process so logging never slows the loop.
 
-The training loop only appends to a queue (microseconds).  The thread creates (or, on resume, reopens)
-the run, logs the config as params, and sends metrics in batches with ``log_batch``.  The run id is
-kept in ``RUN_DIR/mlflow_run_id`` so a resumed job continues the same MLflow run.
+The training loop only writes one short JSON line per log step to the stdin of a logger process
+(``python -m pitstop.logger.mlflow``; a clean interpreter, so no GIL shared with MLflow's client,
+SQLAlchemy or HTTP code, and no re-import of the training script).  That process creates (or, on
+resume, reopens) the run, logs the resolved config as params and sends metrics in batches with
+``log_batch``.  The run id is kept in ``RUN_DIR/mlflow_run_id`` so a resumed job continues the same run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -24,110 +29,167 @@ class MLflowLogger:
     name = "mlflow"
 
     def __init__(self, tracking_uri: str, experiment: str = "pitstop", run_name: str | None = None,
-                 flush_every_seconds: float = 2.0, tags: dict | None = None, **_: Any):
-        self.tracking_uri, self.experiment, self.run_name = str(tracking_uri), experiment, run_name
-        self.flush_every, self.tags = float(flush_every_seconds), dict(tags or {})
-        self.queue: queue.Queue = queue.Queue()
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.run_id: str | None = None
-        self.send_seconds = 0.0  # time the background thread spent in MLflow calls
+                 flush_every_seconds: float = 2.0, tags: dict | None = None, close_timeout: float = 300, **_: Any):
+        self.opts = {"tracking_uri": str(tracking_uri), "experiment": experiment, "run_name": run_name,
+                     "flush_every": float(flush_every_seconds)}
+        self.tags, self.close_timeout = dict(tags or {}), float(close_timeout)
+        self.proc: subprocess.Popen | None = None
         self.enqueue_seconds = 0.0  # time the training loop spent handing metrics over
-        self.sent = 0
+        self.broken: str | None = None
+        self.buffer: list[str] = []
+        self.last_write = time.monotonic()
 
     def start(self, run_dir: str, params: dict, tags: dict | None = None) -> None:
-        if self.tracking_uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(os.path.abspath(self.tracking_uri[len("sqlite:///"):])) or ".", exist_ok=True)
-        self.thread = threading.Thread(target=self._work, args=(run_dir, params, {**self.tags, **(tags or {})}),
-                                       name="pitstop-mlflow", daemon=True)
-        self.thread.start()
+        uri = self.opts["tracking_uri"]
+        if uri.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])) or ".", exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pitstop.logger.mlflow"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1 << 16)
+        self._send({"opts": self.opts, "run_dir": os.path.abspath(run_dir), "params": params,
+                    "tags": {**self.tags, **(tags or {})}})
+
+    def _send(self, msg: Any, now: bool = True) -> None:
+        """Queue one message; write the queue to the pipe only every ``flush_every`` seconds (or ``now``),
+        so the logger process is woken rarely and does not preempt the training thread each step."""
+        if self.proc is None or self.broken:
+            return
+        self.buffer.append(json.dumps(msg, separators=(",", ":"), default=str))
+        if not now and time.monotonic() - self.last_write < self.opts["flush_every"]:
+            return
+        try:
+            self.proc.stdin.write("\n".join(self.buffer) + "\n")
+            self.proc.stdin.flush()
+            self.buffer.clear()
+            self.last_write = time.monotonic()
+        except (BrokenPipeError, OSError, ValueError) as e:  # the logger died: keep training, say so once
+            self.broken = f"MLflow logger process exited ({e}); metrics stay in metrics.jsonl"
+            log.warning("%s", self.broken)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         t0 = time.perf_counter()
-        self.queue.put((int(step), int(time.time() * 1000), metrics))
+        self._send([int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items() if v is not None}],
+                   now=False)
         self.enqueue_seconds += time.perf_counter() - t0
 
     def close(self, status: str = "FINISHED") -> dict:
-        if self.thread is None:
+        if self.proc is None:
             return {}
-        self.queue.put(("close", status))
-        self.thread.join(timeout=300)
-        if self.thread.is_alive():
-            log.warning("MLflow logger did not finish within 300 s; some metrics may be missing")
-        if self.error is not None:
-            log.warning("MLflow logging failed: %s", self.error)
-        return {"mlflow_run_id": self.run_id, "mlflow_send_seconds": round(self.send_seconds, 4),
-                "mlflow_enqueue_seconds": round(self.enqueue_seconds, 6), "mlflow_metrics_sent": self.sent}
-
-    # ---- background thread ------------------------------------------------------------------------
-    def _work(self, run_dir: str, params: dict, tags: dict) -> None:
+        self._send(["close", status])
+        out: dict = {}
         try:
-            client = self._open(run_dir, params, tags)
-        except BaseException as e:  # noqa: BLE001 - reported at close(), training goes on
-            self.error = e
-            client = None
-        pending: list = []
-        last = time.monotonic()
-        while True:
-            try:
-                item = self.queue.get(timeout=max(0.05, self.flush_every - (time.monotonic() - last)))
-            except queue.Empty:
-                item = None
-            closing = isinstance(item, tuple) and item and item[0] == "close"
-            if item is not None and not closing:
-                step, ts, metrics = item
-                pending.extend((k, float(v), ts, step) for k, v in metrics.items() if v is not None)
-            if pending and (closing or time.monotonic() - last >= self.flush_every or len(pending) >= _METRIC_BATCH):
-                self._flush(client, pending)
-                pending, last = [], time.monotonic()
-            elif not pending:
-                last = time.monotonic()
-            if closing:
-                if client is not None and self.run_id:
-                    try:
-                        client.set_terminated(self.run_id, status=item[1])
-                    except Exception as e:  # noqa: BLE001
-                        self.error = e
-                return
+            stdout, _ = self.proc.communicate(timeout=self.close_timeout)  # closes stdin, waits
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            out = json.loads(lines[-1]) if lines else {"error": self.broken or f"logger exited {self.proc.returncode}"}
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out = {"error": f"MLflow logger did not finish within {self.close_timeout:.0f} s"}
+        except (OSError, ValueError) as e:
+            out = {"error": str(e)}
+        self.proc = None
+        if out.get("error"):
+            log.warning("MLflow logging failed: %s", out["error"])
+        out["mlflow_enqueue_seconds"] = round(self.enqueue_seconds, 6)
+        return out
 
-    def _open(self, run_dir: str, params: dict, tags: dict):
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
-        t0 = time.perf_counter()
-        client = MlflowClient(tracking_uri=self.tracking_uri)
-        id_file = os.path.join(run_dir, "mlflow_run_id")
-        if os.path.isfile(id_file):
-            with open(id_file) as f:
-                self.run_id = f.read().strip()
-            try:
-                client.update_run(self.run_id, status="RUNNING")
-                self.send_seconds += time.perf_counter() - t0
-                return client
-            except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
-                self.run_id = None
-        exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
-        run = client.create_run(exp_id, run_name=self.run_name, tags={"run_dir": os.path.abspath(run_dir), **tags})
-        self.run_id = run.info.run_id
-        with open(id_file, "w") as f:
-            f.write(self.run_id)
-        items = [Param(k[:250], str(v)[:6000]) for k, v in sorted(params.items())]
-        for i in range(0, len(items), _PARAM_BATCH):
-            client.log_batch(self.run_id, params=items[i:i + _PARAM_BATCH])
-        self.send_seconds += time.perf_counter() - t0
-        return client
+# ---- the logger process ---------------------------------------------------------------------------
+def _serve() -> None:
+    os.nice(10)  # yield the CPU to training when both want it
+    lines: queue.Queue = queue.Queue()
 
-    def _flush(self, client, pending: list) -> None:
-        if client is None or self.run_id is None:
-            return
-        from mlflow.entities import Metric
+    def read() -> None:  # drain stdin continuously so the trainer's writes never block
+        for line in sys.stdin:
+            lines.put(line)
+        lines.put(None)
 
-        t0 = time.perf_counter()
+    threading.Thread(target=read, daemon=True).start()
+    first = lines.get()
+    if first is None:
+        return
+    hello = json.loads(first)
+    opts = hello["opts"]
+    state = {"mlflow_run_id": None, "mlflow_metrics_sent": 0, "mlflow_send_seconds": 0.0, "error": None}
+    try:
+        client = _open(opts, hello["run_dir"], hello["params"], hello["tags"], state)
+    except Exception as e:  # noqa: BLE001 - reported at close(); training goes on
+        state["error"], client = f"{type(e).__name__}: {e}", None
+    pending: list = []
+    last = time.monotonic()
+    status = "FAILED"  # unless told otherwise: stdin closing without "close" means the trainer died
+    while True:
         try:
-            for i in range(0, len(pending), _METRIC_BATCH):
-                client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in pending[i:i + _METRIC_BATCH]])
-            self.sent += len(pending)
-        except Exception as e:  # noqa: BLE001 - keep training; report at close
-            self.error = e
-        self.send_seconds += time.perf_counter() - t0
+            line = lines.get(timeout=max(0.05, opts["flush_every"] - (time.monotonic() - last)))
+        except queue.Empty:
+            line = ""
+        item = json.loads(line) if line else None
+        closing = line is None or (item is not None and item[0] == "close")
+        if item is not None and not closing:
+            step, ts, metrics = item
+            pending.extend((k, v, ts, step) for k, v in metrics.items())
+        if pending and (closing or len(pending) >= _METRIC_BATCH or time.monotonic() - last >= opts["flush_every"]):
+            _flush(client, pending, state)
+            pending, last = [], time.monotonic()
+        elif not pending:
+            last = time.monotonic()
+        if closing:
+            if item is not None:
+                status = item[1]
+            break
+    if client is not None and state["mlflow_run_id"]:
+        try:
+            client.set_terminated(state["mlflow_run_id"], status=status)
+        except Exception as e:  # noqa: BLE001
+            state["error"] = f"{type(e).__name__}: {e}"
+    state["mlflow_send_seconds"] = round(state["mlflow_send_seconds"], 4)
+    print(json.dumps(state), flush=True)
+
+
+def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    t0 = time.perf_counter()
+    client = MlflowClient(tracking_uri=opts["tracking_uri"])
+    id_file = os.path.join(run_dir, "mlflow_run_id")
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+        try:
+            client.update_run(run_id, status="RUNNING")
+            state["mlflow_run_id"] = run_id
+            state["mlflow_send_seconds"] += time.perf_counter() - t0
+            return client
+        except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
+            pass
+    exp = client.get_experiment_by_name(opts["experiment"])
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(opts["experiment"])
+    run = client.create_run(exp_id, run_name=opts["run_name"], tags={"run_dir": run_dir, **tags})
+    state["mlflow_run_id"] = run.info.run_id
+    with open(id_file, "w") as f:
+        f.write(run.info.run_id)
+    items = [Param(k[:250], str(v)[:6000]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), _PARAM_BATCH):
+        client.log_batch(run.info.run_id, params=items[i:i + _PARAM_BATCH])
+    state["mlflow_send_seconds"] += time.perf_counter() - t0
+    return client
+
+
+def _flush(client, pending: list, state: dict) -> None:
+    if client is None or state["mlflow_run_id"] is None:
+        return
+    from mlflow.entities import Metric
+
+    t0 = time.perf_counter()
+    try:
+        for i in range(0, len(pending), _METRIC_BATCH):
+            client.log_batch(state["mlflow_run_id"],
+                             metrics=[Metric(k, v, ts, s) for k, v, ts, s in pending[i:i + _METRIC_BATCH]])
+        state["mlflow_metrics_sent"] += len(pending)
+    except Exception as e:  # noqa: BLE001 - keep training; report at close
+        state["error"] = f"{type(e).__name__}: {e}"
+    state["mlflow_send_seconds"] += time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _serve()
