@@ -80,12 +80,13 @@ class Runner:
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
             self.state = TrainState(self)
             self.ckpt = build(cfg.ckpt)
-            self.ckpt.bind(self.run_dir, self.strategy)
+            self.ckpt.bind(self)
             main = self.strategy.is_main
             self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
             if cfg.data.get("record_sample_ids"):
                 self._open_sample_log()
+            self.fault = build(cfg.fault)
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
 
     def _total_steps(self) -> int:
@@ -114,6 +115,11 @@ class Runner:
             self.fit()
             return self.finish()
         except BaseException:
+            try:
+                if getattr(self, "ckpt", None) is not None:
+                    self.ckpt.wait()  # let a save in flight become durable before going down
+            except Exception as e:  # noqa: BLE001 - the original error matters more
+                log.error("while failing, the checkpoint in flight also failed: %s", e)
             self._close(status="FAILED")
             raise
 
@@ -155,6 +161,7 @@ class Runner:
                 self.evaluate()
             last = self.step >= self.total_steps
             ledger.add("checkpoint", self.ckpt.maybe_save(self.state, self.step, last=last))  # 5. save
+            self.fault.after_step(self)
             for cb in self.callbacks:
                 cb.on_step_end(self)
         if bar is not None:
@@ -168,6 +175,7 @@ class Runner:
         loss.backward()
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.ledger.add("checkpoint", self.ckpt.before_optimizer_step())  # async staging must finish first
         self.optimizer.step()
         self.scheduler.step()
         return loss.item()
@@ -190,6 +198,11 @@ class Runner:
             }, self.step)
             self.metrics_file.flush()
             window.update(t=now, samples=0, fetch=0.0, compute=0.0, n=0)
+
+    def report(self, metrics: dict[str, float], step: int) -> None:
+        """Extra metrics from components (e.g. per-save checkpoint costs): tracker + metrics.jsonl."""
+        self.logger.log_metrics(metrics, step)
+        self.metrics_file.write({"step": step, **metrics})
 
     def _eval_due(self) -> bool:
         every = self.cfg.trainer.eval_every_steps

@@ -11,8 +11,11 @@ class NoCheckpoint:
     def __init__(self, **_: Any):
         pass
 
-    def bind(self, run_dir: str, strategy: Any) -> None:
+    def bind(self, runner: Any) -> None:
         pass
+
+    def before_optimizer_step(self) -> float:
+        return 0.0
 
     def restore(self, state: Any) -> int | None:
         """Load the newest complete checkpoint into ``state``; return its step, or None to start fresh."""

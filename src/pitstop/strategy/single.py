@@ -51,8 +51,38 @@ class Single:
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    # ---- checkpoint coordination (a dedicated gloo group when there are several ranks) -------------
+    def ckpt_group(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    def init_local_group(self, store_path: str) -> None:
+        """A one-rank gloo group (file store, no port) for savers that need one (process-based DCP)."""
+        import os
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        if os.path.exists(store_path):
+            os.remove(store_path)
+        os.makedirs(os.path.dirname(store_path), exist_ok=True)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+        self._owns_group = True
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
     def barrier(self) -> None:
         pass
 
     def teardown(self) -> None:
-        pass
+        if getattr(self, "_owns_group", False):
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -1,0 +1,70 @@
+"""The two on-disk formats: DCP directories (``.metadata`` + ``__R_N.distcp``) and one ``state.pt``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from pitstop.ckpt.base import DCP_MARKER, SAVE_MARKER, decode_json
+from pitstop.ckpt.storage import fsync_dir, open_write
+
+STATE_FILE = "state.pt"
+
+
+def read_checkpoint(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict, dict, dict | None]:
+    """Read any pitstop checkpoint into ``(model_sd, optim_sd, this rank's train state or None)``."""
+    if os.path.isfile(os.path.join(path, DCP_MARKER)):
+        return _read_dcp(path, runner, train_key, group)
+    if os.path.isfile(os.path.join(path, SAVE_MARKER)):
+        sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
+        train = decode_json(sd[train_key]) if train_key in sd else None
+        return sd["model"], sd["optim"], train
+    raise FileNotFoundError(f"{path} has no commit marker")
+
+
+def _read_dcp(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict, dict, dict | None]:
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
+    model_sd, optim_sd = get_state_dict(runner.model, runner.optimizer, options=StateDictOptions())
+    sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if train_key in meta:
+        sd[train_key] = torch.empty(meta[train_key].size, dtype=torch.uint8)
+    dcp.load(sd, storage_reader=reader, process_group=group)
+    return sd["model"], sd["optim"], decode_json(sd[train_key]) if train_key in sd else None
+
+
+def write_torch_save(app_state: dict, path: str, rank: int, world_size: int, group: Any, step: int,
+                     throttle_mbps: float | None) -> None:
+    """Rank 0 writes the full state as one file: temp name, fsync, rename, then the COMMITTED marker."""
+    train_keys = [k for k in app_state if k.startswith("train.rank")]
+    if world_size > 1:  # every rank's train state goes into the one file
+        gathered: list = [None] * world_size if rank == 0 else None
+        dist.gather_object({k: app_state[k] for k in train_keys}, gathered, dst=0, group=group)
+        if rank == 0:
+            for part in gathered:
+                app_state.update(part)
+    if rank != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    tmp, final = os.path.join(path, STATE_FILE + ".tmp"), os.path.join(path, STATE_FILE)
+    with open_write(tmp, throttle_mbps) as f:
+        torch.save(app_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fsync_dir(path)
+    marker_tmp = os.path.join(path, SAVE_MARKER + ".tmp")
+    with open(marker_tmp, "w") as f:
+        json.dump({"step": step, "format": "torch.save", "world_size": world_size}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker_tmp, os.path.join(path, SAVE_MARKER))
+    fsync_dir(path)

@@ -1,0 +1,104 @@
+"""Storage targets for checkpoints: local files with fsync, optionally bandwidth-limited.
+
+``throttle_mbps`` turns a local directory into a stand-in for a network volume: every write of a
+checkpoint file goes through :class:`ThrottledFile`, which sleeps so that the writer never exceeds the
+given rate (a token bucket over wall-clock time).  It is used by the benchmarks and by tests that need a
+save to take long enough to be killed mid-write.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+
+class ThrottledFile(io.RawIOBase):
+    """A writable file that passes bytes through at most ``mbps`` MB/s (1 MB = 1e6 bytes)."""
+
+    def __init__(self, raw: Any, mbps: float):
+        super().__init__()
+        self.raw, self.rate = raw, float(mbps) * 1e6
+        self.t0, self.sent = time.monotonic(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b).cast("B")
+        chunk = 1 << 20
+        for i in range(0, len(view), chunk):
+            part = view[i:i + chunk]
+            self.raw.write(part)
+            self.sent += len(part)
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        return len(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seekable(self) -> bool:
+        return self.raw.seekable()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+@contextmanager
+def open_write(path: str | os.PathLike, throttle_mbps: float | None):
+    with open(path, "wb") as raw:
+        yield ThrottledFile(raw, throttle_mbps) if throttle_mbps else raw
+
+
+class ThrottledFileSystem(FileSystem):
+    """DCP's local FileSystem, with writes limited to ``mbps`` (picklable for process-based savers)."""
+
+    def __init__(self, mbps: float):
+        super().__init__()
+        self.mbps = float(mbps)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if "w" not in mode and "a" not in mode:
+            with super().create_stream(path, mode) as s:
+                yield s
+            return
+        with Path(path).open(mode) as raw:
+            yield ThrottledFile(raw, self.mbps)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
