@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +71,16 @@ def read_jsonl(path) -> list[dict]:
 
 def step_losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
+
+
+def cli_cmd(args: list[str], data_root, tmp_path, module: str = "recipe.train") -> list[str]:
+    flags = [a for a in args if a.startswith("-")]
+    args = [a for a in args if not a.startswith("-")]
+    return [PY, "-m", module, *flags, f"paths.data_dir={data_root / 'data'}",
+            f"paths.output_dir={tmp_path / 'outputs'}", *args]
+
+
+def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240):
+    """Run an entry point in a subprocess (data from the shared digits shards, outputs under tmp_path)."""
+    return subprocess.run(cli_cmd(args, data_root, tmp_path, module), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)

@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-
 import pytest
 
-from conftest import PY, ROOT
-
-
-def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240):
-    flags = [a for a in args if a.startswith("-")]
-    args = [a for a in args if not a.startswith("-")]
-    cmd = [PY, "-m", module, *flags, f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp_path / 'outputs'}", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+from conftest import cli
 
 
 def test_train_cli_writes_run_dir(data_root, tmp_path):

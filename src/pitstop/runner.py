@@ -118,7 +118,7 @@ class Runner:
             try:
                 if getattr(self, "ckpt", None) is not None:
                     self.ckpt.wait()  # let a save in flight become durable before going down
-            except Exception as e:  # noqa: BLE001 - the original error matters more
+            except BaseException as e:  # noqa: BLE001 - the original error matters more
                 log.error("while failing, the checkpoint in flight also failed: %s", e)
             self._close(status="FAILED")
             raise

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pitstop.ckpt.base import CheckpointManager, SaveRecord
+from pitstop.ckpt.base import ERRORS, CheckpointManager, SaveRecord
 from pitstop.ckpt.sync_dcp import dcp_writer
 
 log = logging.getLogger("pitstop.ckpt")
@@ -88,7 +88,7 @@ class AsyncDCP(CheckpointManager):
         t0 = time.perf_counter()
         try:
             self.staging.result()
-        except Exception as e:  # noqa: BLE001 - the upload future carries the same failure
+        except ERRORS as e:  # the upload future carries the same failure
             log.debug("staging failed: %s", e)
         self.staging = None
         waited = time.perf_counter() - t0
@@ -105,7 +105,7 @@ class AsyncDCP(CheckpointManager):
         self.upload, self.inflight = None, None
         try:
             upload.result()
-        except Exception as e:  # noqa: BLE001 - handled per on_error
+        except ERRORS as e:  # handled per on_error
             self._failed(record, e)
         else:
             self._committed(record)

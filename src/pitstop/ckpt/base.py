@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.errors import ConfigError, PitstopError
 
@@ -40,6 +42,8 @@ log = logging.getLogger("pitstop.ckpt")
 DCP_MARKER = ".metadata"
 SAVE_MARKER = "COMMITTED"
 STEP_PREFIX = "step_"
+# DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
+ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointError(PitstopError):
@@ -68,6 +72,19 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
             path = os.path.join(root, name)
             out.append((int(name[len(STEP_PREFIX):]), path, is_complete(path)))
     return sorted(out)
+
+
+def one_line(error: BaseException) -> str:
+    """A one-line description of a save/load failure (DCP wraps per-rank tracebacks; keep the cause)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, exc in sorted(failures.items()):
+            inner = exc[0] if isinstance(exc, tuple) else exc
+            parts.append(f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:200]}")
+        return "; ".join(parts)
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
 
 def encode_json(obj: Any) -> torch.Tensor:
@@ -159,8 +176,8 @@ class CheckpointManager:
                 self._load(path, runner)
             except FingerprintMismatch:
                 raise
-            except Exception as e:  # noqa: BLE001 - corrupt/truncated: fall back to an older one
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            except ERRORS as e:  # corrupt/truncated: fall back to an older one
+                reason = one_line(e)
                 if explicit:
                     raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from e
                 older = candidates[i + 1] if i + 1 < len(candidates) else None
@@ -247,7 +264,7 @@ class CheckpointManager:
         self.strategy.barrier()
         try:
             self._write(self.app_state(), record)
-        except Exception as e:  # noqa: BLE001 - handled per on_error
+        except ERRORS as e:  # handled per on_error
             self._failed(record, e)
         block = time.perf_counter() - t0
         record.block_seconds += block
@@ -282,7 +299,7 @@ class CheckpointManager:
             self._done.append(record)
 
     def _failed(self, record: SaveRecord, error: BaseException) -> None:
-        record.error = f"{type(error).__name__}: {error}"
+        record.error = one_line(error)
         self.failures += 1
         log.error("checkpoint at step %d failed: %s (it is not committed; older checkpoints are intact)",
                   record.step, record.error)

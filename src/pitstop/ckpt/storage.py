@@ -42,7 +42,8 @@ class ThrottledFile(io.RawIOBase):
         return len(view)
 
     def flush(self) -> None:
-        self.raw.flush()
+        if not self.raw.closed:
+            self.raw.flush()
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -57,7 +58,8 @@ class ThrottledFile(io.RawIOBase):
         return self.raw.fileno()
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.raw.closed:
+            self.raw.flush()
             self.raw.close()
         super().close()
 

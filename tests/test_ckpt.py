@@ -1,0 +1,227 @@
+"""Checkpointing with real processes and real files: exact resume after SIGKILL for every backend,
+partial and corrupt checkpoints, retention, unwritable dirs, a full disk, changed configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, ROOT, cli, cli_cmd, read_jsonl
+
+BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
+# 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
+RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=64", "loader.num_workers=2",
+       "trainer.eval_every_steps=20"]
+
+
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def final_losses(run_dir) -> dict[int, float]:
+    """step -> loss, the last time each step was computed (steps redone after a crash overwrite)."""
+    out: dict[int, float] = {}
+    for r in read_jsonl(Path(run_dir) / "metrics.jsonl"):
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory):
+    """An uninterrupted run without checkpoints."""
+    tmp = tmp_path_factory.mktemp("ref")
+    p = cli([*RUN, f"run_dir={tmp / 'run'}", "ckpt=none"], data_root, tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return summary(tmp / "run")["params_sha256"], final_losses(tmp / "run")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=6", "fault=crash_at_step",
+            "fault.step=27"]
+    first = cli(args, data_root, tmp_path)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    assert not (run_dir / "summary.json").exists()
+    second = cli(args, data_root, tmp_path)  # the very same command
+    assert second.returncode == 0, second.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["resumed_from"] == 24 and s["final_step"] == 40
+    ref_sha, ref_losses = reference
+    assert s["params_sha256"] == ref_sha
+    assert final_losses(run_dir) == ref_losses  # every step, including those after the resume point
+    assert s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
+
+
+def wait_for(pred, timeout: float, proc) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def partial_write_in_progress(ckpt_dir: Path) -> bool:
+    """A step dir whose data file has some bytes but which has no commit marker yet."""
+    for d in sorted(ckpt_dir.glob("step_*")):
+        if (d / ".metadata").exists() or (d / "COMMITTED").exists():
+            continue
+        files = [f for f in d.iterdir() if f.is_file() and f.name.endswith((".distcp", ".tmp"))]
+        if any(f.stat().st_size > 100_000 for f in files):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("backend", ["sync_save", "sync_dcp", "async_dcp"])
+def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # ~0.85 MB of state at 0.5 MB/s: each save takes ~1.7 s, long enough to be killed in the middle.
+    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=10", "ckpt.throttle_mbps=0.5"]
+    proc = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir() and
+                        partial_write_in_progress(run_dir / "checkpoints"), 120, proc)
+        assert seen, f"never saw a write in progress; rc={proc.poll()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    partial = [d.name for d in (run_dir / "checkpoints").glob("step_*")
+               if not ((d / ".metadata").exists() or (d / "COMMITTED").exists())]
+    assert partial, "the kill should have left a partial checkpoint dir"
+    second = cli(args, data_root, tmp_path, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "skipping partial checkpoint" in (run_dir / "train.log").read_text()
+    s = summary(run_dir)
+    assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+
+
+def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_dcp", "ckpt.interval_steps=8", "ckpt.keep_last_k=0",
+            "fault=crash_at_step", "fault.step=35"]
+    assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
+    ckpts = run_dir / "checkpoints"
+    assert sorted(d.name for d in ckpts.iterdir()) == [f"step_{s:08d}" for s in (8, 16, 24, 32)]
+    # The newest complete one is corrupt (truncated data file) and a newer partial dir is lying around.
+    data = next((ckpts / "step_00000032").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    (ckpts / "step_00000036").mkdir()
+    (ckpts / "step_00000036" / "__0_0.distcp").write_bytes(b"half")
+    p = cli(args, data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "skipping partial checkpoint" in log and "step_00000036" in log
+    assert "failed to load" in log and "falling back to step_00000024" in log
+    s = summary(run_dir)
+    assert s["resumed_from"] == 24
+    assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+
+
+def test_retention_keeps_newest_k_complete(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=5", "ckpt.keep_last_k=2"],
+            data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_00000035", "step_00000040"]
+    saves = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "ckpt_block_seconds" in r]
+    assert [r["step"] for r in saves] == list(range(5, 45, 5))
+    assert all(r["ckpt_total_seconds"] >= 0 and r["ckpt_bytes"] > 100_000 for r in saves)
+
+
+def test_keep_last_one_is_rejected_for_async(data_root, tmp_path):
+    p = cli([*RUN, f"run_dir={tmp_path / 'r'}", "ckpt=async_dcp", "ckpt.keep_last_k=1"], data_root, tmp_path)
+    assert p.returncode == 2 and "keep_last_k=1 is unsafe" in p.stderr.strip().splitlines()[-1]
+
+
+def test_unwritable_ckpt_dir_fails_before_the_first_step(data_root, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a dir")
+    p = cli([*RUN, f"run_dir={tmp_path / 'r'}", "ckpt=sync_dcp", f"ckpt.dir={blocker}/ckpts"], data_root, tmp_path)
+    assert p.returncode == 2
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: ckpt.dir {blocker}/ckpts is not writable")
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_changed_seed_or_data_refuses_to_resume_unless_model_only(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    base = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10"]
+    assert cli(base, data_root, tmp_path).returncode == 0
+    p = cli([*base, "seed=99"], data_root, tmp_path)
+    assert p.returncode == 2
+    line = p.stderr.strip().splitlines()[-1]
+    assert "seed changed" in line and "step_00000040" in line and "load_model_only" in line
+    p = cli([*base, "seed=99", "ckpt.load_model_only=true", "ckpt.load=40", "ckpt.save_last=false",
+             "ckpt.interval_steps=1000"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "loaded model weights only" in (run_dir / "train.log").read_text()
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("on_error", ["warn", "raise"])
+def test_full_disk_mid_save_never_commits_and_keeps_older(on_error, data_root, tmp_path):
+    disk = tmp_path / "small_disk"
+    if not mount_tmpfs(disk, "2m"):  # a real full disk: a 2 MiB tmpfs holds two ~0.85 MB checkpoints
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_dir = tmp_path / "run"
+        p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=14", "ckpt=sync_dcp", f"ckpt.dir={disk}",
+                 "ckpt.interval_steps=4", "ckpt.keep_last_k=0", "ckpt.save_last=false", f"ckpt.on_error={on_error}"],
+                data_root, tmp_path)
+        names = sorted(d.name for d in disk.iterdir() if d.name.startswith("step_"))
+        assert names == ["step_00000004", "step_00000008"]  # the failed one was removed, not committed
+        assert all((disk / n / ".metadata").exists() for n in names)
+        assert "checkpoint at step 12 failed" in (run_dir / "train.log").read_text()
+        if on_error == "warn":
+            assert p.returncode == 0, p.stderr[-2000:]
+            assert summary(run_dir)["checkpoint"]["failures"] == 1
+            assert any(r.get("ckpt_failed") == 1.0 for r in read_jsonl(run_dir / "metrics.jsonl"))
+        else:
+            assert p.returncode == 2 and "checkpoint at step 12 failed" in p.stderr.strip().splitlines()[-1]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("backend", ["sync_save", "async_dcp"])
+def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli(["debug=tiny", "trainer.max_steps=2", f"run_dir={run_dir}", "experiment=digits_resnet18", f"ckpt={backend}"],
+            data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = tmp_path / "resnet18.pt"
+    e = subprocess.run([PY, "-m", "recipe.export", str(run_dir), str(out), "--dtype", "bfloat16"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert e.returncode == 0, e.stderr[-2000:]
+    check = ("import sys, torch, torchvision\n"
+             "m = torchvision.models.resnet18(num_classes=10)\n"
+             f"sd = torch.load({str(out)!r}, weights_only=True)\n"
+             "assert all(v.dtype == torch.bfloat16 for v in sd.values() if v.is_floating_point())\n"
+             "m.load_state_dict(sd, strict=True)\n"
+             "assert not any(k.startswith(('pitstop', 'recipe')) for k in sys.modules)\n"
+             "print('ok')\n")
+    r = subprocess.run([PY, "-I", "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_export_without_checkpoint_is_one_clear_line(tmp_path):
+    e = subprocess.run([PY, "-m", "recipe.export", str(tmp_path), str(tmp_path / "o.pt")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert e.returncode == 2 and e.stderr.strip().startswith("error: no complete checkpoint at or under")
