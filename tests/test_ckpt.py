@@ -60,6 +60,22 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
     assert s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
 
 
+@pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
+def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_path, reference):
+    """Killed right after the step-30 save was started (staging / background write under way): that
+    checkpoint never counts, and the same command resumes from step 24 to the same final parameters."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=6", "ckpt.throttle_mbps=0.5",
+            "fault=crash_at_step", "fault.step=30"]
+    assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
+    assert not (run_dir / "checkpoints" / "step_00000030" / ".metadata").exists()
+    second = cli(args, data_root, tmp_path, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["resumed_from"] == 24
+    assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+
+
 def wait_for(pred, timeout: float, proc) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

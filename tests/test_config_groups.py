@@ -22,8 +22,9 @@ def test_every_group_has_its_documented_options():
     assert options("model") == ["cnn", "resnet18"]
     assert options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(options("loader")) and {"single"} <= set(options("strategy"))
-    assert {"none"} <= set(options("ckpt")) and options("logger") == ["mlflow", "none"]
-    for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "logger", "trainer", "debug"):
+    assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
+    assert options("fault") == ["crash_at_step", "none"] and options("logger") == ["mlflow", "none"]
+    for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "fault", "logger", "trainer", "debug"):
         for name in options(group):  # small, commented YAML named for its variant
             assert Path(CONF, group, f"{name}.yaml").read_text().lstrip().startswith("#"), (group, name)
     assert Path(CONF, "train.yaml").read_text().startswith("# python -m recipe.train")
@@ -70,8 +71,21 @@ def test_strategy(make_cfg, opt):
 
 @pytest.mark.parametrize("opt", options("ckpt"))
 def test_ckpt(make_cfg, opt):
-    cfg = make_cfg(f"ckpt={opt}")
+    cfg = make_cfg(f"ckpt={opt}", *([] if opt == "none" else ["ckpt.interval_steps=5"]))
+    summary = train(cfg)
+    check_run(cfg, summary)
+    if opt != "none":
+        assert summary["checkpoint"]["saves"] == 3 and summary["checkpoint"]["failures"] == 0  # steps 5, 10, 12
+        assert sorted(os.listdir(cfg.ckpt.dir)) == ["step_00000005", "step_00000010", "step_00000012"]
+
+
+def test_fault_none_and_crash_config(make_cfg):
+    cfg = make_cfg("fault=crash_at_step", "fault.step=1000")  # never reached: trains normally
     check_run(cfg, train(cfg))
+    from pitstop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fault.step"):
+        train(make_cfg("fault=crash_at_step", "fault.step=-3"))
 
 
 def test_trainer_epochs(make_cfg):

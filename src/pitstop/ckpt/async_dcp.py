@@ -57,16 +57,18 @@ class AsyncDCP(CheckpointManager):
         if self.kind == AsyncCheckpointerType.PROCESS and not dist.is_initialized():
             self.strategy.init_local_group(os.path.join(runner.run_dir, ".pg-store"))
             self.group = self.strategy.ckpt_group()
-        if self.pinned:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            cuda = self.strategy.device.type == "cuda"
-            opts = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                                  use_non_blocking_copy=cuda)
-            self.stager = DefaultStager(opts)
-            log.info("async_dcp_pinned: %s checkpointer, staging %s", kind,
-                     "into pinned memory with non-blocking copies" if cuda else
-                     "into reusable shared memory (no accelerator: pinned memory unavailable)")
+        cuda = self.strategy.device.type == "cuda"
+        # One stager for the whole run: it keeps its host buffers (keyed by the source storages), so each
+        # save is a copy into memory allocated once, and host memory stays flat across saves.
+        opts = StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.pinned, use_async_staging=self.pinned,
+                              use_non_blocking_copy=cuda)
+        self.stager = DefaultStager(opts)
+        where = "pinned host memory, non-blocking copies" if cuda else (
+            "reusable shared memory (no accelerator: pinned memory unavailable)" if self.pinned else "reusable host memory")
+        log.info("%s: %s checkpointer, staging %s into %s", self.name, kind,
+                 "in the background (waited for before optimizer.step)" if self.pinned else "in the loop", where)
 
     def _write(self, app_state: dict, record: SaveRecord) -> None:
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps),
