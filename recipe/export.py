@@ -44,7 +44,9 @@ def model_state(ckpt: str) -> dict[str, torch.Tensor]:
     model = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     state = {"model": model}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    from pitstop.ckpt.formats import SafeLoadPlanner
+
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]
 
 

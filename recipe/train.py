@@ -3,6 +3,7 @@
     python -m recipe.train                                    # digits, small CNN, MLflow in outputs/
     python -m recipe.train model=resnet18 optim=adamw trainer.epochs=3
     python -m recipe.train -m optim=sgd,adamw                 # a sweep, one run dir per job
+    python -m recipe.train strategy=ddp strategy.nproc_per_node=2   # one command starts every rank
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from pitstop.errors import PitstopError
-from pitstop.runner import Runner
+from pitstop import launch
 
 log = logging.getLogger("recipe.train")
 
@@ -25,7 +26,7 @@ def train(cfg: DictConfig) -> dict:
     run_dir = HydraConfig.get().runtime.output_dir
     with open_dict(cfg):
         cfg.run_dir = run_dir  # single runs and sweep jobs alike: this job's own dir
-    return Runner(cfg, run_dir).run()
+    return launch.run(cfg, run_dir)  # in this process, or one process per rank
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

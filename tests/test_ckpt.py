@@ -45,7 +45,8 @@ def reference(data_root, tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=6", "fault=crash_at_step",
+    # saves at 5, 10, ...: killed at 27, it resumes from 25, mid-epoch (the data loader restarts its workers)
+    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=5", "fault=crash_at_step",
             "fault.step=27"]
     first = cli(args, data_root, tmp_path)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
@@ -53,7 +54,7 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
     second = cli(args, data_root, tmp_path)  # the very same command
     assert second.returncode == 0, second.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 24 and s["final_step"] == 40
+    assert s["resumed_from"] == 25 and s["final_step"] == 40
     ref_sha, ref_losses = reference
     assert s["params_sha256"] == ref_sha
     assert final_losses(run_dir) == ref_losses  # every step, including those after the resume point
@@ -63,16 +64,16 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
 @pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
 def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_path, reference):
     """Killed right after the step-30 save was started (staging / background write under way): that
-    checkpoint never counts, and the same command resumes from step 24 to the same final parameters."""
+    checkpoint never counts, and the same command resumes from step 25 to the same final parameters."""
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=6", "ckpt.throttle_mbps=0.5",
+    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=5", "ckpt.throttle_mbps=0.5",
             "fault=crash_at_step", "fault.step=30"]
     assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
     assert not (run_dir / "checkpoints" / "step_00000030" / ".metadata").exists()
     second = cli(args, data_root, tmp_path, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 24
+    assert s["resumed_from"] == 25
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
 
 

@@ -21,7 +21,7 @@ def test_every_group_has_its_documented_options():
     assert options("data") == ["digits", "imagefolder", "synthetic"]
     assert options("model") == ["cnn", "resnet18"]
     assert options("optim") == ["adamw", "sgd"]
-    assert {"plain"} <= set(options("loader")) and {"single"} <= set(options("strategy"))
+    assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
     assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
     assert options("fault") == ["crash_at_step", "none"] and options("logger") == ["mlflow", "none"]
     for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "fault", "logger", "trainer", "debug"):
@@ -65,7 +65,8 @@ def test_loader(make_cfg, opt):
 
 @pytest.mark.parametrize("opt", options("strategy"))
 def test_strategy(make_cfg, opt):
-    cfg = make_cfg(f"strategy={opt}")
+    # In-process (a world of one; multi-rank runs are in test_strategy.py).
+    cfg = make_cfg(f"strategy={opt}", *([] if opt == "single" else ["strategy.nproc_per_node=1"]))
     check_run(cfg, train(cfg))
 
 

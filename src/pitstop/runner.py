@@ -161,6 +161,8 @@ class Runner:
                 self.evaluate()
             last = self.step >= self.total_steps
             ledger.add("checkpoint", self.ckpt.maybe_save(self.state, self.step, last=last))  # 5. save
+            if getattr(self.ckpt, "saved_step", None) == self.step:
+                self._flush_logs()  # what a resume would not redo is on disk
             self.fault.after_step(self)
             for cb in self.callbacks:
                 cb.on_step_end(self)
@@ -203,6 +205,11 @@ class Runner:
         """Extra metrics from components (e.g. per-save checkpoint costs): tracker + metrics.jsonl."""
         self.logger.log_metrics(metrics, step)
         self.metrics_file.write({"step": step, **metrics})
+
+    def _flush_logs(self) -> None:
+        self.metrics_file.flush()
+        if getattr(self, "_sample_file", None) is not None:
+            self._sample_file.flush()
 
     def _eval_due(self) -> bool:
         every = self.cfg.trainer.eval_every_steps

@@ -137,6 +137,7 @@ class CheckpointManager:
         self._done: list[SaveRecord] = []  # finished in the background, not yet reported
         self._lock = threading.Lock()
         self._purger: ThreadPoolExecutor | None = None
+        self.saved_step: int | None = None  # the step of the latest save started
 
     # ---- wiring -------------------------------------------------------------------------------------
     def bind(self, runner: Any) -> None:
@@ -167,25 +168,36 @@ class CheckpointManager:
         spec = self.load_spec
         if spec in (None, "none", False):
             return None
-        candidates = self._candidates(spec) if self.rank == 0 else None
-        candidates = self.strategy.broadcast_object(candidates)
+        choice: Any = None
+        if self.rank == 0:  # rank 0 decides (and reports a bad spec) for everyone
+            try:
+                choice = self._candidates(spec)
+            except CheckpointError as e:
+                choice = str(e)
+        choice = self.strategy.broadcast_object(choice)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        candidates = choice
         explicit = spec != "auto"
         for i, path in enumerate(candidates):
             t0 = time.perf_counter()
+            error: BaseException | None = None
             try:
                 self._load(path, runner)
             except FingerprintMismatch:
                 raise
             except ERRORS as e:  # corrupt/truncated: fall back to an older one
-                reason = one_line(e)
+                error = e
+            if self.strategy.any(error is not None):  # every rank takes the same checkpoint, or none
+                reason = one_line(error) if error is not None else "failed to load on another rank"
                 if explicit:
-                    raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from e
+                    raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from error
                 older = candidates[i + 1] if i + 1 < len(candidates) else None
                 log.warning("checkpoint %s failed to load (%s); %s", path, reason,
                             f"falling back to {os.path.basename(older)}" if older else "no older complete checkpoint")
                 if older is None:
                     raise CheckpointError(f"no loadable checkpoint in {self.root} (newest failed: {reason}); "
-                                          f"fix or move the directory, or set ckpt.load=none to start over") from e
+                                          f"fix or move the directory, or set ckpt.load=none to start over") from error
                 continue
             step = runner.step
             log.info("restored %s (step %d) in %.2f s", path, step, time.perf_counter() - t0)
@@ -258,6 +270,7 @@ class CheckpointManager:
             return 0.0
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
+        self.saved_step = step
         record = SaveRecord(step=step, path=step_dir(self.root, step))
         if self.rank == 0 and os.path.exists(record.path):
             shutil.rmtree(record.path)  # a partial leftover of the same step (e.g. after a crash)
@@ -273,6 +286,7 @@ class CheckpointManager:
 
     def app_state(self) -> dict:
         r = self.runner
+        self.strategy.sync_buffers(r.model)
         opts = StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
         model_sd, optim_sd = get_state_dict(r.model, r.optimizer, options=opts)
         return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(r.state.state_dict())}

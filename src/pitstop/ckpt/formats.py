@@ -10,12 +10,27 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pitstop.ckpt.base import DCP_MARKER, SAVE_MARKER, decode_json
 from pitstop.ckpt.storage import fsync_dir, open_write
 
 STATE_FILE = "state.pt"
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values (e.g. optimizer hyper-parameters) are read with
+    ``torch.load(..., weights_only=True)``: a checkpoint can never run code when it is loaded."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def read_checkpoint(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict, dict, dict | None]:
@@ -37,7 +52,7 @@ def _read_dcp(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict,
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if train_key in meta:
         sd[train_key] = torch.empty(meta[train_key].size, dtype=torch.uint8)
-    dcp.load(sd, storage_reader=reader, process_group=group)
+    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     return sd["model"], sd["optim"], decode_json(sd[train_key]) if train_key in sd else None
 
 

@@ -121,7 +121,7 @@ class ShardLoader:
         self.counts = [s.samples for s in shards]
         self.partitions = int(partitions or len(shards))
         total_streams = self.streams * world_size
-        if total_streams > self.partitions:
+        if train and total_streams > self.partitions:  # (evaluation tolerates idle readers)
             raise ConfigError(
                 f"{split} split has {self.partitions} partitions but {world_size} rank(s) x {self.streams} "
                 f"worker(s) = {total_streams} readers; lower loader.num_workers or write more shards")
@@ -177,8 +177,11 @@ class ShardLoader:
                               starts=dict(self.positions), rotation=rotation)
         if self.num_workers == 0:
             return iter(reader)
+        # A generator of its own: starting workers must not draw from the global torch RNG (which the
+        # checkpoint restores), or a resumed run would see different dropout masks than an uninterrupted one.
+        generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
         return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                               prefetch_factor=self.prefetch_factor, timeout=self.timeout,
+                               prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
                                multiprocessing_context=_mp_context()))
 
     def __iter__(self) -> Iterator[Any]:

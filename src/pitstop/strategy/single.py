@@ -45,6 +45,9 @@ class Single:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        pass
+
     def to_device(self, batch: Any) -> Any:
         return move(batch, self.device, non_blocking=self.pin_memory)
 

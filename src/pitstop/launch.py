@@ -1,0 +1,126 @@
+"""One command starts every rank: compose once, resolve one run dir, then launch through torch's elastic agent.
+
+    python -m recipe.train strategy=ddp strategy.nproc_per_node=2
+
+The parent (the Hydra job) validates the config, resolves it to YAML and calls ``elastic_launch``; each
+rank rebuilds the same config from that YAML and runs the :class:`~pitstop.runner.Runner` in the shared
+run dir. Only rank 0 logs to ``train.log``, the console, the tracker and the progress bar; rank R logs to
+``rank{R}.log``. With ``strategy.max_restarts=N`` the agent restarts all ranks when one dies, and they
+auto-resume from the newest complete checkpoint. Under ``torchrun``/SLURM (``RANK`` already set) nothing
+is spawned: this process is one of the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.config import validate
+from pitstop.errors import ConfigError, PitstopError
+
+log = logging.getLogger("pitstop.launch")
+
+
+def nproc(cfg: DictConfig) -> int:
+    n = OmegaConf.select(cfg, "strategy.nproc_per_node", default=1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"strategy.nproc_per_node must be a positive integer, got {n!r}")
+    return n
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict:
+    n = nproc(cfg)
+    if n == 1 or "RANK" in os.environ:
+        from pitstop.runner import Runner
+
+        return Runner(cfg, run_dir).run()
+    validate(cfg)
+    _check_capacity(cfg, n)
+    port = _port(cfg)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"pitstop-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": 120},
+        max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
+        monitor_interval=0.2, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
+    )
+    log.info("launching %d ranks (rendezvous 127.0.0.1:%d, max_restarts=%d)", n, port, config.max_restarts)
+    try:
+        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise PitstopError(f"rank {rank} failed ({_first_line(failure)}); see {run_dir}/train.log and rank*.log") from None
+    return results[0]
+
+
+def worker(cfg_yaml: str, run_dir: str) -> dict:
+    """The entry point of each rank (a fresh, spawned interpreter)."""
+    import torch
+
+    from pitstop.runner import Runner
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _log_to(run_dir, rank)
+    if not torch.cuda.is_available():  # share the CPU cores between the ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    cfg = OmegaConf.create(cfg_yaml)
+    try:
+        return Runner(cfg, run_dir).run()
+    except PitstopError as e:
+        logging.getLogger("pitstop").error("%s", e)
+        raise
+
+
+def _log_to(run_dir: str, rank: int) -> None:
+    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] - %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    handler = logging.FileHandler(os.path.join(run_dir, "train.log" if rank == 0 else f"rank{rank}.log"))
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+    if rank == 0:
+        console = logging.StreamHandler()
+        console.setFormatter(fmt)
+        root.addHandler(console)
+
+
+def _check_capacity(cfg: DictConfig, n: int) -> None:
+    import torch
+
+    if torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu":
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores"
+    if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
+        raise ConfigError(f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
+                          f"lower it or set strategy.oversubscribe=true")
+
+
+def _port(cfg: DictConfig) -> int:
+    want = OmegaConf.select(cfg, "strategy.master_port", default=None)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", int(want or 0)))
+        except OSError as e:
+            raise ConfigError(f"strategy.master_port={want} is not free ({e.strerror}); pick another or leave it null") from None
+        return s.getsockname()[1]
+
+
+def _first_line(failure: Any) -> str:
+    msg = getattr(failure, "message", None) or ""
+    if isinstance(msg, dict):
+        msg = msg.get("message", "") or str(msg)
+    lines = [ln for ln in str(msg).splitlines() if ln.strip()]
+    code = getattr(failure, "exitcode", None)
+    return (lines[-1][:300] if lines else "no message") + (f", exit code {code}" if code is not None else "")

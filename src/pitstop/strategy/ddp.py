@@ -1,0 +1,109 @@
+"""``strategy=ddp``: DistributedDataParallel — one process per device (or per CPU share), gloo/nccl.
+
+Checkpoint collectives (broadcast of the resume choice, save barriers, DCP) run on a dedicated gloo
+group, never on the training group, so a save cannot deadlock against gradient all-reduces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pitstop.strategy.single import Single
+
+log = logging.getLogger("pitstop.strategy")
+
+
+class DDP(Single):
+    name = "ddp"
+
+    def __init__(self, nproc_per_node: int = 2, backend: str = "auto", timeout: float = 300, device: str = "auto",
+                 **_: Any):
+        super().__init__(device=device)
+        self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
+        self._ckpt_group = None
+
+    def setup(self) -> None:
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        super().setup()
+        cuda = self.device.type == "cuda"
+        backend = self.backend if self.backend != "auto" else ("cpu:gloo,cuda:nccl" if cuda else "gloo")
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout), store=self._store(),
+                                    rank=self.rank, world_size=self.world_size)
+            self._owns_group = True
+        self._ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        log.info("rank %d/%d on %s, backend %s", self.rank, self.world_size, self.device, backend)
+
+    def _store(self) -> Any:
+        """The rendezvous store, namespaced per elastic restart attempt.
+
+        After an in-job restart the agent's store still holds the previous attempt's keys (e.g. the old
+        rank 0's gloo address), so each attempt gets its own prefix.
+        """
+        if "MASTER_ADDR" not in os.environ:  # one process without a launcher: a world of one
+            return dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=self.timeout))
+        use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
+                              is_master=(not use_agent and self.rank == 0), timeout=timedelta(seconds=self.timeout))
+        return dist.PrefixStore(f"pitstop/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Give every rank rank 0's buffers (e.g. BatchNorm statistics) before they are saved.
+
+        DDP broadcasts rank 0's buffers at the start of every forward anyway, so this changes nothing
+        in training; it makes the saved copy (DCP writes one copy of replicated tensors, from any rank)
+        the one rank 0 would have used, which exact resume needs.
+        """
+        with torch.no_grad():
+            for b in model.buffers():
+                dist.broadcast(b, src=0)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def ckpt_group(self) -> Any:
+        return self._ckpt_group
+
+    def init_local_group(self, store_path: str) -> None:
+        pass  # already in a process group
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._ckpt_group)
+        return box[0]
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([int(bool(flag))])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ckpt_group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._ckpt_group)
+
+    def teardown(self) -> None:
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
