@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -41,5 +40,3 @@ def median(xs):
 def fmt_row(cols, widths):
     return "  ".join(str(c).ljust(w) for c, w in zip(cols, widths))
 
-
-os.environ.setdefault("PYTHONHASHSEED", "0")

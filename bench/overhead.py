@@ -64,6 +64,7 @@ def hand_run(steps: int) -> dict:
     from torch.utils.data import DataLoader
 
     from pitstop.schedule import warmup_cosine
+    from pitstop.seed import derive_seed
     from recipe.vision import ImageShards, SmallCNN
 
     cfg = compose(BASE)
@@ -72,7 +73,7 @@ def hand_run(steps: int) -> dict:
     urls = [ds.index.resolve(s) for s in ds.index.shards("train")]
 
     def decode(sample):
-        return ds.decode(sample, train=True, seed=hash(sample["__key__"]) & 0xFFFF)
+        return ds.decode(sample, train=True, seed=derive_seed(cfg.seed, sample["__key__"]))
 
     def batches():
         for epoch in itertools.count():

@@ -46,7 +46,7 @@ def main() -> None:
     for name, extra in [("single", ["strategy=single", f"trainer.batch_size={gb}"]),
                         ("ddp(2)", ["strategy=ddp", f"trainer.batch_size={gb // 2}"]),
                         ("fsdp(2)", ["strategy=fsdp", f"trainer.batch_size={gb // 2}"])]:
-        s = run([*common, *extra, "ckpt=none"], f"{tmp}/{name}")
+        s = run([*common, *extra, "ckpt=none"], f"{tmp}/{name.replace('(', '').replace(')', '')}")
         w = s["wall_clock"]
         busy = w["compute"] + w["data_wait"]
         sps = s["samples_seen"] / busy
