@@ -23,7 +23,7 @@ def test_every_group_has_its_documented_options():
     assert options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
     assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
-    assert options("fault") == ["crash_at_step", "none"] and options("logger") == ["mlflow", "none"]
+    assert options("fault") == ["crash_at_step", "none", "stall"] and options("logger") == ["mlflow", "none"]
     for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "fault", "logger", "trainer", "debug"):
         for name in options(group):  # small, commented YAML named for its variant
             assert Path(CONF, group, f"{name}.yaml").read_text().lstrip().startswith("#"), (group, name)

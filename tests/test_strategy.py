@@ -91,3 +91,15 @@ def test_busy_port_is_named(data_root, tmp_path):
         port = s.getsockname()[1]
         p = cli([*RUN, "strategy=ddp", f"strategy.master_port={port}"], data_root, tmp_path)
     assert p.returncode == 2 and f"strategy.master_port={port} is not free" in p.stderr.strip().splitlines()[-1]
+
+
+def test_stalled_peer_fails_the_job_after_the_timeout_instead_of_hanging(data_root, tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    p = cli([*RUN, "strategy=ddp", "strategy.timeout=8", "fault=stall", "fault.step=3", f"run_dir={tmp_path / 'r'}"],
+            data_root, tmp_path, timeout=180)
+    assert p.returncode == 2, p.stderr[-2000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank ") and "strategy.timeout=8" in line
+    assert time.monotonic() - t0 < 120  # bounded by the timeout, not by the 3600 s stall

@@ -42,17 +42,39 @@ class CrashAtStep(NoFault):
         self.step, self.rank = step, rank
 
     def after_step(self, runner: Any) -> None:
-        if runner.step != self.step or runner.strategy.rank != self.rank:
-            return
-        ledger = os.path.join(runner.run_dir, "faults.jsonl")
-        key = f"{self.name}@{self.step}"
-        if os.path.isfile(ledger):
-            with open(ledger) as f:
-                if any(json.loads(line).get("key") == key for line in f if line.strip()):
-                    return
-        with open(ledger, "a") as f:
-            f.write(json.dumps({"key": key, "time": time.time(), "pid": os.getpid()}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if runner.step == self.step and runner.strategy.rank == self.rank and _first_time(runner.run_dir, self):
+            self.fire()
+
+    def fire(self) -> None:
         log.warning("fault injection: SIGKILL at step %d", self.step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StallAtStep(CrashAtStep):
+    """Rank ``rank`` stops responding at the end of step ``step`` (sleeps ``seconds``), so its peers hit the
+    collective timeout (``strategy.timeout``) and the job fails with a clear message instead of hanging."""
+
+    name = "stall"
+
+    def __init__(self, step: int, rank: int = 0, seconds: float = 3600, **kw: Any):
+        super().__init__(step=step, rank=rank, **kw)
+        self.seconds = float(seconds)
+
+    def fire(self) -> None:
+        log.warning("fault injection: rank %d stalls for %.0f s at step %d", self.rank, self.seconds, self.step)
+        time.sleep(self.seconds)
+
+
+def _first_time(run_dir: str, fault: CrashAtStep) -> bool:
+    """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
+    ledger = os.path.join(run_dir, "faults.jsonl")
+    key = f"{fault.name}@{fault.step}"
+    if os.path.isfile(ledger):
+        with open(ledger) as f:
+            if any(json.loads(line).get("key") == key for line in f if line.strip()):
+                return False
+    with open(ledger, "a") as f:
+        f.write(json.dumps({"key": key, "time": time.time(), "pid": os.getpid()}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return True

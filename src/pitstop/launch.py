@@ -58,7 +58,10 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise PitstopError(f"rank {rank} failed ({_first_line(failure)}); see {run_dir}/train.log and rank*.log") from None
+        why = _first_line(failure)
+        if "timeout" in why.lower() or "timed out" in why.lower():
+            why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
+        raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
     return results[0]
 
 
