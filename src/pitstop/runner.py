@@ -42,10 +42,11 @@ class TrainState:
         return {"step": r.step, "samples_seen": r.samples_seen, "loader": r.loader.state_dict(),
                 "scheduler": r.scheduler.state_dict(), "rng": rng_state(), "fingerprint": r.fingerprint()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
+        """``peers``: every saved rank's state (needed when the number of ranks changed)."""
         r = self.runner
         r.step, r.samples_seen = int(state["step"]), int(state["samples_seen"])
-        r.loader.load_state_dict(state["loader"])
+        r.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
         r.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
@@ -79,6 +80,9 @@ class Runner:
             self.total_steps = self._total_steps()
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
             self.state = TrainState(self)
+            # Buffers (BatchNorm running stats) change in forward, so an async save's staging must finish
+            # before the next forward; without buffers it may overlap forward/backward until optimizer.step().
+            self.forward_mutates_state = any(True for _ in self.model.buffers())
             self.ckpt = build(cfg.ckpt)
             self.ckpt.bind(self)
             main = self.strategy.is_main
@@ -171,13 +175,15 @@ class Runner:
 
     def train_step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.forward_mutates_state:  # e.g. BatchNorm statistics: background staging must be done first
+            self.ledger.add("checkpoint", self.ckpt.wait_staging())
         loss = self.task.loss(self.model, batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
         loss.backward()
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        self.ledger.add("checkpoint", self.ckpt.before_optimizer_step())  # async staging must finish first
+        self.ledger.add("checkpoint", self.ckpt.wait_staging())  # staging must finish before params change
         self.optimizer.step()
         self.scheduler.step()
         return loss.item()

@@ -68,7 +68,7 @@ class AsyncDCP(CheckpointManager):
         where = "pinned host memory, non-blocking copies" if cuda else (
             "reusable shared memory (no accelerator: pinned memory unavailable)" if self.pinned else "reusable host memory")
         log.info("%s: %s checkpointer, staging %s into %s", self.name, kind,
-                 "in the background (waited for before optimizer.step)" if self.pinned else "in the loop", where)
+                 "in the background" if self.pinned else "in the loop", where)
 
     def _write(self, app_state: dict, record: SaveRecord) -> None:
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps),
@@ -84,7 +84,7 @@ class AsyncDCP(CheckpointManager):
         if self.upload is not None and self.upload.done():
             self.wait()
 
-    def before_optimizer_step(self) -> float:
+    def wait_staging(self) -> float:
         if self.staging is None:
             return 0.0
         t0 = time.perf_counter()
@@ -102,7 +102,7 @@ class AsyncDCP(CheckpointManager):
         if self.upload is None:
             return 0.0
         t0 = time.perf_counter()
-        self.before_optimizer_step()
+        self.wait_staging()
         record, upload = self.inflight, self.upload
         self.upload, self.inflight = None, None
         try:

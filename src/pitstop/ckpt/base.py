@@ -225,8 +225,9 @@ class CheckpointManager:
 
     def _load(self, path: str, runner: Any) -> None:
         model, optim = runner.model, runner.optimizer
-        train_key = f"train.rank{self.rank}"
-        model_sd, optim_sd, train = self._read(path, runner, train_key)
+        model_sd, optim_sd, trains = self._read(path, runner)
+        # This rank's own state; a rank that did not exist when it was saved starts from rank 0's.
+        train = trains.get(f"train.rank{self.rank}", trains.get("train.rank0"))
         saved_fp = train["fingerprint"] if train is not None else None
         if saved_fp is not None and not self.load_model_only:
             self._check_fingerprint(path, saved_fp, runner.fingerprint())
@@ -236,9 +237,12 @@ class CheckpointManager:
             log.info("loaded model weights only from %s (ckpt.load_model_only=true)", path)
             return
         if train is None:
-            raise CheckpointError(f"{path} has no state for rank {self.rank} (written by fewer ranks)")
+            raise CheckpointError(f"{path} has no training state (step, data position, RNG)")
         set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full)
-        runner.state.load_state_dict(train)
+        peers = [trains[k] for k in sorted(trains, key=lambda k: int(k[len("train.rank"):]))]
+        if len(peers) != self.world_size:
+            log.info("resharding: checkpoint written by %d rank(s), resuming on %d", len(peers), self.world_size)
+        runner.state.load_state_dict(train, peers=peers)
 
     @staticmethod
     def _check_fingerprint(path: str, saved: dict, now: dict) -> None:
@@ -291,8 +295,9 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(r.model, r.optimizer, options=opts)
         return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(r.state.state_dict())}
 
-    def before_optimizer_step(self) -> float:
-        """Called before the optimizer changes the parameters; async stagers finish here."""
+    def wait_staging(self) -> float:
+        """Called before the model state changes (the next forward if it updates buffers, else before
+        ``optimizer.step()``); a background stager finishes here. Returns the seconds waited."""
         return 0.0
 
     def wait(self) -> float:
@@ -374,10 +379,10 @@ class CheckpointManager:
     def _write(self, app_state: dict, record: SaveRecord) -> None:
         raise NotImplementedError
 
-    def _read(self, path: str, runner: Any, train_key: str) -> tuple[dict, dict, dict | None]:
+    def _read(self, path: str, runner: Any) -> tuple[dict, dict, dict[str, dict]]:
         from pitstop.ckpt.formats import read_checkpoint
 
-        return read_checkpoint(path, runner, train_key, self.group)
+        return read_checkpoint(path, runner, self.group)
 
     def _read_full(self, path: str) -> bool:
         return os.path.isfile(os.path.join(path, SAVE_MARKER))

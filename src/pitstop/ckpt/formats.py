@@ -17,6 +17,7 @@ from pitstop.ckpt.base import DCP_MARKER, SAVE_MARKER, decode_json
 from pitstop.ckpt.storage import fsync_dir, open_write
 
 STATE_FILE = "state.pt"
+TRAIN_PREFIX = "train.rank"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -33,27 +34,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_checkpoint(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict, dict, dict | None]:
-    """Read any pitstop checkpoint into ``(model_sd, optim_sd, this rank's train state or None)``."""
+def read_checkpoint(path: str, runner: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
+    """Read any pitstop checkpoint into ``(model_sd, optim_sd, {"train.rankR": train state} of every saved rank)``."""
     if os.path.isfile(os.path.join(path, DCP_MARKER)):
-        return _read_dcp(path, runner, train_key, group)
+        return _read_dcp(path, runner, group)
     if os.path.isfile(os.path.join(path, SAVE_MARKER)):
         sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
-        train = decode_json(sd[train_key]) if train_key in sd else None
-        return sd["model"], sd["optim"], train
+        return sd["model"], sd["optim"], {k: decode_json(v) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
-def _read_dcp(path: str, runner: Any, train_key: str, group: Any) -> tuple[dict, dict, dict | None]:
+def _read_dcp(path: str, runner: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
     reader = FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
     model_sd, optim_sd = get_state_dict(runner.model, runner.optimizer, options=StateDictOptions())
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    if train_key in meta:
-        sd[train_key] = torch.empty(meta[train_key].size, dtype=torch.uint8)
+    trains = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
+    sd.update({k: torch.empty(meta[k].size, dtype=torch.uint8) for k in trains})
     dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    return sd["model"], sd["optim"], decode_json(sd[train_key]) if train_key in sd else None
+    return sd["model"], sd["optim"], {k: decode_json(sd[k]) for k in trains}
 
 
 def write_torch_save(app_state: dict, path: str, rank: int, world_size: int, group: Any, step: int,

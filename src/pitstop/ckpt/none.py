@@ -14,7 +14,7 @@ class NoCheckpoint:
     def bind(self, runner: Any) -> None:
         pass
 
-    def before_optimizer_step(self) -> float:
+    def wait_staging(self) -> float:
         return 0.0
 
     def restore(self, state: Any) -> int | None:

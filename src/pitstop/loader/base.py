@@ -33,11 +33,12 @@ class StreamReader(IterableDataset):
     """Worker side: reads the streams of one rank from given positions and yields batches."""
 
     def __init__(self, *, urls, counts, dataset, open_shard, train, seed, epoch, batch_size, drop_last,
-                 shuffle, partitions, streams, rank, world_size, starts, rotation):
+                 shuffle, partitions, streams, rank, world_size, starts, rotation, base):
         self.urls, self.counts, self.dataset, self.open_shard = urls, counts, dataset, open_shard
         self.train, self.seed, self.epoch, self.batch_size = train, seed, epoch, batch_size
         self.drop_last, self.shuffle, self.partitions, self.streams = drop_last, shuffle, partitions, streams
         self.rank, self.world_size, self.starts, self.rotation = rank, world_size, starts, rotation
+        self.base = base
 
     def __iter__(self):
         info = get_worker_info()
@@ -49,15 +50,17 @@ class StreamReader(IterableDataset):
 
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size
-        shards = plan.stream_shards(len(self.urls), self.partitions, g, total_streams, self.seed, self.epoch, self.shuffle)
+        plan_items = plan.stream_items(len(self.urls), self.counts, self.partitions, g, total_streams, self.seed,
+                                       self.epoch, self.shuffle, self.base)
         pos = self.starts.get(g, 0)
         skip = pos
         items, keys, skipped, bytes_read = [], [], 0, 0
-        for shard in shards:
+        for _, shard, first in plan_items:
             n = self.counts[shard]
-            if skip >= n:  # wholly consumed before the restart: not even opened
-                skip -= n
+            if skip >= n - first:  # wholly consumed before the restart: not even opened
+                skip -= n - first
                 continue
+            skip += first
             url = self.urls[shard]
             try:
                 raw = self.open_shard(url)
@@ -126,14 +129,18 @@ class ShardLoader:
                 f"{split} split has {self.partitions} partitions but {world_size} rank(s) x {self.streams} "
                 f"worker(s) = {total_streams} readers; lower loader.num_workers or write more shards")
         self.epoch, self.batches, self.positions = 0, 0, {}
+        self.base: dict[int, int] = {}  # samples per partition consumed before this segment (elastic resume)
         self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_read": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
 
     # ---- the plan (pure) -------------------------------------------------------------------------
+    def _items(self, epoch: int, g: int) -> list[tuple[int, int, int]]:
+        return plan.stream_items(len(self.urls), self.counts, self.partitions, g, self.streams * self.world_size,
+                                 self.seed, epoch, self.shuffle, self.base if epoch == self.epoch else {})
+
     def _stream_batches(self, epoch: int, g: int) -> int:
-        shards = plan.stream_shards(len(self.urls), self.partitions, g, self.streams * self.world_size,
-                                    self.seed, epoch, self.shuffle)
-        return plan.num_batches(sum(self.counts[s] for s in shards), self.batch_size, self.drop_last)
+        remaining = sum(self.counts[shard] - first for _, shard, first in self._items(epoch, g))
+        return plan.num_batches(remaining, self.batch_size, self.drop_last)
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """Batches each rank hands out per epoch: the same on every rank (the smallest rank's count)."""
@@ -149,16 +156,42 @@ class ShardLoader:
                 "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self.batches,
-                "positions": {str(k): v for k, v in self.positions.items()}, "layout": self.layout()}
+        ended = self.batches >= self.steps_per_epoch()
+        offsets: dict[int, int] = {}
+        if not ended:  # consumed samples per partition of this rank's streams (for a resume on other ranks)
+            for s in range(self.streams):
+                g = self.rank * self.streams + s
+                offsets.update(plan.partition_offsets(self._items(self.epoch, g), self.counts,
+                                                      self.positions.get(g, 0), self.base))
+        return {"epoch": self.epoch, "batches": self.batches, "ended": ended,
+                "positions": {str(k): v for k, v in self.positions.items()},
+                "base": {str(k): v for k, v in self.base.items()},
+                "offsets": {str(k): v for k, v in offsets.items()}, "layout": self.layout()}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["layout"] != self.layout():
-            changed = {k: (state["layout"].get(k), v) for k, v in self.layout().items() if state["layout"].get(k) != v}
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
+        """Restore the position. Same layout: continue bitwise. Another number of ranks or workers (same
+        partitions, batch size, seed): ``peers`` (every saved rank's state) give the consumed samples of each
+        partition, and the remaining ones are spread over the new readers — nothing repeated, nothing lost."""
+        saved = state["layout"]
+        if saved == self.layout():
+            self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
+            self.positions = {int(k): int(v) for k, v in state["positions"].items()}
+            self.base = {int(k): int(v) for k, v in state.get("base", {}).items()}
+            return
+        elastic = ("world_size", "streams")
+        fixed = {k: (saved.get(k), v) for k, v in self.layout().items() if k not in elastic and saved.get(k) != v}
+        if fixed or not peers or len(peers) != saved.get("world_size"):
+            changed = fixed or {k: (saved.get(k), v) for k, v in self.layout().items() if saved.get(k) != v}
             raise ConfigError(f"cannot resume the data position: loader layout changed {changed} (saved, now); "
-                              f"keep the same world size, loader.num_workers and batch size to resume")
-        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
-        self.positions = {int(k): int(v) for k, v in state["positions"].items()}
+                              f"only the number of ranks and loader.num_workers may change across a resume")
+        self.epoch, self.batches, self.positions = int(state["epoch"]), 0, {}
+        if state.get("ended"):
+            self.base = {}
+            self.epoch += 1
+            return
+        self.base = {}
+        for peer in peers:
+            self.base.update({int(k): int(v) for k, v in peer["offsets"].items()})
 
     # ---- reading ----------------------------------------------------------------------------------
     def open_shard(self, url: str) -> bytes:
@@ -174,7 +207,8 @@ class ShardLoader:
                               train=self.train, seed=self.seed, epoch=epoch, batch_size=self.batch_size,
                               drop_last=self.drop_last, shuffle=self.shuffle, partitions=self.partitions,
                               streams=self.streams, rank=self.rank, world_size=self.world_size,
-                              starts=dict(self.positions), rotation=rotation)
+                              starts=dict(self.positions), rotation=rotation,
+                              base=dict(self.base) if epoch == self.epoch else {})
         if self.num_workers == 0:
             return iter(reader)
         # A generator of its own: starting workers must not draw from the global torch RNG (which the
@@ -187,7 +221,7 @@ class ShardLoader:
     def __iter__(self) -> Iterator[Any]:
         while True:
             if self.batches >= self.steps_per_epoch():
-                self.epoch, self.batches, self.positions = self.epoch + 1, 0, {}
+                self.epoch, self.batches, self.positions, self.base = self.epoch + 1, 0, {}, {}
             it = self._reader(self.epoch)
             limit = self.steps_per_epoch()
             for item in it:

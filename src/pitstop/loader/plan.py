@@ -30,15 +30,6 @@ def sample_order(num_samples: int, seed: int, epoch: int, shard: int, shuffle: b
     return np.random.default_rng(derive_seed("samples", seed, epoch, shard)).permutation(num_samples).tolist()
 
 
-def stream_shards(num_shards: int, partitions: int, stream: int, streams: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The shards stream ``stream`` of ``streams`` reads this epoch, in reading order."""
-    order = shard_order(num_shards, seed, epoch, shuffle)
-    out: list[int] = []
-    for p in range(stream, partitions, streams):
-        out.extend(order[p::partitions])
-    return out
-
-
 def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
@@ -49,3 +40,37 @@ def round_robin(counts: list[int]) -> list[int]:
     for i in range(max(counts, default=0)):
         seq.extend(w for w, n in enumerate(counts) if i < n)
     return seq
+
+
+def stream_partitions(partitions: int, stream: int, streams: int) -> list[int]:
+    return list(range(stream, partitions, streams))
+
+
+def stream_items(num_shards: int, counts: list[int], partitions: int, stream: int, streams: int, seed: int,
+                 epoch: int, shuffle: bool, base: dict[int, int]) -> list[tuple[int, int, int]]:
+    """What a stream reads this epoch, in order, as ``(partition, shard, first)``: ``first`` samples of that
+    shard's order were consumed before this stream started (``base``: consumed samples per partition)."""
+    order = shard_order(num_shards, seed, epoch, shuffle)
+    items = []
+    for p in stream_partitions(partitions, stream, streams):
+        skip = base.get(p, 0)
+        for shard in order[p::partitions]:
+            n = counts[shard]
+            if skip >= n:
+                skip -= n
+                continue
+            items.append((p, shard, skip))
+            skip = 0
+    return items
+
+
+def partition_offsets(items: list[tuple[int, int, int]], counts: list[int], position: int,
+                      base: dict[int, int]) -> dict[int, int]:
+    """Consumed samples per partition after a stream reading ``items`` handed out ``position`` samples."""
+    out = {p: base.get(p, 0) for p, _, _ in items}
+    left = position
+    for p, shard, first in items:
+        take = min(counts[shard] - first, left)
+        out[p] += take
+        left -= take
+    return out
