@@ -73,3 +73,19 @@ def test_prepare_cli_is_idempotent(data_root, tmp_path):
     assert len(index["splits"]["train"]) == 8 and all(len(s["sha256"]) == 64 for s in index["splits"]["train"])
     p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
     assert p.returncode == 0 and "already exist" in p.stdout + p.stderr
+
+
+def test_slurm_launcher_config_composes(data_root, tmp_path):
+    p = cli(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "debug=tiny", "--cfg=hydra"],
+            data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "SlurmLauncher" in p.stdout and "partition: gpu" in p.stdout and "gpus_per_node: 8" in p.stdout
+
+
+def test_sweep_through_the_submitit_launcher(data_root, tmp_path):
+    # submitit's local executor runs the same code path as SLURM jobs (pickled task, separate processes).
+    p = cli(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim=sgd,adamw", "debug=tiny",
+             "trainer.max_steps=3"], data_root, tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    jobs = sorted(d for d in next((tmp_path / "outputs" / "multirun").iterdir()).iterdir() if d.name.isdigit())
+    assert len(jobs) == 2 and all(json.loads((d / "summary.json").read_text())["final_step"] == 3 for d in jobs)
