@@ -10,20 +10,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def compose(overrides: list[str], config_name: str = "train"):
-    from hydra import compose as hcompose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
+    from pitstop.config import compose as compose_config
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hcompose(config_name=config_name, overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.cwd = str(ROOT)
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
+    return compose_config(str(ROOT / "conf"), overrides, str(ROOT), config_name)
 
 
 def ensure_data(overrides: list[str] = ()) -> None:

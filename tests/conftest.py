@@ -9,10 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
+from pitstop.config import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -21,15 +18,7 @@ PY = sys.executable
 
 def compose_cfg(overrides: list[str], root: Path, config_name: str = "train"):
     """Compose conf/<config_name>.yaml with overrides; data/outputs under ``root``."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.cwd = str(root)
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]  # as in a real run: the job's config has no hydra node
-    return cfg
+    return compose(CONF, overrides, str(root), config_name)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ partial and corrupt checkpoints, retention, unwritable dirs, a full disk, change
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time

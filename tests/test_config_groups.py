@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import CONF, compose_cfg, read_jsonl, train
+from conftest import CONF, read_jsonl, train
 
 
 def options(group: str) -> list[str]:

@@ -4,7 +4,6 @@ backend works under both, a killed job resumes bitwise, the elastic agent restar
 from __future__ import annotations
 
 import json
-import signal
 import socket
 from pathlib import Path
 

@@ -59,3 +59,23 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
     return out
+
+
+def compose(config_dir: str, overrides: list[str], cwd: str, config_name: str = "train") -> DictConfig:
+    """Compose a config outside ``@hydra.main`` (tests, benchmarks) the way a real job sees it: the
+    ``hydra:`` resolvers answer as if launched from ``cwd``, and the job config has no ``hydra`` node."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.cwd = str(cwd)
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg

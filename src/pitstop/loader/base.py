@@ -9,7 +9,6 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -255,13 +254,3 @@ def _mp_context():
 
     return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
 
-
-def timed(it: Iterator[Any]) -> Iterator[tuple[Any, float]]:
-    """Yield ``(item, seconds waited for it)``."""
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        yield item, time.perf_counter() - t0
