@@ -66,7 +66,7 @@ def make_runner(backend: str, run_dir: str, extra: list[str], steps: int = 10000
 
 
 def step(r) -> None:
-    batch = r.strategy.to_device(next(r.batches))
+    batch = r.data.on_device(r.strategy.to_device(next(r.batches)))
     r.train_step(batch)
     r.step += 1
 

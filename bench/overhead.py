@@ -89,7 +89,7 @@ def hand_run(steps: int) -> dict:
     it = batches()
     t0 = time.perf_counter()
     for _ in range(steps):
-        x, y = next(it)
+        x, y = ds.on_device(next(it))
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()

@@ -39,11 +39,15 @@ class ImageShards(ShardedDataset):
         x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
         if train and (self.pad or self.hflip):
             x = self._augment(x, np.random.default_rng(seed))
-        x = (x.float().div_(255.0) - self.mean) / self.std
         label = int(sample["cls"].decode().strip())
         if not 0 <= label < self.num_classes:
             raise ValueError(f"label {label} outside [0, {self.num_classes})")
-        return x, label
+        return x, label  # uint8: 4x less to move from workers and to the device than float32
+
+    def on_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        x = (x.float().div_(255.0) - self.mean.to(x.device)) / self.std.to(x.device)
+        return x, y
 
     def _augment(self, x: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
         # Random translation by up to ``pad`` pixels (pad + crop) and optional horizontal flip; the

@@ -73,3 +73,23 @@ def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", time
     """Run an entry point in a subprocess (data from the shared digits shards, outputs under tmp_path)."""
     return subprocess.run(cli_cmd(args, data_root, tmp_path, module), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]:
+    """Sample keys consumed in epoch 0 over both attempts (steps redone after the kill count once)."""
+    epoch = {}
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
+        if "loss" in r:
+            epoch[r["step"]] = r["epoch"]
+    keys = []
+    for path in sorted(run_dir.glob("samples.rank*.jsonl")):
+        rank = int(path.name[len("samples.rank"):-len(".jsonl")])
+        last = {}
+        for r in read_jsonl(path):
+            last[r["step"]] = r["keys"]
+        for step, ks in last.items():
+            if rank >= world_after and step > resumed_from:
+                continue  # a rank that did not come back: its steps after the checkpoint were redone by others
+            if epoch.get(step) == 0:
+                keys.extend(ks)
+    return keys

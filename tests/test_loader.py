@@ -85,6 +85,19 @@ def copy_digits(data_root, tmp_path):
     return dst
 
 
+def reindex(root):
+    """Recompute every shard's size and hash in ``root/index.json`` (after editing shards in place)."""
+    import hashlib
+    import json
+
+    idx = json.loads((root / "index.json").read_text())
+    for shards in idx["splits"].values():
+        for s in shards:
+            data = (root / s["url"]).read_bytes()
+            s["bytes"], s["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (root / "index.json").write_text(json.dumps(idx))
+
+
 def corrupt_one_image(shard_path):
     with tarfile.open(shard_path) as tar:
         members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
@@ -102,6 +115,7 @@ def corrupt_one_image(shard_path):
 def test_corrupt_image_names_shard_and_key_or_is_skipped_and_counted(data_root, tmp_path):
     root = copy_digits(data_root, tmp_path)
     key = corrupt_one_image(root / "train-000003.tar")
+    reindex(root)  # a bad image inside a shard that matches its index (e.g. written that way)
     loader = PlainLoader(digits(data_root, root), "train", batch_size=64, seed=0, num_workers=2)
     with pytest.raises(DataError) as err:
         take(loader, loader.steps_per_epoch())
@@ -131,8 +145,18 @@ def test_missing_data_dir_names_path_and_command(tmp_path):
     assert str(tmp_path / "nowhere") in msg and "python -m recipe.prepare data=digits" in msg and "\n" not in msg
 
 
-def test_pipe_urls_are_refused():
-    from pitstop.loader.plain import read_url
+def test_pipe_urls_are_refused_unless_allowed(data_root, tmp_path):
+    import json
 
-    with pytest.raises(DataError, match="shell-command"):
-        read_url("pipe:cat /etc/passwd")
+    from pitstop.errors import ConfigError
+
+    root = copy_digits(data_root, tmp_path)
+    idx = json.loads((root / "index.json").read_text())
+    for s in idx["splits"]["train"]:
+        s["url"] = f"pipe:cat {root / s['url']}"
+    (root / "index.json").write_text(json.dumps(idx))
+    with pytest.raises(ConfigError, match=r"pipe:.*loader\.allow_pipe=true"):
+        PlainLoader(digits(data_root, root), "train", batch_size=64, seed=0)
+    loader = PlainLoader(digits(data_root, root), "train", batch_size=64, seed=0, num_workers=0, allow_pipe=True)
+    keys = [k for ks, _ in take(loader, loader.steps_per_epoch()) for k in ks]
+    assert len(keys) == len(set(keys)) == 1438

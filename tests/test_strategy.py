@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, read_jsonl
+from conftest import cli, epoch0_keys, read_jsonl
 
 RUN = ["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
        "trainer.eval_every_steps=12"]
@@ -112,26 +112,6 @@ def test_ddp_checkpoint_resumes_under_fsdp_bitwise(data_root, tmp_path, referenc
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["resumed_from"] == 10 and s["strategy"] == "fsdp" and s["params_sha256"] == reference[0]
-
-
-def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]:
-    """Sample keys consumed in epoch 0 over both attempts (steps redone after the kill count once)."""
-    epoch = {}
-    for r in read_jsonl(run_dir / "metrics.jsonl"):
-        if "loss" in r:
-            epoch[r["step"]] = r["epoch"]
-    keys = []
-    for path in sorted(run_dir.glob("samples.rank*.jsonl")):
-        rank = int(path.name[len("samples.rank"):-len(".jsonl")])
-        last = {}
-        for r in read_jsonl(path):
-            last[r["step"]] = r["keys"]
-        for step, ks in last.items():
-            if rank >= world_after and step > resumed_from:
-                continue  # a rank that did not come back: its steps after the checkpoint were redone by others
-            if epoch.get(step) == 0:
-                keys.extend(ks)
-    return keys
 
 
 @pytest.mark.parametrize("before,after", [(["strategy=ddp"], ["strategy=single"]),

@@ -146,7 +146,7 @@ class Runner:
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = next(batches)                                   # 1. fetch
-            batch = self.strategy.to_device(batch)
+            batch = self.data.on_device(self.strategy.to_device(batch))
             t1 = time.perf_counter()
             loss = self.train_step(batch)                           # 2. step (syncs on loss.item())
             t2 = time.perf_counter()
@@ -204,8 +204,14 @@ class Runner:
                 "fetch_seconds": window["fetch"] / window["n"], "compute_seconds": window["compute"] / window["n"],
                 "data_wait_fraction": window["fetch"] / elapsed,
             }, self.step)
+            io = self.data_stats()  # cumulative: cache hits/misses, bytes from the source, retries
+            self.logger.log_metrics(io, self.step)
+            self.metrics_file.write({"step": self.step, **io})
             self.metrics_file.flush()
             window.update(t=now, samples=0, fetch=0.0, compute=0.0, n=0)
+
+    def data_stats(self) -> dict[str, float]:
+        return {k: v for k, v in self.loader.stats.items() if k != "samples"}
 
     def report(self, metrics: dict[str, float], step: int) -> None:
         """Extra metrics from components (e.g. per-save checkpoint costs): tracker + metrics.jsonl."""
@@ -225,7 +231,7 @@ class Runner:
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"):
-            batches = (self.strategy.to_device(b) for b in self.eval_loader.iterate_once())
+            batches = (self.data.on_device(self.strategy.to_device(b)) for b in self.eval_loader.iterate_once())
             out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device,
                                      self.cfg.trainer.eval_max_batches)
         self.last_eval = out
@@ -244,7 +250,7 @@ class Runner:
             "final_step": self.step, "total_steps": self.total_steps, "epoch": self.loader.epoch,
             "samples_seen": self.samples_seen, "resumed_from": self.resumed_from,
             "metrics": self.last_eval, "params_sha256": digest,
-            "data": {k: v for k, v in self.loader.stats.items()},
+            "data": {**self.loader.stats, "data_wait_fraction": self._data_wait_fraction()},
             "checkpoint": self.ckpt.stats(), "strategy": self.strategy.name, "world_size": self.strategy.world_size,
         }
         for cb in self.callbacks:
@@ -258,6 +264,11 @@ class Runner:
             log.info("done: step %d, %s, params_sha256=%s", self.step,
                      ", ".join(f"{k}={v:.4f}" for k, v in self.last_eval.items()), digest[:16])
         return summary
+
+    def _data_wait_fraction(self) -> float:
+        """Share of step time (fetch + compute) spent waiting for the next batch."""
+        wait, compute = self.ledger.seconds["data_wait"], self.ledger.seconds["compute"]
+        return round(wait / max(wait + compute, 1e-9), 4)
 
     def _close(self, status: str) -> dict:
         out: dict = {}

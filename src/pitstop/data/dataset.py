@@ -30,6 +30,11 @@ class ShardedDataset:
         """Turn one raw sample (``{"__key__", ext: bytes}``) into tensors; ``seed`` drives augmentation."""
         raise NotImplementedError
 
+    def on_device(self, batch: Any) -> Any:
+        """Finish a batch after it reached the device (e.g. uint8 -> normalised float): cheap there, and
+        the worker -> trainer -> device transfers carry the compact form. Default: unchanged."""
+        return batch
+
     def fingerprint(self) -> dict:
         """What must not change across a resume."""
         return {"data": self.index.fingerprint()}

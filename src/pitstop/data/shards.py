@@ -48,10 +48,15 @@ class ShardIndex:
             what = "data dir" if not os.path.isdir(root) else "shard index"
             raise DataError(f"{what} not found: {path if what != 'data dir' else root} — create it with: {prepare_hint}")
         try:
-            with fsspec.open(path, "rb") as f:
-                raw = json.loads(f.read())
-        except DataError:
-            raise
+            if path.startswith(("http://", "https://")):
+                from pitstop.data.remote import FetchPolicy, ShardRef, fetch_bytes
+
+                raw = json.loads(fetch_bytes(ShardRef(path, 0, "", 0), FetchPolicy(retries=3, timeout=30))[0])
+            else:
+                with fsspec.open(path, "rb") as f:
+                    raw = json.loads(f.read())
+        except DataError as e:
+            raise DataError(f"{e} — is data.root right?") from e
         except Exception as e:  # noqa: BLE001 - any transport or JSON error is reported the same way
             raise DataError(f"cannot read shard index {path}: {e} — recreate it with: {prepare_hint}") from e
         if raw.get("format") != FORMAT:
@@ -65,7 +70,7 @@ class ShardIndex:
         return self.splits[split]
 
     def resolve(self, shard: ShardInfo) -> str:
-        if "://" in shard.url or os.path.isabs(shard.url):
+        if "://" in shard.url or os.path.isabs(shard.url) or shard.url.startswith("pipe:"):
             return shard.url
         return f"{self.root}/{shard.url}"
 

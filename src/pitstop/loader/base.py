@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from pitstop.data.dataset import ShardedDataset
+from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
 from pitstop.loader import plan
@@ -28,12 +29,32 @@ class _Failure:
         self.message = message
 
 
+class ShardSource:
+    """How a reader gets a shard's bytes (picklable: it travels to the DataLoader workers).
+
+    ``lookahead`` is told which shards this reader will open next (a hint: a cache may start fetching
+    them); ``take_stats`` returns and resets this process's counters (sent along with each batch)."""
+
+    def lookahead(self, refs: list[ShardRef]) -> None:
+        pass
+
+    def read(self, ref: ShardRef) -> bytes:
+        raise NotImplementedError
+
+    def take_stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class StreamReader(IterableDataset):
     """Worker side: reads the streams of one rank from given positions and yields batches."""
 
-    def __init__(self, *, urls, counts, dataset, open_shard, train, seed, epoch, batch_size, drop_last,
+    def __init__(self, *, refs, source, dataset, train, seed, epoch, batch_size, drop_last,
                  shuffle, partitions, streams, rank, world_size, starts, rotation, base):
-        self.urls, self.counts, self.dataset, self.open_shard = urls, counts, dataset, open_shard
+        self.refs, self.source, self.dataset = refs, source, dataset
+        self.counts = [r.samples for r in refs]
         self.train, self.seed, self.epoch, self.batch_size = train, seed, epoch, batch_size
         self.drop_last, self.shuffle, self.partitions, self.streams = drop_last, shuffle, partitions, streams
         self.rank, self.world_size, self.starts, self.rotation = rank, world_size, starts, rotation
@@ -44,29 +65,36 @@ class StreamReader(IterableDataset):
         local_streams = [0] if info is None else [(info.id + self.rotation) % info.num_workers]
         if info is None and self.streams > 1:
             raise ConfigError("in-process reading supports one stream; set loader.num_workers to match")
-        for s in local_streams:
-            yield from self._stream(self.rank * self.streams + s)
+        try:
+            for s in local_streams:
+                yield from self._stream(self.rank * self.streams + s)
+        finally:
+            self.source.close()
 
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size
-        plan_items = plan.stream_items(len(self.urls), self.counts, self.partitions, g, total_streams, self.seed,
+        plan_items = plan.stream_items(len(self.refs), self.counts, self.partitions, g, total_streams, self.seed,
                                        self.epoch, self.shuffle, self.base)
         pos = self.starts.get(g, 0)
-        skip = pos
-        items, keys, skipped, bytes_read = [], [], 0, 0
+        todo, skip = [], pos  # (shard, samples to skip in it); wholly consumed shards are not even opened
         for _, shard, first in plan_items:
             n = self.counts[shard]
-            if skip >= n - first:  # wholly consumed before the restart: not even opened
+            if skip >= n - first:
                 skip -= n - first
                 continue
-            skip += first
-            url = self.urls[shard]
+            todo.append((shard, skip + first))
+            skip = 0
+        items, keys, skipped = [], [], 0
+        for k, (shard, skip) in enumerate(todo):
+            ref = self.refs[shard]
+            n = ref.samples
+            self.source.lookahead([self.refs[s] for s, _ in todo[k:]])
             try:
-                raw = self.open_shard(url)
-                bytes_read += len(raw)
-                samples = read_shard(raw, url)
+                raw = self.source.read(ref)
+                samples = read_shard(raw, ref.url)
                 if len(samples) != n:
-                    raise DataError(f"shard {url} has {len(samples)} samples but the index says {n}; re-run recipe.prepare")
+                    raise DataError(f"shard {ref.url} has {len(samples)} samples but the index says {n}; "
+                                    f"re-run recipe.prepare")
             except DataError as e:
                 if not self.dataset.skip_corrupt:
                     yield _Failure(str(e))
@@ -78,28 +106,26 @@ class StreamReader(IterableDataset):
                 sample = samples[i]
                 try:
                     if sample is None:
-                        raise DataError(f"unreadable shard {url}")
+                        raise DataError(f"unreadable shard {ref.url}")
                     seed = derive_seed(self.seed, self.epoch, sample["__key__"])
                     items.append(self.dataset.decode(sample, train=self.train, seed=seed))
                     keys.append(sample["__key__"])
                 except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
                     if not self.dataset.skip_corrupt:
                         key = sample["__key__"] if sample else f"#{i}"
-                        yield _Failure(f"corrupt sample {key!r} in shard {url}: {e} "
+                        yield _Failure(f"corrupt sample {key!r} in shard {ref.url}: {e} "
                                        f"(set data.skip_corrupt=true to skip and count such samples)")
                         return
                     skipped += 1
                 if len(items) == self.batch_size:
-                    yield self._batch(g, pos, items, keys, skipped, bytes_read)
-                    items, keys, skipped, bytes_read = [], [], 0, 0
-            skip = 0
+                    yield self._batch(g, pos, items, keys, skipped)
+                    items, keys, skipped = [], [], 0
         if items and not self.drop_last:
-            yield self._batch(g, pos, items, keys, skipped, bytes_read)
+            yield self._batch(g, pos, items, keys, skipped)
 
-    @staticmethod
-    def _batch(g, pos, items, keys, skipped, bytes_read) -> dict:
+    def _batch(self, g, pos, items, keys, skipped) -> dict:
         return {"data": default_collate(items), "stream": g, "end": pos, "keys": keys,
-                "skipped": skipped, "bytes_read": bytes_read}
+                "skipped": skipped, "io": self.source.take_stats()}
 
 
 class ShardLoader:
@@ -110,7 +136,8 @@ class ShardLoader:
     def __init__(self, dataset: ShardedDataset, split: str, batch_size: int, seed: int, *, rank: int = 0,
                  world_size: int = 1, train: bool = True, num_workers: int = 2, partitions: int | None = None,
                  shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
-                 prefetch_factor: int = 4, timeout: float = 0, **_: Any):
+                 prefetch_factor: int = 4, timeout: float = 0, retries: int = 3, backoff: float = 0.5,
+                 read_timeout: float = 60.0, allow_pipe: bool = False, **_: Any):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
@@ -119,8 +146,14 @@ class ShardLoader:
         self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
         self.streams = max(1, self.num_workers)
         shards = dataset.index.shards(split)
-        self.urls = [dataset.index.resolve(s) for s in shards]
+        self.refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in shards]
+        self.urls = [r.url for r in self.refs]
         self.counts = [s.samples for s in shards]
+        self.policy = FetchPolicy(retries=int(retries), backoff=float(backoff), timeout=float(read_timeout),
+                                  allow_pipe=bool(allow_pipe))
+        if not allow_pipe and any(u.startswith("pipe:") for u in self.urls):
+            raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
+                              f"commands; set loader.allow_pipe=true only if you trust it")
         self.partitions = int(partitions or len(shards))
         total_streams = self.streams * world_size
         if train and total_streams > self.partitions:  # (evaluation tolerates idle readers)
@@ -129,7 +162,7 @@ class ShardLoader:
                 f"worker(s) = {total_streams} readers; lower loader.num_workers or write more shards")
         self.epoch, self.batches, self.positions = 0, 0, {}
         self.base: dict[int, int] = {}  # samples per partition consumed before this segment (elastic resume)
-        self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_read": 0}
+        self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_from_source": 0, "fetch_retries": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
 
     # ---- the plan (pure) -------------------------------------------------------------------------
@@ -193,21 +226,25 @@ class ShardLoader:
             self.base.update({int(k): int(v) for k, v in peer["offsets"].items()})
 
     # ---- reading ----------------------------------------------------------------------------------
-    def open_shard(self, url: str) -> bytes:
+    def source(self) -> ShardSource:
+        """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
         raise NotImplementedError
 
     def _reader(self, epoch: int) -> Iterator[dict | _Failure]:
+        """Readers for ``epoch``: from the saved position if it is the current epoch, else from its start."""
+        current = epoch == self.epoch
+        done = self.batches if current else 0
         counts = [self._stream_batches(epoch, self.rank * self.streams + s) for s in range(self.streams)]
         seq = plan.round_robin(counts)
-        rotation = seq[self.batches] if self.batches < len(seq) else 0
+        rotation = seq[done] if done < len(seq) else 0
         # Workers hand out batches round-robin starting at worker 0; rotate stream ids so that the
         # stream whose turn it was when we stopped comes first.  Streams already exhausted yield nothing.
-        reader = StreamReader(urls=self.urls, counts=self.counts, dataset=self.dataset, open_shard=self.open_shard,
+        reader = StreamReader(refs=self.refs, source=self.source(), dataset=self.dataset,
                               train=self.train, seed=self.seed, epoch=epoch, batch_size=self.batch_size,
                               drop_last=self.drop_last, shuffle=self.shuffle, partitions=self.partitions,
                               streams=self.streams, rank=self.rank, world_size=self.world_size,
-                              starts=dict(self.positions), rotation=rotation,
-                              base=dict(self.base) if epoch == self.epoch else {})
+                              starts=dict(self.positions) if current else {}, rotation=rotation,
+                              base=dict(self.base) if current else {})
         if self.num_workers == 0:
             return iter(reader)
         # A generator of its own: starting workers must not draw from the global torch RNG (which the
@@ -218,10 +255,12 @@ class ShardLoader:
                                multiprocessing_context=_mp_context()))
 
     def __iter__(self) -> Iterator[Any]:
+        ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
+        lead = self.num_workers * self.prefetch_factor if self.num_workers else 0
         while True:
             if self.batches >= self.steps_per_epoch():
                 self.epoch, self.batches, self.positions, self.base = self.epoch + 1, 0, {}, {}
-            it = self._reader(self.epoch)
+            it, ahead = (ahead if ahead is not None else self._reader(self.epoch)), None
             limit = self.steps_per_epoch()
             for item in it:
                 if isinstance(item, _Failure):
@@ -230,12 +269,15 @@ class ShardLoader:
                 self.positions[item["stream"]] = item["end"]
                 self.stats["samples"] += len(item["keys"])
                 self.stats["skipped_corrupt"] += item["skipped"]
-                self.stats["bytes_read"] += item["bytes_read"]
+                for k, v in item["io"].items():
+                    self.stats[k] = self.stats.get(k, 0) + v
                 if self.sample_log is not None:
                     self.sample_log(item["keys"])
                 yield item["data"]
                 if self.batches >= limit:
                     break
+                if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
+                    ahead = self._reader(self.epoch + 1)
             del it
             if self.batches < limit:  # every reader ran dry early (samples skipped as corrupt)
                 self.batches = limit

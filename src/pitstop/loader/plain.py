@@ -1,27 +1,33 @@
-"""``loader=plain``: every shard is read from its source (path or fsspec URL) each time it is needed."""
+"""``loader=plain``: every shard is read from its source (path or URL) each time it is needed, no cache."""
 
 from __future__ import annotations
 
-import fsspec
-
-from pitstop.errors import DataError
-from pitstop.loader.base import ShardLoader
+from pitstop.data.remote import FetchPolicy, ShardRef, fetch_bytes
+from pitstop.loader.base import ShardLoader, ShardSource
 
 
-def read_url(url: str) -> bytes:
-    if url.startswith("pipe:"):
-        raise DataError(f"refusing shell-command shard URL {url!r}")
-    try:
-        with fsspec.open(url, "rb") as f:
-            return f.read()
-    except FileNotFoundError as e:
-        raise DataError(f"shard not found: {url} — re-run recipe.prepare for this data dir") from e
-    except OSError as e:
-        raise DataError(f"cannot read shard {url}: {e}") from e
+class DirectSource(ShardSource):
+    """Fetch (with retries and a size check against the index) straight into memory."""
+
+    def __init__(self, policy: FetchPolicy):
+        self.policy = policy
+        self.stats = {"bytes_from_source": 0, "fetch_retries": 0}
+
+    def read(self, ref: ShardRef) -> bytes:
+        data, transferred = fetch_bytes(ref, self.policy, on_retry=lambda _: self._count("fetch_retries"))
+        self._count("bytes_from_source", transferred)
+        return data
+
+    def _count(self, k: str, n: int = 1) -> None:
+        self.stats[k] += n
+
+    def take_stats(self) -> dict[str, int]:
+        out, self.stats = self.stats, {k: 0 for k in self.stats}
+        return out
 
 
 class PlainLoader(ShardLoader):
     kind = "plain"
 
-    def open_shard(self, url: str) -> bytes:
-        return read_url(url)
+    def source(self) -> ShardSource:
+        return DirectSource(self.policy)

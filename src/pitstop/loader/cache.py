@@ -1,0 +1,252 @@
+"""A machine-local shard cache shared by every rank and DataLoader worker on the machine.
+
+Layout of ``cache_dir``::
+
+    <sha256[:16]>-<shard name>        complete, verified shards (content-addressed: a changed shard is a new file)
+    <...>.part.<pid>.<thread>         a download in progress (never read; removed on failure or when stale)
+    .locks/<name>.lock                one lock per shard: exactly one process downloads it
+    .cache.lock                       serialises space accounting and eviction
+
+Guarantees:
+
+- **One download per shard per machine**: a miss takes the shard's file lock, re-checks, downloads to a
+  private temp file, verifies size and sha256 against the index, fsyncs and renames it into place.
+  Readers only ever open complete files; a crash or kill leaves at most a temp file, which is removed the
+  next time anyone takes that shard's lock (or counted and removed by eviction).
+- **LRU within ``limit`` bytes that never evicts a shard in use**: a shard is in use while some process
+  holds a shared ``flock`` on it (from the moment a prefetch finishes until the reader has read it);
+  eviction only removes files on which it can take an exclusive lock without waiting, least recently
+  used first (reads touch the mtime).  If everything is in use, the shard is served without being kept
+  (counted as ``cache_bypass``) rather than blocking or failing.
+- **A full disk** (ENOSPC) evicts what it can and retries once, then fails with the cache dir named.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import threading
+from typing import BinaryIO
+
+from filelock import FileLock
+
+from pitstop.data.remote import FetchPolicy, ShardRef, fetch, fetch_bytes
+from pitstop.errors import DataError
+
+PART = ".part."
+
+
+def _margin(path: str) -> int:
+    """Free space to leave on the cache's disk: 64 MiB, or 5% of a small disk."""
+    return min(64 << 20, shutil.disk_usage(path).total // 20)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShardCache:
+    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256"):
+        self.dir, self.limit, self.policy, self.verify = os.path.abspath(cache_dir), limit, policy, verify
+        self._counters = {"cache_hits": 0, "cache_misses": 0, "bytes_from_source": 0, "cache_evictions": 0,
+                          "cache_bypass": 0, "fetch_retries": 0}
+        self._mutex = threading.Lock()
+        try:
+            os.makedirs(os.path.join(self.dir, ".locks"), exist_ok=True)
+        except OSError as e:
+            raise DataError(f"cannot create loader.cache_dir {self.dir}: {e.strerror}; point it at a writable local disk") from e
+
+    # ---- bookkeeping --------------------------------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        with self._mutex:
+            self._counters[name] += n
+
+    def take_stats(self) -> dict[str, int]:
+        with self._mutex:
+            out = dict(self._counters)
+            for k in self._counters:
+                self._counters[k] = 0
+        return out
+
+    def path(self, ref: ShardRef) -> str:
+        tag = ref.sha256[:16] if ref.sha256 else hashlib.sha256(ref.url.encode()).hexdigest()[:16]
+        name = ref.url.rstrip("/").rsplit("/", 1)[-1].replace(" ", "_")[-80:] or "shard"
+        return os.path.join(self.dir, f"{tag}-{name}")
+
+    # ---- the public operation ---------------------------------------------------------------------
+    def acquire(self, ref: ShardRef) -> BinaryIO | bytes:
+        """The shard, in the cache and locked against eviction: an open file (shared lock held; the caller
+        reads and closes it), or — when no room can be made — the bytes themselves, not kept."""
+        f = self._open_complete(ref)
+        if f is not None:
+            self.count("cache_hits")
+            return f
+        final = self.path(ref)
+        with FileLock(os.path.join(self.dir, ".locks", os.path.basename(final) + ".lock")):
+            f = self._open_complete(ref)  # another process finished it while we waited
+            if f is not None:
+                self.count("cache_hits")
+                return f
+            self.count("cache_misses")
+            self._remove_stale_parts(final)
+            if not self._make_room(ref.bytes):
+                self.count("cache_bypass")
+                data, transferred = fetch_bytes(ref, self.policy, verify_sha=self.verify == "sha256",
+                                                on_retry=lambda _: self.count("fetch_retries"))
+                self.count("bytes_from_source", transferred)
+                return data
+            self._download(ref, final)
+            f = self._open_complete(ref)
+            if f is None:  # evicted between rename and open: only possible with a tiny limit
+                raise DataError(f"shard {ref.url} was evicted from loader.cache_dir {self.dir} right after "
+                                f"download; raise loader.cache_limit")
+            return f
+
+    @staticmethod
+    def read(handle: BinaryIO | bytes) -> bytes:
+        if isinstance(handle, bytes):
+            return handle
+        try:
+            return handle.read()
+        finally:
+            handle.close()
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _open_complete(self, ref: ShardRef) -> BinaryIO | None:
+        path = self.path(ref)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # waits only for an evictor that is deleting it right now
+        st = os.fstat(f.fileno())
+        if st.st_nlink == 0:  # evicted while we opened it
+            f.close()
+            return None
+        if ref.bytes and st.st_size != ref.bytes:  # damaged on disk (not by us: we rename verified files only)
+            f.close()
+            self._discard(path)
+            return None
+        try:
+            os.utime(path)  # LRU: most recently used
+        except OSError:
+            pass
+        return f
+
+    def _discard(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _remove_stale_parts(self, final: str) -> None:
+        # Only the holder of this shard's lock writes its part files, and we hold it now: any left are stale.
+        prefix = os.path.basename(final) + PART
+        for name in os.listdir(self.dir):
+            if name.startswith(prefix):
+                self._discard(os.path.join(self.dir, name))
+
+    def _download(self, ref: ShardRef, final: str) -> None:
+        tmp = f"{final}{PART}{os.getpid()}.{threading.get_ident()}"
+        sinks: list[BinaryIO] = []
+
+        def sink() -> BinaryIO:
+            for s in sinks:
+                s.close()
+            sinks.append(open(tmp, "wb"))
+            return sinks[-1]
+
+        for attempt in (0, 1):
+            try:
+                transferred = fetch(ref, sink, self.policy, verify_sha=self.verify == "sha256",
+                                    on_retry=lambda _: self.count("fetch_retries"))
+                self.count("bytes_from_source", transferred)
+                f = sinks[-1]
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                os.replace(tmp, final)
+                return
+            except OSError as e:
+                for s in sinks:
+                    s.close()
+                self._discard(tmp)
+                if e.errno != errno.ENOSPC:
+                    raise DataError(f"cannot write shard {os.path.basename(final)} to loader.cache_dir {self.dir}: "
+                                    f"{e.strerror}") from e
+                if attempt == 1 or self._evict(need=ref.bytes) == 0:
+                    raise DataError(f"loader.cache_dir {self.dir} is full (no space left on the device) and nothing "
+                                    f"can be evicted; free space there or set loader.cache_limit below the free "
+                                    f"space") from e
+            except BaseException:
+                for s in sinks:
+                    s.close()
+                self._discard(tmp)  # the cache never keeps a partial file
+                raise
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        out = []
+        for name in os.listdir(self.dir):
+            if name.startswith("."):
+                continue
+            path = os.path.join(self.dir, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            out.append((st.st_mtime, st.st_size, path))
+        return out
+
+    def _make_room(self, need: int) -> bool:
+        """Evict least-recently-used idle shards until ``need`` more bytes fit (under ``limit`` and on the
+        disk); False if they cannot."""
+        with FileLock(os.path.join(self.dir, ".cache.lock")):
+            def excess() -> int:
+                over_disk = need + _margin(self.dir) - shutil.disk_usage(self.dir).free
+                over_limit = 0 if self.limit is None else sum(s for _, s, _ in self._entries()) + need - self.limit
+                return max(over_disk, over_limit)
+
+            if excess() > 0:
+                self._evict_locked(excess())
+            return excess() <= 0
+
+    def _evict(self, need: int) -> int:
+        with FileLock(os.path.join(self.dir, ".cache.lock")):
+            return self._evict_locked(max(need, need + _margin(self.dir) - shutil.disk_usage(self.dir).free))
+
+    def _evict_locked(self, excess: int) -> int:
+        freed = 0
+        for _, size, path in sorted(self._entries()):
+            if freed >= excess:
+                break
+            if PART in os.path.basename(path):
+                pid = os.path.basename(path).split(PART, 1)[1].split(".")[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    self._discard(path)  # left by a killed process
+                    freed += size
+                continue  # a download in progress (its owner cleans up on failure)
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue  # in use
+            try:
+                self._discard(path)
+                freed += size
+                self.count("cache_evictions")
+            finally:
+                f.close()
+        return freed

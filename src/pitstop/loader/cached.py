@@ -1,0 +1,110 @@
+"""``loader=cached``: shards are copied once to a fast local cache dir and read from there afterwards.
+
+Each reader (DataLoader worker, or the training process with ``num_workers=0``) keeps up to
+``prefetch_shards`` of its next shards downloading in background threads while it decodes the current
+one, so epoch 1 overlaps network transfer with compute, and later epochs read local files only.
+The cache itself (one download per machine, LRU within ``cache_limit``, integrity checks) is
+:class:`pitstop.loader.cache.ShardCache`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pitstop.data.remote import FetchPolicy, ShardRef
+from pitstop.errors import ConfigError
+from pitstop.loader.base import ShardLoader, ShardSource
+from pitstop.loader.cache import ShardCache
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: Any, what: str = "loader.cache_limit") -> int | None:
+    """``null`` (no limit), a number of bytes, or a string like ``"20GB"`` / ``"512MiB"``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{what}={value!r} is not a size; use bytes or e.g. 500MB, 20GB, 1.5TiB, or null")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class CachedSource(ShardSource):
+    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int):
+        self.cache_dir, self.limit, self.policy, self.verify, self.prefetch = cache_dir, limit, policy, verify, prefetch
+        self._cache: ShardCache | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
+        self._pid = -1
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_pool", "_pending")} | {
+            "_cache": None, "_pool": None, "_pending": {}, "_pid": -1}
+
+    @property
+    def cache(self) -> ShardCache:
+        if self._cache is None or self._pid != os.getpid():  # built in the process that reads (after fork)
+            self._cache = ShardCache(self.cache_dir, self.limit, self.policy, self.verify)
+            self._pool, self._pending, self._pid = None, {}, os.getpid()
+        return self._cache
+
+    def lookahead(self, refs: list[ShardRef]) -> None:
+        cache = self.cache
+        if self.prefetch <= 0:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="pitstop-prefetch")
+        for ref in refs[1:self.prefetch + 1]:  # refs[0] is read right now, by the caller
+            if ref.url not in self._pending:
+                self._pending[ref.url] = self._pool.submit(cache.acquire, ref)
+
+    def read(self, ref: ShardRef) -> bytes:
+        fut = self._pending.pop(ref.url, None)
+        handle = fut.result() if fut is not None else self.cache.acquire(ref)
+        return ShardCache.read(handle)
+
+    def take_stats(self) -> dict[str, int]:
+        return self.cache.take_stats()
+
+    def close(self) -> None:
+        for fut in self._pending.values():  # release shards prefetched for a stream that ended early
+            fut.cancel()
+            try:
+                h = fut.result()
+                if not isinstance(h, bytes):
+                    h.close()
+            except BaseException:  # noqa: BLE001 - a failed lookahead of an unused shard is not an error
+                pass
+        self._pending = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class CachedLoader(ShardLoader):
+    kind = "cached"
+
+    def __init__(self, *args: Any, cache_dir: str, cache_limit: Any = None, prefetch_shards: int = 2,
+                 verify: str = "sha256", **kw: Any):
+        super().__init__(*args, **kw)
+        if verify not in ("sha256", "size"):
+            raise ConfigError(f"loader.verify={verify!r}: use sha256 (hash each download) or size")
+        if int(prefetch_shards) < 0:
+            raise ConfigError(f"loader.prefetch_shards={prefetch_shards} must be >= 0")
+        self.cache_dir, self.cache_limit = str(cache_dir), parse_size(cache_limit)
+        self.prefetch_shards, self.verify = int(prefetch_shards), verify
+        largest = max(r.bytes for r in self.refs)
+        if self.cache_limit is not None and self.cache_limit < largest:
+            raise ConfigError(f"loader.cache_limit={cache_limit} is smaller than the largest shard ({largest:,} bytes "
+                              f"in {self.dataset.root}); raise it or write smaller shards")
+        self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
+        ShardCache(self.cache_dir, self.cache_limit, self.policy, verify)  # fail now if the dir is unusable
+
+    def source(self) -> ShardSource:
+        return CachedSource(self.cache_dir, self.cache_limit, self.policy, self.verify, self.prefetch_shards)

@@ -1,0 +1,152 @@
+"""A remote-storage emulator: serves a directory over HTTP with added latency, limited bandwidth and faults.
+
+    python -m pitstop.slowstore DIR --port 8000 --latency-ms 50 --mbps 100
+    python -m recipe.train data.root=http://127.0.0.1:8000/digits loader=cached
+
+Every response waits ``--latency-ms`` before its first byte and then streams at most ``--mbps`` megabytes
+per second (1 MB = 1e6 bytes) per connection, like a request to an object store.  ``--fail-every N`` answers
+every Nth request with HTTP 503; ``--truncate-every N`` cuts every Nth response in half (the connection
+closes early, as a flaky network does); ``--fault-glob '*.tar'`` limits both to matching paths.  ``GET /__stats`` returns JSON counters (requests and bytes per
+path), which tests use to check how often each shard was downloaded.  Threaded: one thread per connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import posixpath
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class SlowStore(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, latency_ms: float = 0.0,
+                 mbps: float | None = None, fail_every: int = 0, truncate_every: int = 0, fault_glob: str = "*"):
+        super().__init__((host, port), _Handler)
+        self.root = os.path.abspath(root)
+        self.latency, self.rate = latency_ms / 1000.0, (mbps * 1e6 if mbps else None)
+        self.fail_every, self.truncate_every, self.fault_glob = int(fail_every), int(truncate_every), fault_glob
+        self.lock = threading.Lock()
+        self.requests = self.faultable = 0
+        self.per_path: dict[str, dict[str, int]] = {}
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "SlowStore":
+        threading.Thread(target=self.serve_forever, daemon=True, name="slowstore").start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"requests": self.requests, "paths": json.loads(json.dumps(self.per_path))}
+
+    def __enter__(self) -> "SlowStore":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: SlowStore
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # quiet: tests and benchmarks read /__stats instead
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        srv = self.server
+        path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+        if path == "/__stats":
+            return self._send(200, json.dumps(srv.stats()).encode(), "application/json")
+        with srv.lock:
+            srv.requests += 1
+            faultable = fnmatch.fnmatch(path, srv.fault_glob)
+            srv.faultable += faultable
+            n = srv.faultable if faultable else 0
+            entry = srv.per_path.setdefault(path, {"requests": 0, "bytes": 0})
+            entry["requests"] += 1
+        if srv.latency:
+            time.sleep(srv.latency)
+        if n and srv.fail_every and n % srv.fail_every == 0:
+            return self._send(503, b"slowstore: injected failure\n", "text/plain")
+        rel = posixpath.normpath(path).lstrip("/")
+        full = os.path.join(srv.root, rel)
+        if rel.startswith("..") or not os.path.isfile(full):
+            return self._send(404, b"not found\n", "text/plain")
+        size = os.path.getsize(full)
+        send = size // 2 if n and srv.truncate_every and n % srv.truncate_every == 0 else size
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        t0, sent = time.monotonic(), 0
+        try:
+            with open(full, "rb") as f:
+                while sent < send:
+                    block = f.read(min(1 << 16, send - sent))
+                    if not block:
+                        break
+                    self.wfile.write(block)
+                    sent += len(block)
+                    if srv.rate:
+                        ahead = sent / srv.rate - (time.monotonic() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        with srv.lock:
+            entry["bytes"] += sent
+        if send < size:
+            self.close_connection = True
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pitstop.slowstore", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", help="directory to serve (e.g. data/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--latency-ms", type=float, default=50.0, help="delay before each response (default 50)")
+    p.add_argument("--mbps", type=float, default=100.0, help="MB/s per connection, 0 = unlimited (default 100)")
+    p.add_argument("--fail-every", type=int, default=0, help="answer every Nth request with HTTP 503")
+    p.add_argument("--truncate-every", type=int, default=0, help="cut every Nth response short")
+    p.add_argument("--fault-glob", default="*", help="faults only for paths matching this (e.g. '*.tar')")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.dir):
+        p.error(f"{a.dir} is not a directory")
+    try:
+        srv = SlowStore(a.dir, a.host, a.port, a.latency_ms, a.mbps or None, a.fail_every, a.truncate_every,
+                        a.fault_glob)
+    except OSError as e:
+        p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")
+    print(f"slowstore: serving {srv.root} at {srv.url} (latency {a.latency_ms:g} ms, "
+          f"{a.mbps or 'unlimited'} MB/s per connection)", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

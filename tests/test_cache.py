@@ -1,0 +1,216 @@
+"""loader=cached and remote sources, against a real HTTP server (pitstop.slowstore): one download per
+shard per machine, LRU within a limit that spares shards in use, retries on a flaky store, nothing
+partial ever kept, clear errors, and exact sample coverage across a kill and a change of world size."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, epoch0_keys, read_jsonl
+from pitstop.data.remote import FetchPolicy, ShardRef
+from pitstop.errors import ConfigError, DataError
+from pitstop.loader.cache import ShardCache
+from pitstop.loader.cached import CachedLoader, parse_size
+from pitstop.loader.plain import PlainLoader
+from pitstop.slowstore import SlowStore
+from recipe.vision import ImageShards
+
+FAST = FetchPolicy(retries=3, backoff=0.01, timeout=10)
+
+
+@pytest.fixture
+def store(data_root):
+    with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50) as s:
+        yield s
+
+
+def remote_digits(url: str, **kw) -> ImageShards:
+    return ImageShards(root=f"{url}/digits", name="digits", num_classes=10, channels=1, augment={"pad": 1}, **kw)
+
+
+def index(data_root) -> dict:
+    return json.loads((data_root / "data" / "digits" / "index.json").read_text())
+
+
+def refs(data_root, url: str) -> list[ShardRef]:
+    return [ShardRef(f"{url}/digits/{s['url']}", s["bytes"], s["sha256"], s["samples"])
+            for s in index(data_root)["splits"]["train"]]
+
+
+def epoch(loader) -> list[tuple[list[str], object]]:
+    keys: list[list[str]] = []
+    loader.sample_log = keys.append
+    out = [(keys[i], x.clone()) for i, (x, _) in enumerate(itertools.islice(iter(loader), loader.steps_per_epoch()))]
+    return out
+
+
+def shard_requests(srv: SlowStore) -> dict[str, int]:
+    return {p: v["requests"] for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
+
+
+def cached_tars(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if not p.name.startswith("."))
+
+
+def _acquire_all(args) -> list[str]:
+    cache_dir, shard_refs, order_seed = args
+    cache = ShardCache(cache_dir, None, FAST)
+    order = list(range(len(shard_refs)))
+    order = order[order_seed:] + order[:order_seed]
+    out = [""] * len(shard_refs)
+    for i in order:
+        out[i] = hashlib.sha256(cache.read(cache.acquire(shard_refs[i]))).hexdigest()
+    return out
+
+
+def test_one_download_per_shard_per_machine_with_concurrent_processes(data_root, tmp_path, store):
+    shard_refs = refs(data_root, store.url)
+    with mp.get_context("fork").Pool(4) as pool:  # four processes race for the same eight shards
+        results = pool.map(_acquire_all, [(str(tmp_path / "cache"), shard_refs, k) for k in range(4)])
+    assert all(r == [s.sha256 for s in shard_refs] for r in results)
+    assert shard_requests(store) == {f"/digits/{Path(s.url).name}": 1 for s in shard_refs}
+    assert len(cached_tars(tmp_path / "cache")) == 8 and not list((tmp_path / "cache").glob("*.part.*"))
+
+
+def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(data_root, tmp_path, store):
+    local = epoch(PlainLoader(ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10,
+                                          channels=1, augment={"pad": 1}), "train", batch_size=64, seed=5))
+    total = sum(s["bytes"] for s in index(data_root)["splits"]["train"])
+    for e in (1, 2):  # a fresh loader per "epoch 1 of a new job": epoch 2 reads only the cache
+        loader = CachedLoader(remote_digits(store.url), "train", batch_size=64, seed=5, num_workers=2,
+                              cache_dir=str(tmp_path / "cache"))
+        got = epoch(loader)
+        assert [k for k, _ in got] == [k for k, _ in local]
+        assert all(x.equal(y) for (_, x), (_, y) in zip(got, local))
+        st = loader.stats
+        if e == 1:
+            assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (8, 0, total)
+        else:
+            assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (0, 8, 0)
+    assert set(shard_requests(store).values()) == {1}
+
+
+def test_lru_eviction_within_the_limit_never_evicts_a_shard_in_use(data_root, tmp_path, store):
+    shard_refs = refs(data_root, store.url)
+    size = max(r.bytes for r in shard_refs)
+    cache = ShardCache(str(tmp_path / "cache"), 3 * size, FAST)
+
+    def present(i: int) -> bool:
+        return os.path.exists(cache.path(shard_refs[i]))
+
+    held = cache.acquire(shard_refs[0])  # in use for the whole time
+    for i in range(1, 5):
+        time.sleep(0.02)  # distinct mtimes
+        cache.read(cache.acquire(shard_refs[i]))
+        assert sum(p.stat().st_size for p in cached_tars(tmp_path / "cache")) <= 3 * size
+    assert present(0) and present(3) and present(4) and not present(1) and not present(2)
+    cache.read(held)  # released
+    for i in (0, 3):  # touch 0 and 3: now 4 is the least recently used idle shard
+        time.sleep(0.02)
+        cache.read(cache.acquire(shard_refs[i]))
+    time.sleep(0.02)
+    cache.read(cache.acquire(shard_refs[5]))
+    assert present(0) and present(3) and present(5) and not present(4)
+    st = cache.take_stats()
+    assert st["cache_evictions"] == 3 and st["cache_hits"] == 2 and st["cache_misses"] == 6
+    # Everything in use and no room: served without being kept, not an error and not a wait.
+    tight = ShardCache(str(tmp_path / "tight"), size, FAST)
+    held = tight.acquire(shard_refs[0])
+    data = tight.acquire(shard_refs[1])
+    assert isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == shard_refs[1].sha256
+    assert tight.take_stats()["cache_bypass"] == 1 and len(cached_tars(tmp_path / "tight")) == 1
+    tight.read(held)
+
+
+def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp_path):
+    with SlowStore(str(data_root / "data"), fail_every=3, truncate_every=4, fault_glob="*.tar") as srv:
+        loader = CachedLoader(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=2,
+                              cache_dir=str(tmp_path / "cache"), backoff=0.01)
+        keys = [k for ks, _ in epoch(loader) for k in ks]
+    assert len(keys) == len(set(keys)) == 1438
+    assert loader.stats["fetch_retries"] > 0
+    tars = cached_tars(tmp_path / "cache")
+    want = {s["sha256"] for s in index(data_root)["splits"]["train"]}
+    assert len(tars) == 8 and {hashlib.sha256(p.read_bytes()).hexdigest() for p in tars} == want
+
+
+def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, tmp_path):
+    with SlowStore(str(data_root / "data"), truncate_every=1, fault_glob="*.tar") as srv:
+        for cls, kw in ((CachedLoader, {"cache_dir": str(tmp_path / "cache")}), (PlainLoader, {})):
+            loader = cls(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1,
+                         backoff=0.01, **kw)
+            with pytest.raises(DataError) as err:
+                epoch(loader)
+            msg = str(err.value)
+            assert msg.startswith(f"cannot read shard {srv.url}/digits/train-0000") and "offset" in msg, msg
+            assert "2 attempts" in msg and "\n" not in msg
+    assert os.listdir(tmp_path / "cache") == [".locks"] or not cached_tars(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.part.*"))
+
+
+def test_unreachable_source_is_retried_then_named(data_root, tmp_path):
+    srv = SlowStore(str(data_root / "data")).start()
+    loader = CachedLoader(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0,
+                          cache_dir=str(tmp_path / "cache"), retries=2, backoff=0.05, read_timeout=2)
+    srv.stop()  # the index was read; now the "network volume" goes away
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match=rf"cannot read shard {srv.url}/digits/train-\d+\.tar after 3 attempts"):
+        epoch(loader)
+    assert time.monotonic() - t0 >= 0.15  # backed off 0.05 + 0.1 s
+    with pytest.raises(DataError, match=r"http://127\.0\.0\.1:1/digits/index\.json"):
+        remote_digits("http://127.0.0.1:1").index  # noqa: B018 - loading it is the test
+
+
+def test_bad_cache_settings_are_one_line_errors(data_root, tmp_path, store):
+    ds = remote_digits(store.url)
+    with pytest.raises(ConfigError, match="loader.cache_limit=1KB is smaller than the largest shard"):
+        CachedLoader(ds, "train", batch_size=8, seed=0, cache_dir=str(tmp_path / "c"), cache_limit="1KB")
+    with pytest.raises(ConfigError, match="loader.cache_limit='lots' is not a size"):
+        parse_size("lots")
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("2MiB") == 2 << 20 and parse_size(None) is None
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError, match="cannot create loader.cache_dir"):
+        CachedLoader(ds, "train", batch_size=8, seed=0, cache_dir=str(tmp_path / "file" / "cache"))
+
+
+def test_full_cache_disk_evicts_idle_shards_and_finishes(data_root, tmp_path, store):
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:  # 2 MiB holds two of the ~0.73 MB shards: no limit configured, the disk itself is the limit
+        loader = CachedLoader(remote_digits(store.url), "train", batch_size=64, seed=0, num_workers=0,
+                              prefetch_shards=1, cache_dir=str(disk))
+        keys = [k for ks, _ in epoch(loader) for k in ks]
+        assert len(keys) == len(set(keys)) == 1438
+        assert loader.stats["cache_evictions"] >= 5 and not list(disk.glob("*.part.*"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_killed_ddp_job_over_http_resumes_on_one_rank_and_consumes_each_sample_once(data_root, tmp_path, store):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    common = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader=cached", "loader.num_workers=1",
+              f"loader.cache_dir={cache}", f"data.root={store.url}/digits", "data.record_sample_ids=true",
+              "ckpt=sync_dcp", "ckpt.interval_steps=10", f"run_dir={run_dir}", "fault=crash_at_step", "fault.step=13"]
+    p = cli([*common, "strategy=ddp"], data_root, tmp_path)
+    assert p.returncode != 0 and (run_dir / "checkpoints" / "step_00000010").is_dir()
+    p = cli([*common, "strategy=single"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["resumed_from"] == 10 and s["world_size"] == 1
+    keys = epoch0_keys(run_dir, 1, 10)
+    assert len(keys) == len(set(keys)) == 1438  # no sample repeated, none skipped
+    requests = shard_requests(store)  # both ranks, the restart and the evaluations: one download per shard
+    assert requests and set(requests.values()) == {1}
+    assert s["data"]["cache_hits"] > 0 and "data_wait_fraction" in s["data"]
+    assert any("cache_hits" in r for r in read_jsonl(run_dir / "metrics.jsonl"))
