@@ -1,6 +1,9 @@
 """Fault injection: kill the job on purpose to see what a configuration loses and that it resumes.
 
-Each fault fires once per run dir (``RUN_DIR/faults.jsonl`` remembers it), so the restarted job gets past it.
+``crash_at_step``, ``stall`` and ``during_save`` fire once per run dir (``RUN_DIR/faults.jsonl`` remembers
+them), so the restarted job gets past them. ``random`` fires in every attempt after a time drawn from an
+exponential distribution (mean ``mtbf_seconds``, seeded by (seed, attempt)), so a job with
+``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
 """
 
 from __future__ import annotations
@@ -9,19 +12,45 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
+
+from pitstop.errors import ConfigError
 
 log = logging.getLogger("pitstop.fault")
 
 
+def _positive_int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _kill(reason: str) -> None:
+    log.warning("fault injection: SIGKILL (%s)", reason)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class NoFault:
     name = "none"
+    rank = 0
 
     def __init__(self, **_: Any):
         pass
 
+    def bind(self, runner: Any) -> None:
+        """Check the settings against the job (ranks, steps, checkpointing); arm timers."""
+        world = runner.strategy.world_size
+        if not 0 <= int(self.rank) < world:
+            raise ConfigError(f"fault.rank={self.rank} but the job has {world} rank(s); use 0..{world - 1}")
+
     def after_step(self, runner: Any) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -35,19 +64,23 @@ class CrashAtStep(NoFault):
     name = "crash_at_step"
 
     def __init__(self, step: int, rank: int = 0, **_: Any):
-        if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
-            from pitstop.errors import ConfigError
+        self.step, self.rank = _positive_int("fault.step", step), rank
 
-            raise ConfigError(f"fault.step must be a positive integer, got {step!r}")
-        self.step, self.rank = step, rank
+    def bind(self, runner: Any) -> None:
+        super().bind(runner)
+        if self.step > runner.total_steps:
+            raise ConfigError(f"fault.step={self.step} is after the last step ({runner.total_steps}): the fault "
+                              f"would never fire; lower fault.step")
 
     def after_step(self, runner: Any) -> None:
-        if runner.step == self.step and runner.strategy.rank == self.rank and _first_time(runner.run_dir, self):
+        if runner.step == self.step and runner.strategy.rank == self.rank and _first_time(runner.run_dir, self.key()):
             self.fire()
 
+    def key(self) -> str:
+        return f"{self.name}@{self.step}"
+
     def fire(self) -> None:
-        log.warning("fault injection: SIGKILL at step %d", self.step)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill(f"at step {self.step}")
 
 
 class StallAtStep(CrashAtStep):
@@ -60,21 +93,127 @@ class StallAtStep(CrashAtStep):
         super().__init__(step=step, rank=rank, **kw)
         self.seconds = float(seconds)
 
+    def bind(self, runner: Any) -> None:
+        if runner.strategy.world_size < 2:
+            raise ConfigError("fault=stall needs at least 2 ranks (a peer must notice the stall); "
+                              "use strategy=ddp or strategy=fsdp")
+        super().bind(runner)
+
     def fire(self) -> None:
         log.warning("fault injection: rank %d stalls for %.0f s at step %d", self.rank, self.seconds, self.step)
         time.sleep(self.seconds)
 
 
-def _first_time(run_dir: str, fault: CrashAtStep) -> bool:
-    """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
-    ledger = os.path.join(run_dir, "faults.jsonl")
-    key = f"{fault.name}@{fault.step}"
-    if os.path.isfile(ledger):
-        with open(ledger) as f:
-            if any(json.loads(line).get("key") == key for line in f if line.strip()):
-                return False
-    with open(ledger, "a") as f:
+class RandomFault(NoFault):
+    """SIGKILL at a random moment: time to failure ~ Exponential(mean ``mtbf_seconds``) from process start,
+    drawn from (``seed``, attempt number), in every attempt (a timer thread: it can hit any phase)."""
+
+    name = "random"
+
+    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, **_: Any):
+        if isinstance(mtbf_seconds, bool) or not isinstance(mtbf_seconds, (int, float)) or mtbf_seconds <= 0:
+            raise ConfigError(f"fault.mtbf_seconds must be a positive number of seconds, got {mtbf_seconds!r}")
+        self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
+        self.timer: threading.Timer | None = None
+
+    def bind(self, runner: Any) -> None:
+        super().bind(runner)
+        restarts = int(runner.cfg.trainer.get("max_restarts") or 0)
+        if restarts < 1:
+            raise ConfigError("fault=random kills every attempt eventually; set trainer.max_restarts (e.g. 100) "
+                              "so the job is restarted and can finish")
+        if runner.strategy.rank != self.rank:
+            return
+        import numpy as np
+
+        n = _count(runner.run_dir, self.name)
+        ttf = float(np.random.default_rng([self.seed, n]).exponential(self.mtbf))
+        delay = max(0.0, ttf - (time.time() - runner.ledger.start_wall))
+        log.info("fault=random: attempt %d fails %.1f s after its start (mtbf %.0f s)", n + 1, ttf, self.mtbf)
+        run_dir = runner.run_dir
+
+        def fire() -> None:
+            _record(run_dir, f"{self.name}#{n}")
+            _kill(f"random failure {n + 1}, {ttf:.1f} s after start")
+
+        self.timer = threading.Timer(delay, fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class DuringSave(NoFault):
+    """SIGKILL while a checkpoint is being written (files on disk, commit marker not yet), once per run dir:
+    the first save started at or after step ``step``. Proves a half-written checkpoint never breaks resume."""
+
+    name = "during_save"
+
+    def __init__(self, step: int = 1, rank: int = 0, **_: Any):
+        self.step, self.rank = _positive_int("fault.step", step), rank
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    def bind(self, runner: Any) -> None:
+        super().bind(runner)
+        if runner.ckpt.name == "none":
+            raise ConfigError("fault=during_save needs checkpoints: choose a backend, e.g. ckpt=async_dcp")
+        self.root = runner.ckpt.root
+
+    def after_step(self, runner: Any) -> None:
+        if (self.thread is None and runner.step >= self.step and runner.strategy.rank == self.rank
+                and getattr(runner.ckpt, "saved_step", None) is not None and runner.ckpt.saved_step >= self.step):
+            if _count(runner.run_dir, self.name):
+                self.thread = threading.Thread()  # fired in an earlier attempt: stay idle
+                return
+            self.run_dir = runner.run_dir
+            self.thread = threading.Thread(target=self._watch, daemon=True, name="pitstop-fault")
+            self.thread.start()
+
+    def _watch(self) -> None:
+        from pitstop.ckpt.base import is_complete
+
+        while not self.stop.is_set():
+            for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
+                path = os.path.join(self.root, name)
+                if not name.startswith("step_") or is_complete(path):
+                    continue
+                try:
+                    written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+                except OSError:
+                    continue
+                if written > 0:
+                    _record(self.run_dir, self.name)
+                    _kill(f"during the write of {name}")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+def _count(run_dir: str, prefix: str) -> int:
+    path = os.path.join(run_dir, "faults.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.strip() and json.loads(line).get("key", "").startswith(prefix))
+
+
+def _record(run_dir: str, key: str) -> None:
+    with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
         f.write(json.dumps({"key": key, "time": time.time(), "pid": os.getpid()}) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _first_time(run_dir: str, key: str) -> bool:
+    """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
+    path = os.path.join(run_dir, "faults.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            if any(json.loads(line).get("key") == key for line in f if line.strip()):
+                return False
+    _record(run_dir, key)
     return True

@@ -35,6 +35,11 @@ def nproc(cfg: DictConfig) -> int:
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
     n = nproc(cfg)
+    restarts = OmegaConf.select(cfg, "trainer.max_restarts", default=0) or 0
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ConfigError(f"trainer.max_restarts must be an integer >= 0, got {restarts!r}")
+    if n == 1 and restarts and "RANK" not in os.environ and "PITSTOP_SUPERVISED" not in os.environ:
+        return supervise(cfg, run_dir, restarts)
     if n == 1 or "RANK" in os.environ:
         from pitstop.runner import Runner
 
@@ -81,6 +86,60 @@ def worker(cfg_yaml: str, run_dir: str) -> dict:
     except PitstopError as e:
         logging.getLogger("pitstop").error("%s", e)
         raise
+
+
+def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
+    """``strategy=single`` with ``trainer.max_restarts=N``: run the job in a child process and start it
+    again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
+    times. A configuration or data error (exit status 2) would fail again, so it is not restarted."""
+    import json
+    import multiprocessing as mp
+
+    validate(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_yaml, error_file = OmegaConf.to_yaml(cfg, resolve=True), os.path.join(run_dir, ".last_error")
+    ctx = mp.get_context("spawn")
+    for attempt in range(max_restarts + 1):
+        if os.path.exists(error_file):
+            os.remove(error_file)
+        child = ctx.Process(target=_supervised, args=(cfg_yaml, run_dir, attempt), name=f"pitstop-attempt{attempt}")
+        child.start()
+        child.join()
+        code = child.exitcode
+        if code == 0:
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                return json.load(f)
+        why = open(error_file).read().strip() if os.path.exists(error_file) else (
+            f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}")
+        if code == 2:
+            raise PitstopError(why)
+        if attempt < max_restarts:
+            log.warning("attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
+                        attempt + 1, why, attempt + 1, max_restarts)
+    raise PitstopError(f"the job failed {max_restarts + 1} times (last: {why}); "
+                       f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log")
+
+
+def _supervised(cfg_yaml: str, run_dir: str, attempt: int) -> None:
+    import sys
+
+    from pitstop.runner import Runner
+
+    os.environ["PITSTOP_SUPERVISED"] = "1"
+    os.environ["PITSTOP_RESTART_COUNT"] = str(attempt)
+    _log_to(run_dir, 0)
+    try:
+        Runner(OmegaConf.create(cfg_yaml), run_dir).run()
+    except PitstopError as e:
+        logging.getLogger("pitstop").error("%s", e)
+        with open(os.path.join(run_dir, ".last_error"), "w") as f:
+            f.write(str(e))
+        sys.exit(2)
+    except BaseException as e:
+        logging.getLogger("pitstop").exception("attempt failed")
+        with open(os.path.join(run_dir, ".last_error"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        sys.exit(1)
 
 
 def _log_to(run_dir: str, rank: int) -> None:

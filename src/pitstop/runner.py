@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
-from pitstop.ledger import Ledger
+from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.seed import rng_state, seed_everything, set_rng_state
 
@@ -68,6 +68,7 @@ class Runner:
             self.strategy.setup()
             seed_everything(cfg.seed, deterministic=cfg.trainer.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
+            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=self.strategy.is_main)
             self.data = build(cfg.data, _convert_="partial")
             self.task = build(cfg.task)
             self.model = self.strategy.wrap(build(cfg.model))
@@ -91,6 +92,7 @@ class Runner:
             if cfg.data.get("record_sample_ids"):
                 self._open_sample_log()
             self.fault = build(cfg.fault)
+            self.fault.bind(self)
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
 
     def _total_steps(self) -> int:
@@ -124,17 +126,25 @@ class Runner:
                     self.ckpt.wait()  # let a save in flight become durable before going down
             except BaseException as e:  # noqa: BLE001 - the original error matters more
                 log.error("while failing, the checkpoint in flight also failed: %s", e)
+            if getattr(self, "goodput", None) is not None:
+                self.goodput.write(self.step, status="failed")
             self._close(status="FAILED")
             raise
 
     def restore(self) -> None:
         with self.ledger.measure("startup"):
             self.resumed_from = self.ckpt.restore(self)
+        self.goodput.resumed(self.resumed_from)
+        self.goodput.write(self.step)
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})
         if self.strategy.is_main:
-            self.logger.start(self.run_dir, flatten(self.cfg), tags={"strategy": self.strategy.name, "ckpt": self.ckpt.name})
+            tags = {"strategy": self.strategy.name, "ckpt": self.ckpt.name, "loader": self.loader.kind}
+            sweep = self.cfg.get("sweep")
+            if sweep:  # mlflow ui: filter tags.sweep = '<id>' and compare the jobs side by side
+                tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)})
+            self.logger.start(self.run_dir, flatten(self.cfg), tags=tags)
 
     def fit(self) -> None:
         cfg, ledger = self.cfg.trainer, self.ledger
@@ -167,6 +177,8 @@ class Runner:
             ledger.add("checkpoint", self.ckpt.maybe_save(self.state, self.step, last=last))  # 5. save
             if getattr(self.ckpt, "saved_step", None) == self.step:
                 self._flush_logs()  # what a resume would not redo is on disk
+                self.goodput.mark(self.step)
+            self.goodput.tick(self.step)
             self.fault.after_step(self)
             for cb in self.callbacks:
                 cb.on_step_end(self)
@@ -245,6 +257,10 @@ class Runner:
             self.evaluate()
         with self.ledger.measure("checkpoint"):
             self.ckpt.close()                     # never report success with a save still in flight
+        self.fault.close()
+        account = self.goodput.write(self.step, status="finished")
+        self.logger.log_metrics({"goodput": account["goodput"], "restarts": account["restarts"],
+                                 **{f"goodput_{k}_seconds": v for k, v in account["totals"].items()}}, self.step)
         digest = self.params_sha256()
         summary = {
             "final_step": self.step, "total_steps": self.total_steps, "epoch": self.loader.epoch,
@@ -252,6 +268,7 @@ class Runner:
             "metrics": self.last_eval, "params_sha256": digest,
             "data": {**self.loader.stats, "data_wait_fraction": self._data_wait_fraction()},
             "checkpoint": self.ckpt.stats(), "strategy": self.strategy.name, "world_size": self.strategy.world_size,
+            "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures")},
         }
         for cb in self.callbacks:
             cb.on_train_end(self)
@@ -263,6 +280,7 @@ class Runner:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
             log.info("done: step %d, %s, params_sha256=%s", self.step,
                      ", ".join(f"{k}={v:.4f}" for k, v in self.last_eval.items()), digest[:16])
+            log.info("%s", table(account))
         return summary
 
     def _data_wait_fraction(self) -> float:

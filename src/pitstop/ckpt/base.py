@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from omegaconf import OmegaConf
+
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.errors import ConfigError, PitstopError
 
@@ -116,7 +118,8 @@ class CheckpointManager:
 
     def __init__(self, dir: str, interval_steps: int | None = None, interval_seconds: float | None = None,
                  keep_last_k: int = 3, save_last: bool = True, load: Any = "auto", on_error: str = "raise",
-                 load_model_only: bool = False, throttle_mbps: float | None = None, **_: Any):
+                 load_model_only: bool = False, throttle_mbps: float | None = None, interval: Any = None,
+                 mtbf_seconds: float | None = None, **_: Any):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
         for key, v in (("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds)):
@@ -127,7 +130,16 @@ class CheckpointManager:
         if self.is_async and keep_last_k == 1:
             raise ConfigError("ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "
                               "use 2 or more, or 0 to keep all")
+        if interval not in (None, "auto"):
+            raise ConfigError(f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
+                              f"or null with ckpt.interval_steps / ckpt.interval_seconds")
+        if mtbf_seconds is not None and (isinstance(mtbf_seconds, bool) or not isinstance(mtbf_seconds, (int, float))
+                                         or mtbf_seconds <= 0):
+            raise ConfigError(f"ckpt.mtbf_seconds must be a positive number of seconds or null, got {mtbf_seconds!r}")
         self.root = str(dir)
+        self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
+        if self.auto:  # the measured interval replaces the fixed ones
+            interval_steps = interval_seconds = None
         self.interval_steps, self.interval_seconds = interval_steps, interval_seconds
         self.keep_last_k, self.save_last, self.load_spec, self.on_error = keep_last_k, save_last, load, on_error
         self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
@@ -149,6 +161,15 @@ class CheckpointManager:
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
         self.strategy.barrier()
         self.last_save_time = time.monotonic()
+        self.started_saves = 0
+        if self.auto:
+            from pitstop.goodput import AutoInterval
+
+            fault_mtbf = OmegaConf.select(runner.cfg, "fault.mtbf_seconds", default=None)
+            mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
+                            (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
+            log_ = runner.goodput
+            self.auto_interval = AutoInterval(mtbf, source, log_.failures(), log_.job_seconds())
 
     def _check_writable(self) -> None:
         probe = os.path.join(self.root, f".write-probe-{os.getpid()}")
@@ -259,12 +280,29 @@ class CheckpointManager:
     def due(self, step: int, last: bool) -> bool:
         if last:
             return bool(self.save_last)
+        if self.auto:
+            if self.started_saves == 0:
+                return True  # the first save measures what a save costs
+            flag = time.monotonic() - self.last_save_time >= self._auto_seconds(step)
+            return self.strategy.any(flag)
         if self.interval_steps and step % int(self.interval_steps) == 0:
             return True
         if self.interval_seconds:
             flag = time.monotonic() - self.last_save_time >= float(self.interval_seconds)
             return self.strategy.any(flag)  # every rank must agree, or collectives would hang
         return False
+
+    def _auto_seconds(self, step: int) -> float:
+        """Young–Daly from this attempt's measured blocking cost per save (the loop's checkpoint time,
+        staging waits included) and, for async saves, never before the last one became durable."""
+        cost = self.runner.ledger.seconds["checkpoint"] / max(self.started_saves, 1)
+        ok = [r.total_seconds for r in self.records[-5:] if r.error is None and r.total_seconds]
+        write = sum(ok) / len(ok) if ok and self.is_async else 0.0
+        before = self.auto_interval.seconds
+        seconds = self.auto_interval.update(cost, write)
+        if seconds != before and (before is None or abs(seconds - before) > 0.1 * before):
+            self.runner.report({"ckpt_interval_seconds": seconds}, step)
+        return seconds
 
     def maybe_save(self, state: Any, step: int, *, last: bool = False) -> float:
         """Save if due; return the seconds the training loop was blocked."""
@@ -275,6 +313,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
         self.saved_step = step
+        self.started_saves += 1
         record = SaveRecord(step=step, path=step_dir(self.root, step))
         if self.rank == 0 and os.path.exists(record.path):
             shutil.rmtree(record.path)  # a partial leftover of the same step (e.g. after a crash)

@@ -1,0 +1,146 @@
+"""Measured goodput under injected failures vs the goodput model, per checkpoint backend and interval.
+
+    python bench/goodput.py [--mtbf 15] [--work 40] [--intervals 1 4 16] [--throttle-mbps 2] [--seed 7]
+
+Every configuration trains the same job (small CNN on digits; ``--work`` seconds of compute) with
+``fault=random fault.mtbf_seconds=MTBF`` (the same seeded failure times for every configuration) and
+``trainer.max_restarts``, so each run is one command that is killed and restarted until it finishes. Saves
+go through ``ckpt.throttle_mbps`` (a slow network volume), so a synchronous save blocks for a while.
+
+For each backend (sync_save, async_dcp) and interval (fixed ``interval_seconds``, and ``interval=auto``),
+the run's ``goodput.json`` gives the measured goodput and the model's inputs, all measured in that run:
+C (blocking seconds per save), W (async: save start -> durable), R (start-up + restore per attempt),
+e0 (productive share of the time not spent on saves or failures: data wait, eval, logging remain) and the
+realised MTBF (wall clock / failures). Prediction for a job of U productive seconds:
+
+    wall = R + (U / e0) * ((T + C) / T) / (1 - (R + (T + C)/2 + W) / MTBF);   goodput = U / wall
+
+Targets: |measured - predicted| <= 5 points; interval=auto within 2 points of the best fixed interval, or better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, ensure_data
+
+PY = sys.executable
+
+
+def train(run_dir: str, overrides: list[str], timeout: float) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    p = subprocess.run([PY, "-m", "recipe.train", f"run_dir={run_dir}", *overrides], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        print(p.stderr[-2000:], file=sys.stderr)
+    return p.returncode, time.perf_counter() - t0
+
+
+def measured(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "goodput.json")) as f:
+        doc = json.load(f)
+    t, attempts = doc["totals"], doc["attempts"]
+    saves = sum(len(a["marks"]) for a in attempts)
+    writes = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if "ckpt_total_seconds" in r:
+                writes.append(r["ckpt_total_seconds"])
+            if "ckpt_interval_seconds" in r:
+                doc["auto_interval"] = r["ckpt_interval_seconds"]
+    failures = max(doc["failures"], 0)
+    return {
+        "goodput": doc["goodput"], "total": t["total"], "U": t["productive"], "failures": failures,
+        "C": t["checkpoint"] / max(saves, 1), "saves": saves,
+        "W": sum(writes) / len(writes) if writes else 0.0,
+        "R": t["startup"] / len(attempts),
+        "e0": t["productive"] / max(t["productive"] + t["data_wait"] + t["other"], 1e-9),
+        "mtbf_seen": t["total"] / failures if failures else float("inf"),
+        "auto_T": doc.get("auto_interval"), "totals": t,
+    }
+
+
+def predict(U: float, e0: float, T: float, C: float, R: float, W: float, mtbf: float) -> float:
+    lost = (R + (T + C) / 2 + W) / mtbf
+    if lost >= 1:
+        return 0.0
+    return U / (R + (U / e0) * ((T + C) / T) / (1 - lost))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mtbf", type=float, default=15.0, help="seconds between injected failures (mean)")
+    ap.add_argument("--work", type=float, default=40.0, help="seconds of training compute per job")
+    ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 4.0, 16.0])
+    ap.add_argument("--throttle-mbps", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--backends", nargs="+", default=["sync_save", "async_dcp"])
+    a = ap.parse_args()
+    ensure_data()
+    tmp = tempfile.mkdtemp(prefix="pitstop-bench-goodput-")
+    base = ["logger=none", "trainer.progress_bar=false", "loader.num_workers=1", f"ckpt.throttle_mbps={a.throttle_mbps}",
+            "ckpt.keep_last_k=2", "trainer.log_every_steps=50"]
+    try:
+        # Calibrate: steps/s of this job without failures or saves.
+        probe = os.path.join(tmp, "probe")
+        rc, _ = train(probe, [*base, "ckpt=none", "trainer.max_steps=400", "trainer.eval_every_steps=400"], 600)
+        assert rc == 0, "calibration run failed"
+        t = json.load(open(os.path.join(probe, "goodput.json")))["totals"]
+        steps = int(a.work * 400 / t["productive"])
+        print(f"job: {steps} steps (~{a.work:.0f} s of compute; {t['productive'] / 400 * 1000:.1f} ms/step), "
+              f"failures ~ Exponential(mean {a.mtbf:g} s) seeded {a.seed}, saves through {a.throttle_mbps:g} MB/s\n")
+        job = [*base, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", "fault=random",
+               f"fault.mtbf_seconds={a.mtbf}", f"fault.seed={a.seed}", "trainer.max_restarts=500"]
+        rows = []
+        for backend in a.backends:
+            for T in [*a.intervals, "auto"]:
+                run_dir = os.path.join(tmp, f"{backend}-{T}")
+                iv = ["ckpt.interval=auto"] if T == "auto" else ["ckpt.interval_steps=null", f"ckpt.interval_seconds={T}"]
+                rc, wall = train(run_dir, [*job, f"ckpt={backend}", *iv], 3600)
+                if rc != 0:
+                    rows.append((backend, T, None, None, None))
+                    continue
+                m = measured(run_dir)
+                t_eff = m["auto_T"] if T == "auto" else float(T)
+                p_seen = predict(m["U"], m["e0"], t_eff, m["C"], m["R"], m["W"], m["mtbf_seen"])
+                p_nominal = predict(m["U"], m["e0"], t_eff, m["C"], m["R"], m["W"], a.mtbf)
+                rows.append((backend, T, m, p_seen, p_nominal))
+                print(f"  done {backend:9} interval={T!s:5} goodput {m['goodput'] * 100:5.1f}%  "
+                      f"(predicted {p_seen * 100:5.1f}%), {m['failures']} failures, {wall:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\n{'backend':10} {'interval':>9} {'failures':>8} {'MTBF seen':>9} {'C s':>6} {'W s':>6} {'R s':>5} "
+          f"{'e0':>5} {'measured':>9} {'predicted':>9} {'diff':>6} {'pred@nominal':>12}")
+    worst = 0.0
+    for backend, T, m, p_seen, p_nom in rows:
+        if m is None:
+            print(f"{backend:10} {T!s:>9}  FAILED")
+            continue
+        label = f"auto({m['auto_T']:.1f})" if T == "auto" else f"{T:g} s"
+        diff = (m["goodput"] - p_seen) * 100
+        worst = max(worst, abs(diff))
+        print(f"{backend:10} {label:>9} {m['failures']:>8} {m['mtbf_seen']:>9.1f} {m['C']:>6.3f} {m['W']:>6.3f} "
+              f"{m['R']:>5.2f} {m['e0']:>5.2f} {m['goodput'] * 100:>8.1f}% {p_seen * 100:>8.1f}% {diff:>+6.1f} "
+              f"{p_nom * 100:>11.1f}%")
+    print(f"\nlargest |measured - predicted|: {worst:.1f} points (target <= 5)  -> {'OK' if worst <= 5 else 'MISSED'}")
+    for backend in a.backends:
+        fixed = [r for r in rows if r[0] == backend and r[1] != "auto" and r[2] is not None]
+        auto = [r for r in rows if r[0] == backend and r[1] == "auto" and r[2] is not None]
+        if fixed and auto:
+            best = max(fixed, key=lambda r: r[2]["goodput"])
+            gap = (auto[0][2]["goodput"] - best[2]["goodput"]) * 100
+            print(f"{backend}: interval=auto {auto[0][2]['goodput'] * 100:.1f}% vs best fixed ({best[1]:g} s) "
+                  f"{best[2]['goodput'] * 100:.1f}%: {gap:+.1f} points  -> {'OK' if gap >= -2 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

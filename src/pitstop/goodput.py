@@ -1,0 +1,97 @@
+"""The goodput model and the automatic checkpoint interval (Young–Daly).
+
+A job saves after every ``T`` seconds of work, each save blocks the loop for ``C`` seconds, and becomes
+durable ``W`` seconds after it started (0 for a synchronous save, the background write time for an async
+one).  Failures arrive at random, on average every ``M`` seconds of wall clock; each costs the restart
+``R`` plus the work since the last durable checkpoint — on average half a cycle, ``(T + C) / 2``, plus ``W``.
+To first order::
+
+    goodput(T) = T / (T + C) * (1 - (R + (T + C) / 2 + W) / M)
+
+It is maximised near Young's interval ``T* = sqrt(2 C M)`` (Daly's refinements matter only when T* is a
+sizeable fraction of M).  With C = R = W = 0 and 8.6 failures a day (M = 2.79 h): T = 2 h gives 64%,
+T = 30 min gives 91% — the figures published for Llama 3 training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+log = logging.getLogger("pitstop.goodput")
+
+ASSUMED_MTBF = 86400.0  # one failure a day, until a better figure is known
+
+
+def expected_goodput(interval: float, mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0,
+                     write_lag: float = 0.0) -> float:
+    t, c = float(interval), float(save_cost)
+    if t <= 0 or mtbf <= 0:
+        return 0.0
+    useful = t / (t + c)
+    lost = (restart_cost + (t + c) / 2 + write_lag) / mtbf
+    return max(0.0, useful * (1.0 - lost))
+
+
+def young_daly(save_cost: float, mtbf: float) -> float:
+    return math.sqrt(2.0 * max(save_cost, 0.0) * mtbf)
+
+
+def best_interval(mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0, write_lag: float = 0.0) -> float:
+    """The interval that maximises :func:`expected_goodput` (a fine log-spaced search)."""
+    if save_cost <= 0:
+        return 0.0  # free saves: save continuously
+    grid = [young_daly(save_cost, mtbf) * 10 ** (k / 200) for k in range(-400, 401)]
+    return max(grid, key=lambda t: expected_goodput(t, mtbf, save_cost, restart_cost, write_lag))
+
+
+_UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``90``, ``90s``, ``30min``, ``2h``, ``1.5d``."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", str(text).lower())
+    if not m or (m.group(2) and m.group(2) not in _UNITS):
+        raise ValueError(f"{text!r} is not a duration; use e.g. 90s, 30min, 2h")
+    return float(m.group(1)) * _UNITS.get(m.group(2) or "s", 1)
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s"
+
+
+class AutoInterval:
+    """``ckpt.interval=auto``: the save interval from measured save cost and the best MTBF known.
+
+    MTBF: ``ckpt.mtbf_seconds``, else ``fault.mtbf_seconds``, else failures observed in this run dir
+    (job wall clock / failures), else one a day (with a log line saying so). The first save comes after
+    the first step, to measure C; after every save the interval is recomputed (logged when it moves by more
+    than 10%). An async save is never due before the previous one is durable, so T >= W.
+    """
+
+    def __init__(self, mtbf: float | None, source: str, observed_failures: int = 0, observed_seconds: float = 0.0):
+        if mtbf is None and observed_failures > 0 and observed_seconds > 0:
+            mtbf, source = observed_seconds / observed_failures, f"{observed_failures} failure(s) observed in this run dir"
+        if mtbf is None:
+            mtbf, source = ASSUMED_MTBF, "assumed: no MTBF known yet (set ckpt.mtbf_seconds)"
+            log.info("ckpt.interval=auto: no MTBF known yet (ckpt.mtbf_seconds, fault.mtbf_seconds, or failures "
+                     "observed in this run dir); assuming one failure a day until one is; first save after step 1 "
+                     "to measure its cost")
+        self.mtbf, self.source = float(mtbf), source
+        self.seconds: float | None = None  # None until a save cost is measured
+
+    def update(self, save_cost: float, write_seconds: float) -> float:
+        t = max(young_daly(save_cost, self.mtbf), write_seconds, 1e-3)
+        if self.seconds is not None and abs(t - self.seconds) <= 0.1 * self.seconds:
+            return self.seconds  # small drifts of the running average do not move the interval
+        log.info("ckpt.interval=auto: save every %s (blocking cost %.3f s per save, MTBF %s: %s)",
+                 fmt_duration(t), save_cost, fmt_duration(self.mtbf), self.source)
+        self.seconds = t
+        return t

@@ -1,0 +1,214 @@
+"""Goodput: the ledger across real kills and restarts, the fault modes, the supervisor, ckpt.interval=auto,
+the goodput model (recipe.goodput) and the sweep report of a real -m run with a failing job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, ROOT, cli, read_jsonl, train
+from pitstop.errors import ConfigError
+from pitstop.goodput import AutoInterval, best_interval, expected_goodput, young_daly
+from pitstop.ledger import JOB_BUCKETS, account
+
+RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader.num_workers=1",
+       "trainer.eval_every_steps=20"]
+
+
+def load(run_dir) -> tuple[dict, dict]:
+    return (json.loads((Path(run_dir) / "summary.json").read_text()),
+            json.loads((Path(run_dir) / "goodput.json").read_text()))
+
+
+def check_account(doc: dict) -> None:
+    t = doc["totals"]
+    assert math.isclose(sum(t[b] for b in JOB_BUCKETS), t["total"], abs_tol=0.01)
+    assert all(t[b] >= 0 for b in JOB_BUCKETS)
+    assert math.isclose(doc["goodput"], t["productive"] / t["total"], abs_tol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory):
+    """An uninterrupted run: the final parameters every interrupted run must reach exactly."""
+    tmp = tmp_path_factory.mktemp("ref")
+    p = cli([*RUN, f"run_dir={tmp / 'run'}", "ckpt=none", "trainer.max_steps=120"], data_root, tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = cli([*RUN, f"run_dir={tmp / 'run40'}", "ckpt=none"], data_root, tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {120: load(tmp / "run")[0]["params_sha256"], 40: load(tmp / "run40")[0]["params_sha256"]}
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def test_model_reproduces_the_published_case_and_young_daly():
+    mtbf = 86400 / 8.6
+    assert round(expected_goodput(2 * 3600, mtbf) * 100) == 64
+    assert round(expected_goodput(30 * 60, mtbf) * 100) == 91
+    # With a save cost the optimum is near Young's sqrt(2 C M) (and as good to 0.1 point); costs only lower it.
+    c = 60.0
+    best, yd = best_interval(mtbf, c), young_daly(c, mtbf)
+    assert math.isclose(best, yd, rel_tol=0.1)
+    assert expected_goodput(yd, mtbf, c) > expected_goodput(best, mtbf, c) - 0.001
+    assert expected_goodput(1800, mtbf, save_cost=60, restart_cost=600) < expected_goodput(1800, mtbf, save_cost=60)
+
+
+def test_recipe_goodput_prints_the_published_figures():
+    def run(*args):
+        return subprocess.run([PY, "-m", "recipe.goodput", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    p = run("--failures-per-day", "8.6", "--interval", "2h", "30min")
+    assert p.returncode == 0, p.stderr
+    assert "64.2%" in p.stdout and "91.0%" in p.stdout and "save cost C and restart cost R" in p.stdout
+    p = run("--mtbf", "3h", "--save-cost", "60", "--interval", "10min")
+    assert p.returncode == 0 and "Young–Daly sqrt(2*C*MTBF) = 19.0 min" in p.stdout, p.stdout
+    p = run("--mtbf", "soon")
+    assert p.returncode == 2 and "'soon' is not a duration" in p.stderr
+
+
+def test_account_moves_redone_work_to_lost():
+    b = lambda compute, wait, startup=1.0: {"startup": startup, "compute": compute, "data_wait": wait,  # noqa: E731
+                                            "checkpoint": 0.5, "eval": 0.0, "logging": 0.0, "other": 0.1}
+    attempts = [
+        {"status": "running", "start": 0.0, "end": 11.6, "step": 25, "resumed_from": None, "auto_restart": False,
+         "buckets": b(8.0, 2.0), "marks": {"10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
+                                           "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0, "logging": 0}}},
+        {"status": "finished", "start": 12.6, "end": 20.0, "step": 40, "resumed_from": 20, "auto_restart": True,
+         "buckets": b(6.0, 0.5), "marks": {}},
+    ]
+    doc = account(attempts)
+    t = doc["totals"]
+    assert t["lost"] == 2.5  # compute 8-6 and data wait 2-1.5 after step 20 were redone
+    assert t["productive"] == 6.0 + 6.0 and t["data_wait"] == 1.5 + 0.5
+    assert t["startup"] == 1.0 + 1.0 + 1.0  # + the 1 s between the attempts (an automatic restart)
+    assert doc["restarts"] == 1 and doc["failures"] == 1
+    check_account(doc)
+
+
+# ---- real kills -----------------------------------------------------------------------------------------
+def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_both(data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=crash_at_step",
+             "fault.step=25", "trainer.max_restarts=2", "logger=mlflow",
+             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["params_sha256"] == reference[40] and s["resumed_from"] == 20
+    a1, a2 = doc["attempts"]
+    assert (a1["status"], a1["step"] >= 20, a1["auto_restart"]) == ("running", True, False)  # killed: never closed
+    assert (a2["status"], a2["resumed_from"], a2["auto_restart"]) == ("finished", 20, True)
+    assert doc["restarts"] == 1 and doc["failures"] == 1 and s["goodput"]["restarts"] == 1
+    assert all(a["buckets"]["startup"] > 0.5 for a in doc["attempts"])  # includes interpreter start + imports
+    check_account(doc)
+    assert "attempt 1 failed (killed by signal 9); restarting" in (run_dir / "train.log").read_text()
+    assert "goodput" in p.stderr and "lost" in p.stderr  # the table at the end
+
+
+def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    common = [*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "fault=crash_at_step",
+              "fault.step=33"]
+    assert cli(common, data_root, tmp_path).returncode != 0
+    p = cli(common, data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["params_sha256"] == reference[40]
+    assert [a["resumed_from"] for a in doc["attempts"]] == [None, 30] and not doc["attempts"][1]["auto_restart"]
+    check_account(doc)
+
+
+def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_path, reference):
+    # Seed 219 with a 10 s MTBF draws 6.4 s for the first attempt (it dies: start-up alone takes ~4 s)
+    # and 46 s for the second (it finishes first).
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, "trainer.max_steps=120", f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10",
+             "fault=random", "fault.mtbf_seconds=10", "fault.seed=219", "trainer.max_restarts=3"],
+            data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["params_sha256"] == reference[120]
+    assert [r["key"] for r in read_jsonl(run_dir / "faults.jsonl")] == ["random#0"]
+    assert doc["restarts"] == 1 and "attempt 1 fails 6.4 s after its start" in (run_dir / "train.log").read_text()
+    check_account(doc)
+
+
+def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "ckpt.throttle_mbps=1",
+             "fault=during_save", "fault.step=20", "trainer.max_restarts=1"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["params_sha256"] == reference[40]
+    assert [r["key"] for r in read_jsonl(run_dir / "faults.jsonl")] == ["during_save"]
+    log = (run_dir / "train.log").read_text()
+    assert "SIGKILL (during the write of step_00000020)" in log
+    assert s["resumed_from"] == 10  # the interrupted step-20 save never counted
+    check_account(doc)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,expected", [
+    (["fault=random", "fault.mtbf_seconds=-5", "trainer.max_restarts=3"], "fault.mtbf_seconds must be a positive"),
+    (["fault=random", "fault.mtbf_seconds=30"], "set trainer.max_restarts"),
+    (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
+    (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),
+    (["fault=crash_at_step", "fault.step=3", "fault.rank=2"], "fault.rank=2 but the job has 1 rank(s)"),
+    (["fault=stall", "fault.step=3"], "fault=stall needs at least 2 ranks"),
+    (["ckpt=sync_save", "ckpt.interval=sometimes"], "ckpt.interval='sometimes': use auto"),
+])
+def test_inconsistent_fault_and_interval_settings_fail_before_training(make_cfg, overrides, expected):
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_interval_sources_and_start_value(caplog):
+    with caplog.at_level(logging.INFO, logger="pitstop.goodput"):
+        auto = AutoInterval(None, "")
+    assert auto.mtbf == 86400 and "no MTBF known yet" in caplog.text
+    assert math.isclose(auto.update(0.5, 0.0), math.sqrt(2 * 0.5 * 86400))
+    assert AutoInterval(None, "", observed_failures=4, observed_seconds=200).mtbf == 50  # seen in this run dir
+    assert AutoInterval(30.0, "fault.mtbf_seconds", observed_failures=4, observed_seconds=200).mtbf == 30
+    async_ = AutoInterval(30.0, "x")
+    assert async_.update(0.01, write_seconds=2.0) == 2.0  # never due before the previous save is durable
+
+
+def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, "trainer.max_steps=60", f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval=auto",
+             "ckpt.mtbf_seconds=2", "ckpt.keep_last_k=0"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "ckpt.interval=auto: save every" in log and "MTBF 2.00 s: ckpt.mtbf_seconds" in log
+    steps = sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step_*"))
+    assert steps[0] == 1 and steps[-1] == 60 and len(steps) >= 4  # first after step 1, then every ~0.1-0.3 s
+    changes = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "ckpt_interval_seconds" in r]
+    assert changes and all(0 < r["ckpt_interval_seconds"] < 2 for r in changes)
+
+
+# ---- the sweep report ---------------------------------------------------------------------------------
+def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    p = cli(["-m", "debug=tiny", "ckpt=sync_save,async_dcp", "optim.lr=0.05,1e30", f"hydra.sweep.dir={sweep}",
+             "logger=mlflow", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"], data_root, tmp_path,
+            timeout=400)
+    assert p.returncode != 0  # a job failed, so the sweep did
+    md = (sweep / "report.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ckpt=")]
+    assert len(rows) == 4, md
+    failed = [r for r in rows if "FAILED" in r]
+    assert len(failed) == 2 and all("optim.lr=1e" in r and "loss is nan at step" in r for r in failed)
+    ok = [r for r in rows if "| ok |" in r]
+    assert len(ok) == 2 and all("%" in r for r in ok)
+    lines = (sweep / "report.csv").read_text().splitlines()
+    assert len(lines) == 5 and lines[0].startswith("job,configuration,status")
+    assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["pitstop"], filter_string=f"tags.sweep = '{sweep.name}'")
+    assert len(runs) == 4 and set(runs["tags.sweep_job"]) == {"0", "1", "2", "3"}
