@@ -214,3 +214,18 @@ def test_killed_ddp_job_over_http_resumes_on_one_rank_and_consumes_each_sample_o
     assert requests and set(requests.values()) == {1}
     assert s["data"]["cache_hits"] > 0 and "data_wait_fraction" in s["data"]
     assert any("cache_hits" in r for r in read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_any_fsspec_url_is_a_source(data_root, tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")  # an fsspec backend that needs no network (s3://, gs://... work alike)
+    for p in (data_root / "data" / "digits").iterdir():
+        fs.pipe(f"/pitstop-test/digits/{p.name}", p.read_bytes())
+    try:
+        ds = ImageShards(root="memory://pitstop-test/digits", name="digits", num_classes=10, channels=1)
+        loader = CachedLoader(ds, "train", batch_size=64, seed=0, num_workers=0, cache_dir=str(tmp_path / "cache"))
+        keys = [k for ks, _ in epoch(loader) for k in ks]
+        assert len(keys) == len(set(keys)) == 1438 and loader.stats["cache_misses"] == 8
+    finally:
+        fs.rm("/pitstop-test", recursive=True)

@@ -168,25 +168,23 @@ class DuringSave(NoFault):
             if _count(runner.run_dir, self.name):
                 self.thread = threading.Thread()  # fired in an earlier attempt: stay idle
                 return
-            self.run_dir = runner.run_dir
+            self.run_dir, self.ckpt = runner.run_dir, runner.ckpt
             self.thread = threading.Thread(target=self._watch, daemon=True, name="pitstop-fault")
             self.thread.start()
 
     def _watch(self) -> None:
-        from pitstop.ckpt.base import is_complete
+        from pitstop.ckpt.base import is_complete, step_dir
 
         while not self.stop.is_set():
-            for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
-                path = os.path.join(self.root, name)
-                if not name.startswith("step_") or is_complete(path):
-                    continue
+            path = step_dir(self.root, self.ckpt.saved_step)  # the save in progress (not a purge of an old one)
+            if not is_complete(path):
                 try:
                     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
                 except OSError:
-                    continue
+                    written = 0
                 if written > 0:
                     _record(self.run_dir, self.name)
-                    _kill(f"during the write of {name}")
+                    _kill(f"during the write of {os.path.basename(path)}")
             time.sleep(0.001)
 
     def close(self) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import uuid
 from typing import Any
 
@@ -91,7 +93,8 @@ def worker(cfg_yaml: str, run_dir: str) -> dict:
 def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     """``strategy=single`` with ``trainer.max_restarts=N``: run the job in a child process and start it
     again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
-    times. A configuration or data error (exit status 2) would fail again, so it is not restarted."""
+    times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
+    storage errors may be transient (a remote store down for a while) and are."""
     import json
     import multiprocessing as mp
 
@@ -99,12 +102,21 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml, error_file = OmegaConf.to_yaml(cfg, resolve=True), os.path.join(run_dir, ".last_error")
     ctx = mp.get_context("spawn")
+    if threading.current_thread() is threading.main_thread():  # SIGTERM -> SystemExit: the finally below runs
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     for attempt in range(max_restarts + 1):
         if os.path.exists(error_file):
             os.remove(error_file)
         child = ctx.Process(target=_supervised, args=(cfg_yaml, run_dir, attempt), name=f"pitstop-attempt{attempt}")
         child.start()
-        child.join()
+        try:
+            child.join()
+        finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): take the attempt down too
+            if child.is_alive():
+                child.terminate()
+                child.join(30)
+                if child.is_alive():
+                    child.kill()
         code = child.exitcode
         if code == 0:
             with open(os.path.join(run_dir, "summary.json")) as f:
@@ -112,12 +124,16 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
         why = open(error_file).read().strip() if os.path.exists(error_file) else (
             f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}")
         if code == 2:
-            raise PitstopError(why)
+            raise ConfigError(why)
         if attempt < max_restarts:
             log.warning("attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
                         attempt + 1, why, attempt + 1, max_restarts)
     raise PitstopError(f"the job failed {max_restarts + 1} times (last: {why}); "
                        f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log")
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _supervised(cfg_yaml: str, run_dir: str, attempt: int) -> None:
@@ -134,7 +150,7 @@ def _supervised(cfg_yaml: str, run_dir: str, attempt: int) -> None:
         logging.getLogger("pitstop").error("%s", e)
         with open(os.path.join(run_dir, ".last_error"), "w") as f:
             f.write(str(e))
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
     except BaseException as e:
         logging.getLogger("pitstop").exception("attempt failed")
         with open(os.path.join(run_dir, ".last_error"), "w") as f:

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import uuid
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -185,14 +186,14 @@ def _plot(rows: list[dict], path: str) -> None:
     if any(r["status"] == "ok" for r in rows):
         fig.legend(ncol=6, fontsize=8, loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, bottom, 1, 1))
-    tmp = path + ".tmp.png"
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # jobs of parallel launchers write concurrently
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -221,8 +222,11 @@ class SweepReport(Callback):
 
     @staticmethod
     def _write(sweep_dir: str) -> list[dict]:
+        from filelock import FileLock
+
         try:
-            return write_report(sweep_dir)
+            with FileLock(os.path.join(sweep_dir, ".report.lock")):  # one writer at a time (joblib, submitit)
+                return write_report(sweep_dir)
         except Exception as e:  # noqa: BLE001 - a report problem must not fail the sweep's jobs
             log.error("could not write the sweep report in %s: %s", sweep_dir, e)
             return []

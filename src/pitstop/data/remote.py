@@ -67,9 +67,18 @@ def _open(url: str, timeout: float, allow_pipe: bool) -> tuple[BinaryIO, Callabl
     return fsspec.open(url, "rb").open(), lambda: None
 
 
-def _copy(url: str, sink: BinaryIO, policy: FetchPolicy) -> tuple[int, str]:
+class SinkError(Exception):
+    """Writing what was read failed (e.g. the cache's disk is full): not the source's fault, not retried."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copy(url: str, sink: BinaryIO, policy: FetchPolicy, progress: list[int]) -> tuple[int, str]:
     f, done = _open(url, policy.timeout, policy.allow_pipe)
     h, n = hashlib.sha256(), 0
+    ok = False
     try:
         while True:
             block = f.read(CHUNK)
@@ -79,10 +88,20 @@ def _copy(url: str, sink: BinaryIO, policy: FetchPolicy) -> tuple[int, str]:
                     raise ConnectionError(f"connection closed at byte offset {n}, {short} bytes short")
                 break
             h.update(block)
-            sink.write(block)
+            try:
+                sink.write(block)
+            except OSError as e:
+                raise SinkError(e) from e
             n += len(block)
+            progress[0] += len(block)
+        ok = True
     finally:
         f.close()
+        if not ok:
+            try:
+                done()  # reap a pipe: command
+            except OSError:
+                pass
     done()
     return n, h.hexdigest()
 
@@ -98,25 +117,28 @@ def fetch(ref: ShardRef, sink_factory: Callable[[], BinaryIO], policy: FetchPoli
     retries = policy.retries if is_remote(ref.url) else 0  # a local file reads the same the second time
     for attempt in range(retries + 1):
         sink = sink_factory()
+        progress = [0]  # bytes received in this attempt, also when it fails half-way
         try:
-            n, digest = _copy(ref.url, sink, policy)
-            transferred += n
+            n, digest = _copy(ref.url, sink, policy, progress)
             if ref.bytes and n != ref.bytes:
                 last = f"truncated or changed shard: it ends at byte offset {n}, the index says {ref.bytes} bytes"
             elif verify_sha and ref.sha256 and digest != ref.sha256:
                 last = f"sha256 {digest[:12]}... does not match the index ({ref.sha256[:12]}...)"
             else:
-                return transferred
-        except DataError:
+                return transferred + progress[0]
+        except (DataError, SinkError):
             raise
         except FileNotFoundError as e:
             raise DataError(f"shard not found: {ref.url} — re-run recipe.prepare for this data dir") from e
         except urllib.error.HTTPError as e:
             last = f"HTTP {e.code} {e.reason}"
+            e.close()
             if e.code in (403, 404, 410):
                 raise DataError(f"cannot read shard {ref.url}: {last} — check data.root") from e
         except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts, resets, short reads
             last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+        finally:
+            transferred += progress[0]
         if attempt < retries:
             if on_retry is not None:
                 on_retry(last)

@@ -5,6 +5,7 @@ Layout of ``cache_dir``::
     <sha256[:16]>-<shard name>        complete, verified shards (content-addressed: a changed shard is a new file)
     <...>.part.<pid>.<thread>         a download in progress (never read; removed on failure or when stale)
     .locks/<name>.lock                one lock per shard: exactly one process downloads it
+                                      (a part file is created at full size and flock-ed by its download)
     .cache.lock                       serialises space accounting and eviction
 
 Guarantees:
@@ -12,7 +13,8 @@ Guarantees:
 - **One download per shard per machine**: a miss takes the shard's file lock, re-checks, downloads to a
   private temp file, verifies size and sha256 against the index, fsyncs and renames it into place.
   Readers only ever open complete files; a crash or kill leaves at most a temp file, which is removed the
-  next time anyone takes that shard's lock (or counted and removed by eviction).
+  next time anyone takes that shard's lock (or by eviction: nobody holds its lock). The part file is
+  reserved at full size under ``.cache.lock``, so concurrent downloads never overshoot ``limit``.
 - **LRU within ``limit`` bytes that never evicts a shard in use**: a shard is in use while some process
   holds a shared ``flock`` on it (from the moment a prefetch finishes until the reader has read it);
   eviction only removes files on which it can take an exclusive lock without waiting, least recently
@@ -33,7 +35,7 @@ from typing import BinaryIO
 
 from filelock import FileLock
 
-from pitstop.data.remote import FetchPolicy, ShardRef, fetch, fetch_bytes
+from pitstop.data.remote import FetchPolicy, ShardRef, SinkError, fetch, fetch_bytes
 from pitstop.errors import DataError
 
 PART = ".part."
@@ -42,16 +44,6 @@ PART = ".part."
 def _margin(path: str) -> int:
     """Free space to leave on the cache's disk: 64 MiB, or 5% of a small disk."""
     return min(64 << 20, shutil.disk_usage(path).total // 20)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShardCache:
@@ -98,18 +90,14 @@ class ShardCache:
                 return f
             self.count("cache_misses")
             self._remove_stale_parts(final)
-            if not self._make_room(ref.bytes):
+            part = self._reserve(ref, final)
+            if part is None:  # no room: everything is in use (or the disk is full of other things)
                 self.count("cache_bypass")
                 data, transferred = fetch_bytes(ref, self.policy, verify_sha=self.verify == "sha256",
                                                 on_retry=lambda _: self.count("fetch_retries"))
                 self.count("bytes_from_source", transferred)
                 return data
-            self._download(ref, final)
-            f = self._open_complete(ref)
-            if f is None:  # evicted between rename and open: only possible with a tiny limit
-                raise DataError(f"shard {ref.url} was evicted from loader.cache_dir {self.dir} right after "
-                                f"download; raise loader.cache_limit")
-            return f
+            return self._download(ref, part, final)
 
     @staticmethod
     def read(handle: BinaryIO | bytes) -> bytes:
@@ -155,43 +143,56 @@ class ShardCache:
             if name.startswith(prefix):
                 self._discard(os.path.join(self.dir, name))
 
-    def _download(self, ref: ShardRef, final: str) -> None:
-        tmp = f"{final}{PART}{os.getpid()}.{threading.get_ident()}"
-        sinks: list[BinaryIO] = []
+    def _reserve(self, ref: ShardRef, final: str) -> BinaryIO | None:
+        """Make room and claim it: a part file of the shard's size, exclusively locked by this download
+        (so concurrent downloads count against ``cache_limit`` and eviction can tell live parts from stale)."""
+        with FileLock(os.path.join(self.dir, ".cache.lock")):
+            if not self._room_locked(ref.bytes):
+                return None
+            tmp = f"{final}{PART}{os.getpid()}.{threading.get_ident()}"
+            part = open(tmp, "w+b")
+            fcntl.flock(part.fileno(), fcntl.LOCK_EX)
+            if ref.bytes:
+                try:
+                    os.posix_fallocate(part.fileno(), 0, ref.bytes)
+                except OSError:
+                    part.truncate(ref.bytes)  # no fallocate here: at least the limit accounting sees it
+            return part
 
-        def sink() -> BinaryIO:
-            for s in sinks:
-                s.close()
-            sinks.append(open(tmp, "wb"))
-            return sinks[-1]
+    def _download(self, ref: ShardRef, part: BinaryIO, final: str) -> BinaryIO:
+        """Fill ``part``, verify, publish it under ``final`` and return it open, shared-locked (in use)."""
 
-        for attempt in (0, 1):
-            try:
-                transferred = fetch(ref, sink, self.policy, verify_sha=self.verify == "sha256",
-                                    on_retry=lambda _: self.count("fetch_retries"))
-                self.count("bytes_from_source", transferred)
-                f = sinks[-1]
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-                os.replace(tmp, final)
-                return
-            except OSError as e:
-                for s in sinks:
-                    s.close()
-                self._discard(tmp)
-                if e.errno != errno.ENOSPC:
-                    raise DataError(f"cannot write shard {os.path.basename(final)} to loader.cache_dir {self.dir}: "
-                                    f"{e.strerror}") from e
-                if attempt == 1 or self._evict(need=ref.bytes) == 0:
-                    raise DataError(f"loader.cache_dir {self.dir} is full (no space left on the device) and nothing "
-                                    f"can be evicted; free space there or set loader.cache_limit below the free "
-                                    f"space") from e
-            except BaseException:
-                for s in sinks:
-                    s.close()
-                self._discard(tmp)  # the cache never keeps a partial file
-                raise
+        def sink() -> BinaryIO:  # every attempt starts over
+            part.seek(0)
+            return part
+
+        try:
+            for attempt in (0, 1):
+                try:
+                    transferred = fetch(ref, sink, self.policy, verify_sha=self.verify == "sha256",
+                                        on_retry=lambda _: self.count("fetch_retries"))
+                    break
+                except SinkError as e:
+                    full = e.error.errno in (errno.ENOSPC, errno.EDQUOT)
+                    if not full:
+                        raise DataError(f"cannot write shard {os.path.basename(final)} to loader.cache_dir "
+                                        f"{self.dir}: {e.error.strerror}") from e
+                    if attempt == 1 or self._evict(need=ref.bytes) == 0:
+                        raise DataError(f"loader.cache_dir {self.dir} is full (no space left on the device) and "
+                                        f"nothing can be evicted; free space there or set loader.cache_limit below "
+                                        f"the free space") from e
+            self.count("bytes_from_source", transferred)
+            part.truncate(part.tell())
+            part.flush()
+            os.fsync(part.fileno())
+            os.replace(part.name, final)  # still exclusively locked: nobody evicts it before we read it
+            fcntl.flock(part.fileno(), fcntl.LOCK_SH)
+            part.seek(0)
+            return part
+        except BaseException:
+            part.close()
+            self._discard(part.name)  # the cache never keeps a partial file
+            raise
 
     def _entries(self) -> list[tuple[float, int, str]]:
         out = []
@@ -206,18 +207,17 @@ class ShardCache:
             out.append((st.st_mtime, st.st_size, path))
         return out
 
-    def _make_room(self, need: int) -> bool:
-        """Evict least-recently-used idle shards until ``need`` more bytes fit (under ``limit`` and on the
-        disk); False if they cannot."""
-        with FileLock(os.path.join(self.dir, ".cache.lock")):
-            def excess() -> int:
-                over_disk = need + _margin(self.dir) - shutil.disk_usage(self.dir).free
-                over_limit = 0 if self.limit is None else sum(s for _, s, _ in self._entries()) + need - self.limit
-                return max(over_disk, over_limit)
+    def _room_locked(self, need: int) -> bool:
+        """(``.cache.lock`` held) Evict least-recently-used idle shards until ``need`` more bytes fit under
+        ``limit`` and on the disk; False if they cannot."""
+        def excess() -> int:
+            over_disk = need + _margin(self.dir) - shutil.disk_usage(self.dir).free
+            over_limit = 0 if self.limit is None else sum(s for _, s, _ in self._entries()) + need - self.limit
+            return max(over_disk, over_limit)
 
-            if excess() > 0:
-                self._evict_locked(excess())
-            return excess() <= 0
+        if excess() > 0:
+            self._evict_locked(excess())
+        return excess() <= 0
 
     def _evict(self, need: int) -> int:
         with FileLock(os.path.join(self.dir, ".cache.lock")):
@@ -228,12 +228,6 @@ class ShardCache:
         for _, size, path in sorted(self._entries()):
             if freed >= excess:
                 break
-            if PART in os.path.basename(path):
-                pid = os.path.basename(path).split(PART, 1)[1].split(".")[0]
-                if pid.isdigit() and not _alive(int(pid)):
-                    self._discard(path)  # left by a killed process
-                    freed += size
-                continue  # a download in progress (its owner cleans up on failure)
             try:
                 f = open(path, "rb")
             except FileNotFoundError:
@@ -242,11 +236,13 @@ class ShardCache:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 f.close()
-                continue  # in use
+                continue  # in use (a reader), or a download in progress
+            # (a part file nobody locks was left by a killed process: removing it is right too)
             try:
                 self._discard(path)
                 freed += size
-                self.count("cache_evictions")
+                if PART not in os.path.basename(path):
+                    self.count("cache_evictions")
             finally:
                 f.close()
         return freed

@@ -73,18 +73,22 @@ class CachedSource(ShardSource):
         return self.cache.take_stats()
 
     def close(self) -> None:
-        for fut in self._pending.values():  # release shards prefetched for a stream that ended early
-            fut.cancel()
-            try:
-                h = fut.result()
-                if not isinstance(h, bytes):
-                    h.close()
-            except BaseException:  # noqa: BLE001 - a failed lookahead of an unused shard is not an error
-                pass
+        for fut in self._pending.values():  # release shards prefetched for a stream that ended early,
+            if not fut.cancel():            # without waiting for downloads still running
+                fut.add_done_callback(_release)
         self._pending = {}
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _release(fut: Future) -> None:
+    try:
+        handle = fut.result()
+    except BaseException:  # noqa: BLE001 - a failed lookahead of an unused shard is not an error
+        return
+    if not isinstance(handle, bytes):
+        handle.close()
 
 
 class CachedLoader(ShardLoader):
