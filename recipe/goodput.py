@@ -4,7 +4,8 @@
     python -m recipe.goodput --failures-per-day 8.6 --interval 2h 30min --save-cost 60 --restart-cost 10min
     python -m recipe.goodput --mtbf 3h --save-cost 2 --write-lag 40 --interval 10min
 
-The model (pitstop.goodput): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF).
+The model (pitstop.goodput): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
+also printed: the exact value for exponential failures, T e^-(R+W)/M / (M (e^((T+C)/M) - 1)).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pitstop.goodput import best_interval, expected_goodput, fmt_duration, parse_duration, young_daly
+from pitstop.goodput import (best_interval, exact_goodput, expected_goodput, fmt_duration, parse_duration,
+                             young_daly)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,9 +38,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"MTBF {fmt_duration(mtbf)} ({86400 / mtbf:.1f} failures/day); save cost C={fmt_duration(c)}, "
           f"restart R={fmt_duration(r)}, write lag W={fmt_duration(w)}")
-    print(f"{'interval':>12}  {'goodput':>8}")
+    print(f"{'interval':>12}  {'goodput':>8}  {'exact, exponential failures':>28}")
     for t in intervals:
-        print(f"{fmt_duration(t):>12}  {expected_goodput(t, mtbf, c, r, w) * 100:7.1f}%")
+        print(f"{fmt_duration(t):>12}  {expected_goodput(t, mtbf, c, r, w) * 100:7.1f}%  "
+              f"{exact_goodput(t, mtbf, c, r, w) * 100:27.1f}%")
     if c > 0:
         yd, best = young_daly(c, mtbf), best_interval(mtbf, c, r, w)
         print(f"optimal interval: Young–Daly sqrt(2*C*MTBF) = {fmt_duration(yd)} -> "

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PY, ROOT, cli, read_jsonl, train
 from pitstop.errors import ConfigError
-from pitstop.goodput import AutoInterval, best_interval, expected_goodput, young_daly
+from pitstop.goodput import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
 from pitstop.ledger import JOB_BUCKETS, account
 
 RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader.num_workers=1",
@@ -54,6 +54,9 @@ def test_model_reproduces_the_published_case_and_young_daly():
     assert math.isclose(best, yd, rel_tol=0.1)
     assert expected_goodput(yd, mtbf, c) > expected_goodput(best, mtbf, c) - 0.001
     assert expected_goodput(1800, mtbf, save_cost=60, restart_cost=600) < expected_goodput(1800, mtbf, save_cost=60)
+    # The exact form for exponential failures: equal to first order when T << M, higher (less loss) otherwise.
+    assert math.isclose(exact_goodput(60, mtbf, 1, 5, 2), expected_goodput(60, mtbf, 1, 5, 2), abs_tol=1e-4)
+    assert exact_goodput(7200, mtbf) - expected_goodput(7200, mtbf) > 0.03
 
 
 def test_recipe_goodput_prints_the_published_figures():

@@ -94,7 +94,7 @@ class GoodputLog:
         self.attempt: dict[str, Any] = {
             "attempt": len(self.previous) + 1, "pid": os.getpid(), "start": round(ledger.start_wall, 3),
             "end": None, "status": "running", "auto_restart": _auto_restart(), "resumed_from": None,
-            "start_step": 0, "step": 0, "buckets": {}, "marks": {}}
+            "start_step": 0, "step": 0, "saves": 0, "buckets": {}, "marks": {}}
         self._last_write, self._interval = 0.0, heartbeat
 
     def _read_attempts(self) -> list[dict]:
@@ -128,6 +128,7 @@ class GoodputLog:
         """A checkpoint of ``step`` was started: remember the work done up to it (and write now)."""
         marks = self.attempt["marks"]
         marks[str(step)] = self.ledger.work()
+        self.attempt["saves"] = self.attempt.get("saves", 0) + 1
         while len(marks) > MAX_MARKS:  # a resume from an older one counts this attempt's work as lost
             marks.pop(next(iter(marks)))
         self.write(step)

@@ -59,6 +59,7 @@ class Runner:
         self.step, self.samples_seen, self.resumed_from = 0, 0, None
         self.callbacks: list[Any] = []
         self.last_eval: dict[str, float] = {}
+        self._last_io: dict[str, float] = {}
 
     # ---- assembly ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -217,8 +218,11 @@ class Runner:
                 "data_wait_fraction": window["fetch"] / elapsed,
             }, self.step)
             io = self.data_stats()  # cumulative: cache hits/misses, bytes from the source, retries
-            self.logger.log_metrics(io, self.step)
-            self.metrics_file.write({"step": self.step, **io})
+            changed = {k: v for k, v in io.items() if self._last_io.get(k) != v}
+            if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
+                self.logger.log_metrics(changed, self.step)
+                self.metrics_file.write({"step": self.step, **changed})
+                self._last_io = io
             self.metrics_file.flush()
             window.update(t=now, samples=0, fetch=0.0, compute=0.0, n=0)
 
