@@ -26,6 +26,8 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from pitstop.metrics import write_json_atomic
+
 BUCKETS = ("startup", "compute", "data_wait", "checkpoint", "eval", "logging")
 JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "startup", "lost", "other")
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
@@ -94,7 +96,7 @@ class GoodputLog:
         self.attempt: dict[str, Any] = {
             "attempt": len(self.previous) + 1, "pid": os.getpid(), "start": round(ledger.start_wall, 3),
             "end": None, "status": "running", "auto_restart": _auto_restart(), "resumed_from": None,
-            "start_step": 0, "step": 0, "saves": 0, "buckets": {}, "marks": {}}
+            "step": 0, "saves": 0, "buckets": {}, "marks": {}}
         self._last_write, self._interval = 0.0, heartbeat
 
     def _read_attempts(self) -> list[dict]:
@@ -118,7 +120,6 @@ class GoodputLog:
     # ---- updates ----------------------------------------------------------------------------------------
     def resumed(self, step: int | None) -> None:
         self.attempt["resumed_from"] = step
-        self.attempt["start_step"] = step or 0
         self.attempt["step"] = step or 0
         if self.previous:  # only the mark this resume used is still needed: keep the file small
             prev = self.previous[-1]
@@ -144,13 +145,7 @@ class GoodputLog:
         doc.update(account(doc["attempts"]))
         if self.enabled:
             t0 = time.perf_counter()
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(doc, f, indent=1)
-                if status != "running":
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, doc, fsync=status != "running", indent=1, sort_keys=False)
             self._last_write = time.monotonic()
             # Never more than ~2% of the loop's time, however many attempts the file holds.
             self._interval = max(self.heartbeat, 50 * (time.perf_counter() - t0))

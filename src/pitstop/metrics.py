@@ -27,10 +27,18 @@ class MetricsFile:
             self.f = None
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
+def write_text_atomic(path: str, text: str, fsync: bool = True) -> None:
+    """Replace ``path`` with ``text`` in one step: readers see the old file or the new one, never a mix.
+    The temp name is per process, so concurrent writers (e.g. parallel sweep jobs) never share one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(text)
+        if fsync:  # durable, not only atomic
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, obj: Any, fsync: bool = True, **dump: Any) -> None:
+    dump = {"indent": 2, "sort_keys": True, "default": str, **dump}
+    write_text_atomic(path, json.dumps(obj, **dump), fsync=fsync)

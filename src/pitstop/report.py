@@ -21,6 +21,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from pitstop.metrics import write_json_atomic, write_text_atomic
+
 log = logging.getLogger("pitstop.report")
 
 BUCKETS = ("productive", "data_wait", "checkpoint", "startup", "lost", "other")
@@ -133,7 +135,7 @@ def write_report(sweep_dir: str) -> list[dict]:
         md.write("| " + " | ".join(cells) + " |\n")
     md.write("\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json); "
              "![breakdown](report.png)\n")
-    _atomic_write(os.path.join(sweep_dir, "report.md"), md.getvalue())
+    write_text_atomic(os.path.join(sweep_dir, "report.md"), md.getvalue(), fsync=False)
 
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -145,7 +147,7 @@ def write_report(sweep_dir: str) -> list[dict]:
         w.writerow([r["job"], r["label"], r["status"], r.get("error", ""), r.get("goodput"), r.get("checkpoint_s"),
                     r.get("data_wait"), r.get("samples_per_s"), r.get("accuracy"), r.get("restarts"),
                     r.get("failures"), r.get("total_s"), *[t.get(b) for b in BUCKETS]])
-    _atomic_write(os.path.join(sweep_dir, "report.csv"), buf.getvalue())
+    write_text_atomic(os.path.join(sweep_dir, "report.csv"), buf.getvalue(), fsync=False)
     _plot(rows, os.path.join(sweep_dir, "report.png"))
     return rows
 
@@ -192,13 +194,6 @@ def _plot(rows: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # jobs of parallel launchers write concurrently
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 class SweepReport(Callback):
     """Registered in ``conf/train.yaml`` under ``hydra.callbacks``; acts only in ``-m`` runs."""
 
@@ -211,8 +206,8 @@ class SweepReport(Callback):
         if job_return is not None and job_return.status == JobStatus.FAILED:
             err = job_return._return_value
             line = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
-            _atomic_write(os.path.join(config.hydra.runtime.output_dir, "failed.json"),
-                          json.dumps({"error": f"{type(err).__name__}: {line}" if not _is_pitstop(err) else line}))
+            write_json_atomic(os.path.join(config.hydra.runtime.output_dir, "failed.json"),
+                              {"error": f"{type(err).__name__}: {line}" if not _is_pitstop(err) else line}, fsync=False)
         self._write(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

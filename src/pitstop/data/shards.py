@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from pitstop.errors import DataError
+from pitstop.metrics import write_json_atomic
 
 INDEX_NAME = "index.json"
 FORMAT = "pitstop-shards/1"
@@ -138,12 +139,7 @@ def write_split(
 def write_index(out_dir: str, splits: dict[str, list[ShardInfo]], meta: dict) -> str:
     raw = {"format": FORMAT, "meta": meta, "splits": {k: [asdict(s) for s in v] for k, v in splits.items()}}
     path = os.path.join(out_dir, INDEX_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(raw, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, raw, indent=1, sort_keys=False)
     return path
 
 
