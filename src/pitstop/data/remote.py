@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -176,3 +177,33 @@ def fetch_bytes(ref: ShardRef, policy: FetchPolicy, *, verify_sha: bool = False,
     transferred = fetch(ref, factory, policy, verify_sha=verify_sha, on_retry=on_retry)  # type: ignore[arg-type]
     return sinks[-1].getvalue(), transferred
 
+
+class Counters:
+    """A reader's I/O counters (thread-safe: prefetch threads count too); ``take`` returns and resets them,
+    so each batch carries the counts since the previous one."""
+
+    def __init__(self, *names: str):
+        self._lock, self._counts = threading.Lock(), dict.fromkeys(names, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            out, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return out
+
+    def __getstate__(self) -> dict:
+        return {"names": list(self._counts)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(*state["names"])
+
+
+def fetch_counted(ref: ShardRef, policy: FetchPolicy, counters: Counters, *, verify_sha: bool = False) -> bytes:
+    """:func:`fetch_bytes`, counting retries and the bytes read from the source."""
+    data, transferred = fetch_bytes(ref, policy, verify_sha=verify_sha,
+                                    on_retry=lambda _: counters.add("fetch_retries"))
+    counters.add("bytes_from_source", transferred)
+    return data

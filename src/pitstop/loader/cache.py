@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 from filelock import FileLock
 
-from pitstop.data.remote import FetchPolicy, ShardRef, SinkError, fetch, fetch_bytes
+from pitstop.data.remote import Counters, FetchPolicy, ShardRef, SinkError, fetch, fetch_counted
 from pitstop.errors import DataError
 
 PART = ".part."
@@ -49,25 +49,16 @@ def _margin(path: str) -> int:
 class ShardCache:
     def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256"):
         self.dir, self.limit, self.policy, self.verify = os.path.abspath(cache_dir), limit, policy, verify
-        self._counters = {"cache_hits": 0, "cache_misses": 0, "bytes_from_source": 0, "cache_evictions": 0,
-                          "cache_bypass": 0, "fetch_retries": 0}
-        self._mutex = threading.Lock()
+        self.counters = Counters("cache_hits", "cache_misses", "bytes_from_source", "cache_evictions",
+                                 "cache_bypass", "fetch_retries")
         try:
             os.makedirs(os.path.join(self.dir, ".locks"), exist_ok=True)
         except OSError as e:
             raise DataError(f"cannot create loader.cache_dir {self.dir}: {e.strerror}; point it at a writable local disk") from e
 
     # ---- bookkeeping --------------------------------------------------------------------------------
-    def count(self, name: str, n: int = 1) -> None:
-        with self._mutex:
-            self._counters[name] += n
-
     def take_stats(self) -> dict[str, int]:
-        with self._mutex:
-            out = dict(self._counters)
-            for k in self._counters:
-                self._counters[k] = 0
-        return out
+        return self.counters.take()
 
     def path(self, ref: ShardRef) -> str:
         tag = ref.sha256[:16] if ref.sha256 else hashlib.sha256(ref.url.encode()).hexdigest()[:16]
@@ -80,23 +71,20 @@ class ShardCache:
         reads and closes it), or — when no room can be made — the bytes themselves, not kept."""
         f = self._open_complete(ref)
         if f is not None:
-            self.count("cache_hits")
+            self.counters.add("cache_hits")
             return f
         final = self.path(ref)
         with FileLock(os.path.join(self.dir, ".locks", os.path.basename(final) + ".lock")):
             f = self._open_complete(ref)  # another process finished it while we waited
             if f is not None:
-                self.count("cache_hits")
+                self.counters.add("cache_hits")
                 return f
-            self.count("cache_misses")
+            self.counters.add("cache_misses")
             self._remove_stale_parts(final)
             part = self._reserve(ref, final)
             if part is None:  # no room: everything is in use (or the disk is full of other things)
-                self.count("cache_bypass")
-                data, transferred = fetch_bytes(ref, self.policy, verify_sha=self.verify == "sha256",
-                                                on_retry=lambda _: self.count("fetch_retries"))
-                self.count("bytes_from_source", transferred)
-                return data
+                self.counters.add("cache_bypass")
+                return fetch_counted(ref, self.policy, self.counters, verify_sha=self.verify == "sha256")
             return self._download(ref, part, final)
 
     @staticmethod
@@ -170,7 +158,7 @@ class ShardCache:
             for attempt in (0, 1):
                 try:
                     transferred = fetch(ref, sink, self.policy, verify_sha=self.verify == "sha256",
-                                        on_retry=lambda _: self.count("fetch_retries"))
+                                        on_retry=lambda _: self.counters.add("fetch_retries"))
                     break
                 except SinkError as e:
                     full = e.error.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -181,7 +169,7 @@ class ShardCache:
                         raise DataError(f"loader.cache_dir {self.dir} is full (no space left on the device) and "
                                         f"nothing can be evicted; free space there or set loader.cache_limit below "
                                         f"the free space") from e
-            self.count("bytes_from_source", transferred)
+            self.counters.add("bytes_from_source", transferred)
             part.truncate(part.tell())
             part.flush()
             os.fsync(part.fileno())
@@ -242,7 +230,7 @@ class ShardCache:
                 self._discard(path)
                 freed += size
                 if PART not in os.path.basename(path):
-                    self.count("cache_evictions")
+                    self.counters.add("cache_evictions")
             finally:
                 f.close()
         return freed

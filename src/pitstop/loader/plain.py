@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pitstop.data.remote import FetchPolicy, ShardRef, fetch_bytes
+from pitstop.data.remote import Counters, FetchPolicy, ShardRef, fetch_counted
 from pitstop.loader.base import ShardLoader, ShardSource
 
 
@@ -11,19 +11,13 @@ class DirectSource(ShardSource):
 
     def __init__(self, policy: FetchPolicy):
         self.policy = policy
-        self.stats = {"bytes_from_source": 0, "fetch_retries": 0}
+        self.counters = Counters("bytes_from_source", "fetch_retries")
 
     def read(self, ref: ShardRef) -> bytes:
-        data, transferred = fetch_bytes(ref, self.policy, on_retry=lambda _: self._count("fetch_retries"))
-        self._count("bytes_from_source", transferred)
-        return data
-
-    def _count(self, k: str, n: int = 1) -> None:
-        self.stats[k] += n
+        return fetch_counted(ref, self.policy, self.counters)
 
     def take_stats(self) -> dict[str, int]:
-        out, self.stats = self.stats, {k: 0 for k in self.stats}
-        return out
+        return self.counters.take()
 
 
 class PlainLoader(ShardLoader):
