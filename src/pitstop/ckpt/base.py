@@ -168,8 +168,7 @@ class CheckpointManager:
             fault_mtbf = OmegaConf.select(runner.cfg, "fault.mtbf_seconds", default=None)
             mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
                             (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
-            log_ = runner.goodput
-            self.auto_interval = AutoInterval(mtbf, source, log_.failures(), log_.job_seconds())
+            self.auto_interval = AutoInterval(mtbf, source, runner.goodput.failures(), runner.goodput.job_seconds())
 
     def _check_writable(self) -> None:
         probe = os.path.join(self.root, f".write-probe-{os.getpid()}")
@@ -280,15 +279,13 @@ class CheckpointManager:
     def due(self, step: int, last: bool) -> bool:
         if last:
             return bool(self.save_last)
-        if self.auto:
-            if self.started_saves == 0:
-                return True  # the first save measures what a save costs
-            flag = time.monotonic() - self.last_save_time >= self._auto_seconds(step)
-            return self.strategy.any(flag)
+        if self.auto and self.started_saves == 0:
+            return True  # the first save measures what a save costs
         if self.interval_steps and step % int(self.interval_steps) == 0:
             return True
-        if self.interval_seconds:
-            flag = time.monotonic() - self.last_save_time >= float(self.interval_seconds)
+        seconds = self._auto_seconds(step) if self.auto else self.interval_seconds
+        if seconds:
+            flag = time.monotonic() - self.last_save_time >= float(seconds)
             return self.strategy.any(flag)  # every rank must agree, or collectives would hang
         return False
 
@@ -300,7 +297,7 @@ class CheckpointManager:
         write = sum(ok) / len(ok) if ok and self.is_async else 0.0
         before = self.auto_interval.seconds
         seconds = self.auto_interval.update(cost, write)
-        if seconds != before and (before is None or abs(seconds - before) > 0.1 * before):
+        if seconds != before:  # update() keeps the old value unless it moves by more than 10%
             self.runner.report({"ckpt_interval_seconds": seconds}, step)
         return seconds
 
