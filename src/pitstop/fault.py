@@ -153,30 +153,28 @@ class DuringSave(NoFault):
 
     def __init__(self, step: int = 1, rank: int = 0, **_: Any):
         self.step, self.rank = _positive_int("fault.step", step), rank
-        self.thread: threading.Thread | None = None
+        self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
         self.stop = threading.Event()
 
     def bind(self, runner: Any) -> None:
         super().bind(runner)
         if runner.ckpt.name == "none":
             raise ConfigError("fault=during_save needs checkpoints: choose a backend, e.g. ckpt=async_dcp")
-        self.root = runner.ckpt.root
 
     def after_step(self, runner: Any) -> None:
-        if (self.thread is None and runner.step >= self.step and runner.strategy.rank == self.rank
-                and getattr(runner.ckpt, "saved_step", None) is not None and runner.ckpt.saved_step >= self.step):
-            if _count(runner.run_dir, self.name):
-                self.thread = threading.Thread()  # fired in an earlier attempt: stay idle
-                return
+        saved = getattr(runner.ckpt, "saved_step", None)
+        if self.armed or runner.strategy.rank != self.rank or saved is None or saved < self.step:
+            return
+        self.armed = True
+        if not _count(runner.run_dir, self.name):
             self.run_dir, self.ckpt = runner.run_dir, runner.ckpt
-            self.thread = threading.Thread(target=self._watch, daemon=True, name="pitstop-fault")
-            self.thread.start()
+            threading.Thread(target=self._watch, daemon=True, name="pitstop-fault").start()
 
     def _watch(self) -> None:
         from pitstop.ckpt.base import is_complete, step_dir
 
         while not self.stop.is_set():
-            path = step_dir(self.root, self.ckpt.saved_step)  # the save in progress (not a purge of an old one)
+            path = step_dir(self.ckpt.root, self.ckpt.saved_step)  # the save in progress (not a purge)
             if not is_complete(path):
                 try:
                     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
@@ -191,12 +189,17 @@ class DuringSave(NoFault):
         self.stop.set()
 
 
-def _count(run_dir: str, prefix: str) -> int:
+def _fired(run_dir: str) -> list[str]:
+    """The keys of the faults that already fired in this run dir (RUN_DIR/faults.jsonl)."""
     path = os.path.join(run_dir, "faults.jsonl")
     if not os.path.isfile(path):
-        return 0
+        return []
     with open(path) as f:
-        return sum(1 for line in f if line.strip() and json.loads(line).get("key", "").startswith(prefix))
+        return [json.loads(line).get("key", "") for line in f if line.strip()]
+
+
+def _count(run_dir: str, prefix: str) -> int:
+    return sum(1 for key in _fired(run_dir) if key.startswith(prefix))
 
 
 def _record(run_dir: str, key: str) -> None:
@@ -208,10 +211,7 @@ def _record(run_dir: str, key: str) -> None:
 
 def _first_time(run_dir: str, key: str) -> bool:
     """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
-    path = os.path.join(run_dir, "faults.jsonl")
-    if os.path.isfile(path):
-        with open(path) as f:
-            if any(json.loads(line).get("key") == key for line in f if line.strip()):
-                return False
+    if key in _fired(run_dir):
+        return False
     _record(run_dir, key)
     return True
