@@ -95,15 +95,24 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
     times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
     storage errors may be transient (a remote store down for a while) and are."""
-    import json
     import multiprocessing as mp
 
     validate(cfg)
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml, error_file = OmegaConf.to_yaml(cfg, resolve=True), os.path.join(run_dir, ".last_error")
     ctx = mp.get_context("spawn")
-    if threading.current_thread() is threading.main_thread():  # SIGTERM -> SystemExit: the finally below runs
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
+    try:
+        return _attempts(ctx, cfg_yaml, run_dir, error_file, max_restarts)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
+
+
+def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, error_file: str, max_restarts: int) -> dict:
+    import json
+
     for attempt in range(max_restarts + 1):
         if os.path.exists(error_file):
             os.remove(error_file)
@@ -121,8 +130,11 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
         if code == 0:
             with open(os.path.join(run_dir, "summary.json")) as f:
                 return json.load(f)
-        why = open(error_file).read().strip() if os.path.exists(error_file) else (
-            f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}")
+        if os.path.exists(error_file):
+            with open(error_file) as f:
+                why = f.read().strip()
+        else:
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         if code == 2:
             raise ConfigError(why)
         if attempt < max_restarts:
