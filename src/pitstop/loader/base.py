@@ -44,8 +44,8 @@ class ShardSource:
     def take_stats(self) -> dict[str, int]:
         return {}
 
-    def close(self) -> None:
-        pass
+    def close(self, wait: bool = False) -> None:
+        """The reader is done; ``wait``: also for background work still running (after a failure)."""
 
 
 class StreamReader(IterableDataset):
@@ -65,11 +65,14 @@ class StreamReader(IterableDataset):
         local_streams = [0] if info is None else [(info.id + self.rotation) % info.num_workers]
         if info is None and self.streams > 1:
             raise ConfigError("in-process reading supports one stream; set loader.num_workers to match")
+        failed = False
         try:
             for s in local_streams:
-                yield from self._stream(self.rank * self.streams + s)
-        finally:
-            self.source.close()
+                for item in self._stream(self.rank * self.streams + s):
+                    failed = isinstance(item, _Failure)
+                    yield item
+        finally:  # after a failure the run goes down: let downloads in flight finish cleaning up first
+            self.source.close(wait=failed)
 
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size

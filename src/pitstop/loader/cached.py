@@ -9,6 +9,7 @@ The cache itself (one download per machine, LRU within ``cache_limit``, integrit
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,10 +73,12 @@ class CachedSource(ShardSource):
     def take_stats(self) -> dict[str, int]:
         return self.cache.take_stats()
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         for fut in self._pending.values():  # release shards prefetched for a stream that ended early,
-            if not fut.cancel():            # without waiting for downloads still running
+            if not fut.cancel():            # without waiting for downloads still running (unless asked)
                 fut.add_done_callback(_release)
+                if wait:
+                    concurrent.futures.wait([fut])
         self._pending = {}
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
