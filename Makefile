@@ -1,11 +1,12 @@
 # make train   — create .venv, install pitstop, prepare the digits shards, train (ARGS="key=value ...")
-# make test    — create .venv, install pitstop + test deps, run the test suite (PYTEST_ARGS="-k ...")
+# make test    — create .venv, install pitstop + test deps, run the whole test suite (PYTEST_ARGS="-k ...")
+# make test-fast — the same without the tests marked slow (subprocesses, several ranks, kills): the edit loop
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test bench clean
+.PHONY: install train test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

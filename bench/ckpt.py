@@ -68,7 +68,7 @@ def make_runner(backend: str, run_dir: str, extra: list[str], steps: int = 10000
 def step(r) -> None:
     batch = r.data.on_device(r.strategy.to_device(next(r.batches)))
     r.train_step(batch)
-    r.step += 1
+    r.progress.step += 1
 
 
 def state_bytes(r) -> int:
@@ -105,7 +105,7 @@ def measure_save(r) -> tuple[float, float]:
     """
     before = r.ledger.seconds["checkpoint"]
     t0 = time.perf_counter()
-    block = r.ckpt.maybe_save(r.state, r.step)  # interval_steps=1: every call saves
+    block = r.ckpt.maybe_save(r.target, r.step).blocked  # interval_steps=1: every call saves
     step(r)                                      # adds the staging wait to the ledger's checkpoint bucket
     block += r.ledger.seconds["checkpoint"] - before
     r.ckpt.wait()
@@ -151,7 +151,7 @@ def main() -> None:
             print(f"{b:<18}{block * 1e3:>10.1f}ms{block / base:>13.3f}x{block / bound:>10.2f}x{total:>14.2f}s")
     for r in runners.values():
         r.ckpt.close()
-        r._close("FINISHED")
+        r.close()
     del runners
     gc.collect()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -164,13 +164,13 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step(r)
-            r.ckpt.maybe_save(r.state, r.step)
+            r.ckpt.maybe_save(r.target, r.step)
         r.ckpt.close()
         sps = args.steps / (time.perf_counter() - t0)
         if b == "none":
             none_sps = sps
         print(f"{b:<18}{sps:8.3f} steps/s  ({sps / none_sps:.2f}x of no saves)")
-        r._close("FINISHED")
+        r.close()
         shutil.rmtree(d, ignore_errors=True)
 
     # ---- host memory over many saves (each backend in a fresh process) --------------------------------
@@ -190,7 +190,7 @@ def rss_over_saves(backend: str, saves: int) -> None:
     r = make_runner(backend, d, [])
     marks = {}
     for i in range(1, saves + 1):
-        r.ckpt.maybe_save(r.state, r.step)
+        r.ckpt.maybe_save(r.target, r.step)
         step(r)
         if i in (1, 10, saves // 2, saves):
             r.ckpt.wait()
@@ -200,7 +200,7 @@ def rss_over_saves(backend: str, saves: int) -> None:
     growth = marks[saves] - marks[10]
     print(f"{backend:<18}" + "  ".join(f"save {k}: {v:6.0f} MB" for k, v in sorted(marks.items()))
           + f"   growth save 10->{saves}: {growth:+.0f} MB ({100 * growth / marks[10]:+.1f}%)", flush=True)
-    r._close("FINISHED")
+    r.close()
     shutil.rmtree(d, ignore_errors=True)
 
 if __name__ == "__main__":

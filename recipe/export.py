@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from pitstop.ckpt.base import DCP_MARKER, SAVE_MARKER, is_complete, list_checkpoints
+from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER, is_complete, list_checkpoints
 from pitstop.ckpt.formats import STATE_FILE
 from pitstop.errors import PitstopError
 

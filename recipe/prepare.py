@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from pitstop.data.shards import INDEX_NAME, write_index, write_split
+from pitstop import cli
 from pitstop.errors import PitstopError
 
 log = logging.getLogger("recipe.prepare")
@@ -137,4 +138,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from pitstop.errors import PitstopError
-from pitstop import launch
+from pitstop import cli, launch
 
 log = logging.getLogger("recipe.train")
 
@@ -51,4 +51,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

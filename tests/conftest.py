@@ -62,6 +62,24 @@ def step_losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
 
 
+def image_tree(root: Path, classes=("cat", "dog", "eel"), per_class: int = 12) -> Path:
+    """An ImageFolder tree ``root/<class>/<i>.{png,jpg}`` of small random images (PNG and JPEG alternating)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            buf = io.BytesIO()
+            fmt, ext = ("JPEG", "jpg") if i % 2 else ("PNG", "png")
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(buf, format=fmt)
+            (root / c / f"{i}.{ext}").write_bytes(buf.getvalue())
+    return root
+
+
 def cli_cmd(args: list[str], data_root, tmp_path, module: str = "recipe.train") -> list[str]:
     flags = [a for a in args if a.startswith("-")]
     args = [a for a in args if not a.startswith("-")]

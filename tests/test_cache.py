@@ -155,7 +155,7 @@ def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, t
             msg = str(err.value)
             assert msg.startswith(f"cannot read shard {srv.url}/digits/train-0000") and "offset" in msg, msg
             assert "2 attempts" in msg and "\n" not in msg
-    assert os.listdir(tmp_path / "cache") == [".locks"] or not cached_tars(tmp_path / "cache")
+    assert cached_tars(tmp_path / "cache") == []  # nothing unverified is ever kept
     assert not list((tmp_path / "cache").glob("*.part.*"))
 
 
@@ -199,6 +199,7 @@ def test_full_cache_disk_evicts_idle_shards_and_finishes(data_root, tmp_path, st
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_killed_ddp_job_over_http_resumes_on_one_rank_and_consumes_each_sample_once(data_root, tmp_path, store):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     common = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader=cached", "loader.num_workers=1",

@@ -41,6 +41,7 @@ def reference(data_root, tmp_path_factory):
     return summary(tmp / "run")["params_sha256"], final_losses(tmp / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
@@ -60,6 +61,7 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
     assert s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
 def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_path, reference):
     """Killed right after the step-30 save was started (staging / background write under way): that
@@ -98,6 +100,7 @@ def partial_write_in_progress(ckpt_dir: Path) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sync_save", "sync_dcp", "async_dcp"])
 def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
@@ -124,6 +127,7 @@ def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root,
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
 
 
+@pytest.mark.slow
 def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_dcp", "ckpt.interval_steps=8", "ckpt.keep_last_k=0",
@@ -146,6 +150,7 @@ def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tm
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
 
 
+@pytest.mark.slow
 def test_retention_keeps_newest_k_complete(data_root, tmp_path):
     run_dir = tmp_path / "run"
     p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=5", "ckpt.keep_last_k=2"],
@@ -157,11 +162,13 @@ def test_retention_keeps_newest_k_complete(data_root, tmp_path):
     assert all(r["ckpt_total_seconds"] >= 0 and r["ckpt_bytes"] > 100_000 for r in saves)
 
 
+@pytest.mark.slow
 def test_keep_last_one_is_rejected_for_async(data_root, tmp_path):
     p = cli([*RUN, f"run_dir={tmp_path / 'r'}", "ckpt=async_dcp", "ckpt.keep_last_k=1"], data_root, tmp_path)
     assert p.returncode == 2 and "keep_last_k=1 is unsafe" in p.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_unwritable_ckpt_dir_fails_before_the_first_step(data_root, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a dir")
@@ -172,6 +179,7 @@ def test_unwritable_ckpt_dir_fails_before_the_first_step(data_root, tmp_path):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_changed_seed_or_data_refuses_to_resume_unless_model_only(data_root, tmp_path):
     run_dir = tmp_path / "run"
     base = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10"]
@@ -192,6 +200,7 @@ def mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_error", ["warn", "raise"])
 def test_full_disk_mid_save_never_commits_and_keeps_older(on_error, data_root, tmp_path):
     disk = tmp_path / "small_disk"
@@ -216,6 +225,7 @@ def test_full_disk_mid_save_never_commits_and_keeps_older(on_error, data_root, t
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sync_save", "async_dcp"])
 def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_root, tmp_path):
     run_dir = tmp_path / "run"
@@ -237,6 +247,7 @@ def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_roo
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_export_without_checkpoint_is_one_clear_line(tmp_path):
     e = subprocess.run([PY, "-m", "recipe.export", str(tmp_path), str(tmp_path / "o.pt")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

@@ -8,6 +8,7 @@ import pytest
 from conftest import cli
 
 
+@pytest.mark.slow
 def test_train_cli_writes_run_dir(data_root, tmp_path):
     run_dir = tmp_path / "pinned"
     p = cli(["debug=tiny", f"run_dir={run_dir}"], data_root, tmp_path)
@@ -18,9 +19,10 @@ def test_train_cli_writes_run_dir(data_root, tmp_path):
     # The same command again reuses the same dir (resume relies on this).
     p = cli(["debug=tiny", f"run_dir={run_dir}"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["outputs", "pinned"] or not (tmp_path / "outputs" / "runs").exists()
+    assert not (tmp_path / "outputs" / "runs").exists()  # no second, timestamped run dir
 
 
+@pytest.mark.slow
 def test_multirun_sweep_over_two_options(data_root, tmp_path):
     p = cli(["-m", "optim=sgd,adamw", "debug=tiny", "trainer.max_steps=4"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -35,6 +37,7 @@ def test_multirun_sweep_over_two_options(data_root, tmp_path):
     assert targets == {"_target_: torch.optim.SGD", "_target_: torch.optim.AdamW"}
 
 
+@pytest.mark.slow
 def test_unknown_option_lists_valid_ones(data_root, tmp_path):
     p = cli(["model=nope", "debug=tiny"], data_root, tmp_path)
     assert p.returncode != 0
@@ -46,6 +49,7 @@ def last_line(p) -> str:
     return lines[-1] if lines else ""
 
 
+@pytest.mark.slow
 def test_missing_data_dir_is_one_line_with_the_command(data_root, tmp_path):
     p = cli(["debug=tiny", f"data.root={tmp_path}/missing"], data_root, tmp_path)
     assert p.returncode == 2
@@ -57,14 +61,17 @@ def test_missing_data_dir_is_one_line_with_the_command(data_root, tmp_path):
 @pytest.mark.parametrize("override,expected", [
     ("optim.lr=abc", "optim.lr must be a positive number, got 'abc'"),
     ("trainer.batch_size=-4", "trainer.batch_size must be a positive integer, got -4"),
-    ("trainer.batch_size=many", "trainer.batch_size must be a positive integer, got 'many'"),
+    ("trainer.batch_size=many",  # a type: refused by the schema while Hydra composes
+     "Error merging override trainer.batch_size=many; Value 'many' of type 'str' could not be converted to Integer"),
 ])
+@pytest.mark.slow
 def test_bad_values_fail_before_training(data_root, tmp_path, override, expected):
     p = cli(["debug=tiny", override, f"run_dir={tmp_path / 'r'}"], data_root, tmp_path)
     assert p.returncode == 2 and last_line(p) == f"error: {expected}"
     assert not (tmp_path / "r" / "metrics.jsonl").exists()  # failed before the first step
 
 
+@pytest.mark.slow
 def test_prepare_cli_is_idempotent(data_root, tmp_path):
     p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -75,6 +82,7 @@ def test_prepare_cli_is_idempotent(data_root, tmp_path):
     assert p.returncode == 0 and "already exist" in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_slurm_launcher_config_composes(data_root, tmp_path):
     p = cli(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "debug=tiny", "--cfg=hydra"],
             data_root, tmp_path)
@@ -82,6 +90,7 @@ def test_slurm_launcher_config_composes(data_root, tmp_path):
     assert "SlurmLauncher" in p.stdout and "partition: gpu" in p.stdout and "gpus_per_node: 8" in p.stdout
 
 
+@pytest.mark.slow
 def test_sweep_through_the_submitit_launcher(data_root, tmp_path):
     # submitit's local executor runs the same code path as SLURM jobs (pickled task, separate processes).
     p = cli(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim=sgd,adamw", "debug=tiny",
@@ -89,3 +98,26 @@ def test_sweep_through_the_submitit_launcher(data_root, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     jobs = sorted(d for d in next((tmp_path / "outputs" / "multirun").iterdir()).iterdir() if d.name.isdigit())
     assert len(jobs) == 2 and all(json.loads((d / "summary.json").read_text())["final_step"] == 3 for d in jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,expected", [
+    (["ckpt=async_dcp", "ckpt.checkpointer=bogus"], "error: ckpt.checkpointer='bogus': use auto, thread or process"),
+    (["ckpt=sync_dcp", "ckpt.interval_steps=abc"],
+     "error: Error merging override ckpt.interval_steps=abc; Value 'abc' of type 'str' could not be converted to Integer"),
+    (["loader.num_workers=-1"], "error: loader.num_workers must be an integer >= 0, got -1"),
+    (["strategy=ddp", "strategy.nproc_per_node=0"], "error: strategy.nproc_per_node must be a positive integer, got 0"),
+    (["fault=crash_at_step", "fault.step=abc"],
+     "error: Error merging override fault.step=abc; Value 'abc' of type 'str' could not be converted to Integer"),
+    (["fault.step=3"], "error: Could not override 'fault.step'; Key 'step' not in 'NoFault'; "
+                       "see the option's YAML in conf/ for its keys"),
+    (["trainer.max_stepz=3"], "error: Could not override 'trainer.max_stepz'; Key 'max_stepz' not in 'Trainer'; "
+                              "see the option's YAML in conf/ for its keys"),
+])
+def test_bad_input_is_one_line_exit_2_and_leaves_no_progress(overrides, expected, data_root, tmp_path):
+    run_dir = tmp_path / "r"
+    p = cli(["debug=tiny", *overrides, f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 2 and last_line(p) == expected, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    left = {x.name for x in run_dir.iterdir()} if run_dir.exists() else set()
+    assert left <= {".hydra", "train.log"}, left  # nothing a later run would take for progress

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import CONF, read_jsonl, train
+from conftest import CONF, compose_cfg, image_tree, read_jsonl, train
 
 
 def options(group: str) -> list[str]:
@@ -31,6 +29,26 @@ def test_every_group_has_its_documented_options():
     assert Path(CONF, "train.yaml").read_text().startswith("# python -m recipe.train")
 
 
+@pytest.fixture(scope="module")
+def default_run(data_root, tmp_path_factory):
+    """One run of the default options (shrunk by debug=tiny), shared by every test of a default option."""
+    tmp = tmp_path_factory.mktemp("default")
+    cfg = compose_cfg([f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp / 'outputs'}",
+                       f"run_dir={tmp / 'run'}", "debug=tiny"], tmp)
+    return cfg, train(cfg)
+
+
+def run_option(group: str, option: str, make_cfg, default_run, *overrides: str):
+    """Train with ``group=option``; the default option of a group reuses the shared default run."""
+    if option == DEFAULTS.get(group) and not overrides:
+        return default_run
+    cfg = make_cfg(f"{group}={option}", *overrides)
+    return cfg, train(cfg)
+
+
+DEFAULTS = {"model": "cnn", "optim": "sgd", "strategy": "single", "ckpt": "none", "fault": "none", "logger": "none"}
+
+
 def check_run(cfg, summary: dict) -> None:
     assert summary["final_step"] == cfg.trainer.max_steps
     lines = [r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in r]
@@ -42,20 +60,19 @@ def check_run(cfg, summary: dict) -> None:
 
 
 @pytest.mark.parametrize("model", options("model"))
-def test_model(make_cfg, model):
-    overrides = [f"model={model}"] + (["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]",
-                                       "data.std=[0.5,0.5,0.5]", "trainer.max_steps=4"] if model == "resnet18" else [])
-    cfg = make_cfg(*overrides)
-    check_run(cfg, train(cfg))
+def test_model(make_cfg, default_run, model):
+    overrides = ["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]",
+                 "data.std=[0.5,0.5,0.5]", "trainer.max_steps=4"] if model == "resnet18" else []
+    check_run(*run_option("model", model, make_cfg, default_run, *overrides))
 
 
 @pytest.mark.parametrize("optim", options("optim"))
-def test_optim(make_cfg, optim):
-    cfg = make_cfg(f"optim={optim}")
-    summary = train(cfg)
+def test_optim(make_cfg, default_run, optim):
+    cfg, summary = run_option("optim", optim, make_cfg, default_run)
     check_run(cfg, summary)
     lrs = [r["lr"] for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "lr" in r]
-    assert lrs[0] < lrs[-3] or lrs[-1] < max(lrs)  # the schedule moves the lr (warm-up, then decay)
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < len(lrs) - 1 and lrs[0] < lrs[peak] > lrs[-1]  # the schedule warms up, then decays
 
 
 @pytest.mark.parametrize("opt", options("loader"))
@@ -65,25 +82,22 @@ def test_loader(make_cfg, opt):
 
 
 @pytest.mark.parametrize("opt", options("strategy"))
-def test_strategy(make_cfg, opt):
+def test_strategy(make_cfg, default_run, opt):
     # In-process (a world of one; multi-rank runs are in test_strategy.py).
-    cfg = make_cfg(f"strategy={opt}", *([] if opt == "single" else ["strategy.nproc_per_node=1"]))
-    check_run(cfg, train(cfg))
+    check_run(*run_option("strategy", opt, make_cfg, default_run, *([] if opt == "single" else ["strategy.nproc_per_node=1"])))
 
 
 @pytest.mark.parametrize("opt", options("ckpt"))
-def test_ckpt(make_cfg, opt):
-    cfg = make_cfg(f"ckpt={opt}", *([] if opt == "none" else ["ckpt.interval_steps=5"]))
-    summary = train(cfg)
+def test_ckpt(make_cfg, default_run, opt):
+    cfg, summary = run_option("ckpt", opt, make_cfg, default_run, *([] if opt == "none" else ["ckpt.interval_steps=5"]))
     check_run(cfg, summary)
     if opt != "none":
         assert summary["checkpoint"]["saves"] == 3 and summary["checkpoint"]["failures"] == 0  # steps 5, 10, 12
         assert sorted(os.listdir(cfg.ckpt.dir)) == ["step_00000005", "step_00000010", "step_00000012"]
 
 
-def test_fault_none_and_crash_config(make_cfg):
-    cfg = make_cfg("fault=none")
-    check_run(cfg, train(cfg))  # (the faults themselves kill processes: tests/test_goodput.py runs them)
+def test_fault_none_and_crash_config(make_cfg, default_run):
+    check_run(*run_option("fault", "none", make_cfg, default_run))  # (real faults: tests/test_goodput.py)
     from pitstop.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fault.step must be a positive integer"):
@@ -99,10 +113,10 @@ def test_trainer_epochs(make_cfg):
     assert summary["data"]["samples"] == 1438  # one full epoch: every training sample once
 
 
-def test_logger_none(make_cfg):
-    cfg = make_cfg("logger=none")
-    check_run(cfg, train(cfg))
-    assert not os.path.exists(os.path.join(cfg.run_dir, "mlflow_run_id"))
+def test_logger_none(make_cfg, default_run):
+    cfg, summary = run_option("logger", "none", make_cfg, default_run)
+    check_run(cfg, summary)
+    assert not os.path.exists(os.path.join(cfg.run_dir, "mlflow_run_id")) and "mlflow_run_id" not in summary
 
 
 def test_logger_mlflow_real_store(make_cfg, tmp_path):
@@ -133,14 +147,7 @@ def test_data_synthetic(make_cfg, tmp_path):
 def test_data_imagefolder(make_cfg, tmp_path):
     from recipe.prepare import prepare
 
-    src = tmp_path / "tree"
-    rng = np.random.default_rng(0)
-    for c in ("cat", "dog", "eel"):
-        (src / c).mkdir(parents=True)
-        for i in range(12):
-            buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(buf, format="JPEG" if i % 2 else "PNG")
-            (src / c / f"{i}.{'jpg' if i % 2 else 'png'}").write_bytes(buf.getvalue())
+    src = image_tree(tmp_path / "tree")
     cfg = make_cfg("data=imagefolder", f"data.source={src}", "data.num_classes=3", "data.image_size=16",
                    "data.prepare.samples_per_shard=8", "data.prepare.val_fraction=0.25")
     prepare(cfg.data)

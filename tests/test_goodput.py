@@ -59,6 +59,7 @@ def test_model_reproduces_the_published_case_and_young_daly():
     assert exact_goodput(7200, mtbf) - expected_goodput(7200, mtbf) > 0.03
 
 
+@pytest.mark.slow
 def test_recipe_goodput_prints_the_published_figures():
     def run(*args):
         return subprocess.run([PY, "-m", "recipe.goodput", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -92,6 +93,7 @@ def test_account_moves_redone_work_to_lost():
 
 
 # ---- real kills -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_both(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=crash_at_step",
@@ -110,6 +112,7 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
     assert "goodput" in p.stderr and "lost" in p.stderr  # the table at the end
 
 
+@pytest.mark.slow
 def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     common = [*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "fault=crash_at_step",
@@ -123,6 +126,7 @@ def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_pat
     check_account(doc)
 
 
+@pytest.mark.slow
 def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_path, reference):
     # Seed 219 with a 10 s MTBF draws 6.4 s for the first attempt (it dies: start-up alone takes ~4 s)
     # and 46 s for the second (it finishes first).
@@ -138,6 +142,7 @@ def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_
     check_account(doc)
 
 
+@pytest.mark.slow
 def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "ckpt.throttle_mbps=1",
@@ -180,6 +185,7 @@ def test_auto_interval_sources_and_start_value(caplog):
     assert async_.update(0.01, write_seconds=2.0) == 2.0  # never due before the previous save is durable
 
 
+@pytest.mark.slow
 def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tmp_path):
     run_dir = tmp_path / "run"
     p = cli([*RUN, "trainer.max_steps=60", f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval=auto",
@@ -194,6 +200,7 @@ def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tm
 
 
 # ---- the sweep report ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_path):
     sweep = tmp_path / "sweep"
     p = cli(["-m", "debug=tiny", "ckpt=sync_save,async_dcp", "optim.lr=0.05,1e30", f"hydra.sweep.dir={sweep}",

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import cli, epoch0_keys, read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
+
 RUN = ["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
        "trainer.eval_every_steps=12"]
 
@@ -27,20 +29,30 @@ def losses(run_dir) -> dict[int, float]:
     return out
 
 
+CKPTS = ["none", "sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("ckpt", ["none", "sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"])
-def test_every_strategy_with_every_ckpt_backend(strategy, ckpt, data_root, tmp_path):
+@pytest.mark.parametrize("ckpt", CKPTS)
+def test_every_strategy_with_every_ckpt_backend_at_default_settings(strategy, ckpt, data_root, tmp_path):
+    # The settings users run: 2 loader workers per rank, evaluation after every epoch, MLflow; only shortened to
+    # 2 epochs (24 steps), with both loaders. Before the fix, rank 1 had no val shard (2 shards, 4 readers): it
+    # skipped the forwards (DDP buffer broadcast, FSDP all-gather) that rank 0 ran, and the job hung.
     run_dir = tmp_path / "run"
-    extra = [] if ckpt == "none" else ["ckpt.interval_steps=2"]
-    p = cli([*RUN, "trainer.max_steps=4", f"strategy={strategy}", f"ckpt={ckpt}", f"run_dir={run_dir}", *extra],
-            data_root, tmp_path)
+    loader = "cached" if CKPTS.index(ckpt) % 2 else "plain"
+    extra = [] if ckpt == "none" else ["ckpt.interval_steps=10"]
+    p = cli([f"strategy={strategy}", f"ckpt={ckpt}", f"loader={loader}", "trainer.epochs=2", f"run_dir={run_dir}",
+             f"paths.cache_dir={tmp_path / 'cache'}", "strategy.timeout=90", *extra], data_root, tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
-    assert s["world_size"] == 2 and s["strategy"] == strategy and s["final_step"] == 4
+    assert s["world_size"] == 2 and s["strategy"] == strategy and s["final_step"] == 24
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [12, 24]
+    assert all(r["val_samples"] == 359 for r in evals)  # every val sample scored once, padding never
     assert (run_dir / "rank1.log").is_file() and "[rank1]" not in (run_dir / "train.log").read_text()
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and s["mlflow_run_id"]
     if ckpt != "none":
-        assert s["checkpoint"]["saves"] == 2 and s["checkpoint"]["failures"] == 0
+        assert s["checkpoint"]["saves"] == 3 and s["checkpoint"]["failures"] == 0  # steps 10, 20, 24
         marker = "COMMITTED" if ckpt == "sync_save" else ".metadata"
         assert all((d / marker).is_file() for d in (run_dir / "checkpoints").iterdir())
 
@@ -132,3 +144,16 @@ def test_resharded_resume_consumes_each_sample_once(before, after, data_root, tm
         assert len(keys) == 1438  # every training sample exactly once
     else:  # two ranks stop together: at most one partial batch per rank is left for the next epoch
         assert 1438 - 2 * 32 <= len(keys) <= 1438
+
+
+def test_a_rank_without_val_data_still_evaluates_in_lockstep(data_root, tmp_path):
+    # One val shard for 2 ranks x 2 workers: rank 1 has no val data and runs padding forwards.
+    root = tmp_path / "one"
+    assert cli([f"data.root={root}", "data.prepare.samples_per_shard=400"], data_root, tmp_path,
+               module="recipe.prepare").returncode == 0
+    run_dir = tmp_path / "run"
+    p = cli(["strategy=fsdp", f"data.root={root}", "trainer.epochs=2", "logger=none", f"run_dir={run_dir}",
+             "strategy.timeout=90"], data_root, tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_accuracy" in r]
+    assert len(evals) == 2 and all(r["val_samples"] == 359 for r in evals)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -79,3 +80,26 @@ def compose(config_dir: str, overrides: list[str], cwd: str, config_name: str = 
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def launch_dir() -> str:
+    """The directory the command was started in: Hydra's ``runtime.cwd`` inside a job (and in tests, which
+    set it), the process's working directory where Hydra has not set its config yet (a sweep's own dir is
+    resolved before any job: ``hydra:`` interpolations fail there)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.cwd)
+    return os.getcwd()
+
+
+def register() -> None:
+    """Config schemas and resolvers, before Hydra composes anything (idempotent)."""
+    from pitstop import schema
+
+    schema.register()
+    if not OmegaConf.has_resolver("pitstop.launch_dir"):
+        OmegaConf.register_new_resolver("pitstop.launch_dir", launch_dir)
+
+
+register()

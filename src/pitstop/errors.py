@@ -11,3 +11,11 @@ class ConfigError(PitstopError):
 
 class DataError(PitstopError):
     """The data set is missing, corrupt or inconsistent with its index."""
+
+
+class CheckpointError(PitstopError):
+    """A checkpoint could not be written or read, or does not match this run."""
+
+
+class FingerprintMismatch(CheckpointError):
+    """The checkpoint was written by a run with another data set, seed, model or batch size."""

@@ -14,6 +14,8 @@ import os
 import signal
 import threading
 import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from pitstop.errors import ConfigError
@@ -34,20 +36,52 @@ def _kill(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class NoFault:
+@dataclass(frozen=True)
+class FaultContext:
+    """What a fault needs to know about the job (passed in; a fault never reaches into the runner)."""
+
+    run_dir: str
+    rank: int
+    world_size: int
+    total_steps: int
+    max_restarts: int
+    start_wall: float          # when this process started (time.time())
+    checkpointer: Any          # pitstop.ckpt.base.Checkpointer: its root and the step of the newest save started
+
+
+class Fault(ABC):
+    """The contract of a ``fault`` option: checked and armed at setup, told after every step, closed at the end."""
+
+    name: str = "base"
+    rank: int = 0
+
+    @abstractmethod
+    def bind(self, ctx: FaultContext) -> None:
+        """Check the settings against the job (ranks, steps, checkpointing); raise ConfigError; arm timers."""
+
+    @abstractmethod
+    def after_step(self, step: int) -> None:
+        """Called on every rank after each step (and its save, if one was started)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Disarm (the job ends)."""
+
+
+class NoFault(Fault):
     name = "none"
     rank = 0
 
     def __init__(self, **_: Any):
         pass
 
-    def bind(self, runner: Any) -> None:
-        """Check the settings against the job (ranks, steps, checkpointing); arm timers."""
-        world = runner.strategy.world_size
-        if not 0 <= int(self.rank) < world:
-            raise ConfigError(f"fault.rank={self.rank} but the job has {world} rank(s); use 0..{world - 1}")
+    def bind(self, ctx: FaultContext) -> None:
+        if not 0 <= int(self.rank) < ctx.world_size:
+            raise ConfigError(f"fault.rank={self.rank} but the job has {ctx.world_size} rank(s); "
+                              f"use 0..{ctx.world_size - 1}")
+        self.ctx = ctx
 
-    def after_step(self, runner: Any) -> None:
+    def after_step(self, step: int) -> None:
         pass
 
     def close(self) -> None:
@@ -66,14 +100,14 @@ class CrashAtStep(NoFault):
     def __init__(self, step: int, rank: int = 0, **_: Any):
         self.step, self.rank = _positive_int("fault.step", step), rank
 
-    def bind(self, runner: Any) -> None:
-        super().bind(runner)
-        if self.step > runner.total_steps:
-            raise ConfigError(f"fault.step={self.step} is after the last step ({runner.total_steps}): the fault "
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        if self.step > ctx.total_steps:
+            raise ConfigError(f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
                               f"would never fire; lower fault.step")
 
-    def after_step(self, runner: Any) -> None:
-        if runner.step == self.step and runner.strategy.rank == self.rank and _first_time(runner.run_dir, self.key()):
+    def after_step(self, step: int) -> None:
+        if step == self.step and self.ctx.rank == self.rank and _first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def key(self) -> str:
@@ -93,11 +127,11 @@ class StallAtStep(CrashAtStep):
         super().__init__(step=step, rank=rank, **kw)
         self.seconds = float(seconds)
 
-    def bind(self, runner: Any) -> None:
-        if runner.strategy.world_size < 2:
+    def bind(self, ctx: FaultContext) -> None:
+        if ctx.world_size < 2:
             raise ConfigError("fault=stall needs at least 2 ranks (a peer must notice the stall); "
                               "use strategy=ddp or strategy=fsdp")
-        super().bind(runner)
+        super().bind(ctx)
 
     def fire(self) -> None:
         log.warning("fault injection: rank %d stalls for %.0f s at step %d", self.rank, self.seconds, self.step)
@@ -116,21 +150,20 @@ class RandomFault(NoFault):
         self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
 
-    def bind(self, runner: Any) -> None:
-        super().bind(runner)
-        restarts = int(runner.cfg.trainer.get("max_restarts") or 0)
-        if restarts < 1:
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        if ctx.max_restarts < 1:
             raise ConfigError("fault=random kills every attempt eventually; set trainer.max_restarts (e.g. 100) "
                               "so the job is restarted and can finish")
-        if runner.strategy.rank != self.rank:
+        if ctx.rank != self.rank:
             return
         import numpy as np
 
-        n = _count(runner.run_dir, self.name)
+        n = _count(ctx.run_dir, self.name)
         ttf = float(np.random.default_rng([self.seed, n]).exponential(self.mtbf))
-        delay = max(0.0, ttf - (time.time() - runner.ledger.start_wall))
+        delay = max(0.0, ttf - (time.time() - ctx.start_wall))
         log.info("fault=random: attempt %d fails %.1f s after its start (mtbf %.0f s)", n + 1, ttf, self.mtbf)
-        run_dir = runner.run_dir
+        run_dir = ctx.run_dir
 
         def fire() -> None:
             _record(run_dir, f"{self.name}#{n}")
@@ -156,32 +189,32 @@ class DuringSave(NoFault):
         self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
         self.stop = threading.Event()
 
-    def bind(self, runner: Any) -> None:
-        super().bind(runner)
-        if runner.ckpt.name == "none":
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        if ctx.checkpointer.root is None:
             raise ConfigError("fault=during_save needs checkpoints: choose a backend, e.g. ckpt=async_dcp")
 
-    def after_step(self, runner: Any) -> None:
-        saved = getattr(runner.ckpt, "saved_step", None)
-        if self.armed or runner.strategy.rank != self.rank or saved is None or saved < self.step:
+    def after_step(self, step: int) -> None:
+        started = self.ctx.checkpointer.last_started
+        if self.armed or self.ctx.rank != self.rank or started is None or started < self.step:
             return
         self.armed = True
-        if not _count(runner.run_dir, self.name):
-            self.run_dir, self.ckpt = runner.run_dir, runner.ckpt
+        if not _count(self.ctx.run_dir, self.name):
             threading.Thread(target=self._watch, daemon=True, name="pitstop-fault").start()
 
     def _watch(self) -> None:
-        from pitstop.ckpt.base import is_complete, step_dir
+        from pitstop.ckpt.layout import is_complete, step_dir
 
+        ckpt = self.ctx.checkpointer
         while not self.stop.is_set():
-            path = step_dir(self.ckpt.root, self.ckpt.saved_step)  # the save in progress (not a purge)
+            path = step_dir(ckpt.root, ckpt.last_started)  # the save in progress (not a purge)
             if not is_complete(path):
                 try:
                     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
                 except OSError:
                     written = 0
                 if written > 0:
-                    _record(self.run_dir, self.name)
+                    _record(self.ctx.run_dir, self.name)
                     _kill(f"during the write of {os.path.basename(path)}")
             time.sleep(0.001)
 

@@ -18,7 +18,8 @@ import signal
 import socket
 import threading
 import uuid
-from typing import Any
+from enum import Enum
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,14 +36,36 @@ def nproc(cfg: DictConfig) -> int:
     return n
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict:
-    n = nproc(cfg)
+class LaunchMode(str, Enum):
+    IN_PROCESS = "in_process"   # one rank, run right here
+    SUPERVISED = "supervised"   # one rank in a child process, started again when it dies (trainer.max_restarts)
+    ELASTIC = "elastic"         # strategy.nproc_per_node ranks, started (and restarted) by torch's elastic agent
+    CHILD = "child"             # this process already is one rank or attempt that a launcher started (torchrun,
+                                # SLURM, the elastic agent, pitstop's supervisor): run it, restarts are theirs
+
+
+def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str]) -> LaunchMode:
+    """How ``recipe.train`` runs the job: a pure function of the config and the environment."""
+    if "RANK" in env or env.get("PITSTOP_SUPERVISED"):
+        return LaunchMode.CHILD
+    if nproc_per_node > 1:
+        return LaunchMode.ELASTIC
+    return LaunchMode.SUPERVISED if max_restarts > 0 else LaunchMode.IN_PROCESS
+
+
+def max_restarts(cfg: DictConfig) -> int:
     restarts = OmegaConf.select(cfg, "trainer.max_restarts", default=0) or 0
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ConfigError(f"trainer.max_restarts must be an integer >= 0, got {restarts!r}")
-    if n == 1 and restarts and "RANK" not in os.environ and "PITSTOP_SUPERVISED" not in os.environ:
+    return restarts
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict:
+    n, restarts = nproc(cfg), max_restarts(cfg)
+    mode = launch_mode(n, restarts, os.environ)
+    if mode == LaunchMode.SUPERVISED:
         return supervise(cfg, run_dir, restarts)
-    if n == 1 or "RANK" in os.environ:
+    if mode in (LaunchMode.IN_PROCESS, LaunchMode.CHILD):
         from pitstop.runner import Runner
 
         return Runner(cfg, run_dir).run()

@@ -8,20 +8,25 @@ from typing import Any
 
 
 class MetricsFile:
-    """Appends one JSON line per step; buffered, flushed at log cadence and at close."""
+    """Appends one JSON line per step; buffered, flushed at log cadence and at close.  The file is created at
+    the first write, so a run that fails during setup leaves no metrics file behind."""
 
     def __init__(self, path: str, enabled: bool = True):
-        self.f = open(path, "a", buffering=1 << 16) if enabled else None
+        self.path, self.enabled, self.f = path, enabled, None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if not self.enabled:
+            return
+        if self.f is None:
+            self.f = open(self.path, "a", buffering=1 << 16)
+        self.f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
         if self.f is not None:
             self.f.flush()
 
     def close(self) -> None:
+        self.enabled = False
         if self.f is not None:
             self.f.close()
             self.f = None

@@ -1,13 +1,16 @@
 """The generic training loop, assembled from the config.  It knows nothing about images.
 
     Runner(cfg, run_dir).run()
-      setup()    strategy -> seed -> data -> model -> optimizer/schedule -> loaders -> logger -> checkpointer
-      restore()  the checkpointer loads the newest complete checkpoint (if any) into TrainState
+      setup()    strategy -> seed -> data -> model -> optimizer/schedule -> loaders -> checkpointer -> logger -> fault
+      restore()  the checkpointer loads the newest complete checkpoint (if any) into the train state
       fit()      fetch -> step -> record -> (eval) -> (save), until total_steps
       finish()   final eval and save, wait for in-flight saves, summary.json
 
 Every component is built with ``hydra.utils.instantiate`` from its config group, so a new model, data
 set, optimizer, loader, strategy or checkpoint backend is a new YAML file (and module), not an edit here.
+Each component kind has one contract (``Strategy``, ``ShardLoader``, ``Checkpointer``, ``Logger``,
+``Fault``) and gets the few collaborators it uses passed in.  Whatever ``setup()`` acquires is released
+in reverse order however the run ends (``self._resources``), even when setup fails half-way.
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ import logging
 import os
 import sys
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pitstop.build import build
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop.build import build
+from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
+from pitstop.errors import ConfigError
+from pitstop.fault import FaultContext
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.seed import rng_state, seed_everything, set_rng_state
@@ -31,23 +39,36 @@ from pitstop.seed import rng_state, seed_everything, set_rng_state
 log = logging.getLogger("pitstop")
 
 
+@dataclass
+class Progress:
+    step: int = 0
+    samples_seen: int = 0
+
+
 class TrainState:
     """Everything besides model and optimizer tensors that a checkpoint must restore (``Stateful``)."""
 
-    def __init__(self, runner: "Runner"):
-        self.runner = runner
+    def __init__(self, progress: Progress, loader: Any, scheduler: Any, fingerprint: dict):
+        self.progress, self.loader, self.scheduler, self._fingerprint = progress, loader, scheduler, fingerprint
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def fingerprint(self) -> dict:
+        """Config parts that must not change across a resume."""
+        return self._fingerprint
 
     def state_dict(self) -> dict:
-        r = self.runner
-        return {"step": r.step, "samples_seen": r.samples_seen, "loader": r.loader.state_dict(),
-                "scheduler": r.scheduler.state_dict(), "rng": rng_state(), "fingerprint": r.fingerprint()}
+        return {"step": self.progress.step, "samples_seen": self.progress.samples_seen,
+                "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                "fingerprint": self._fingerprint}
 
     def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
         """``peers``: every saved rank's state (needed when the number of ranks changed)."""
-        r = self.runner
-        r.step, r.samples_seen = int(state["step"]), int(state["samples_seen"])
-        r.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
-        r.scheduler.load_state_dict(state["scheduler"])
+        self.progress.step, self.progress.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
+        self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
 
@@ -56,20 +77,34 @@ class Runner:
         validate(cfg)
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         self.ledger = Ledger()
-        self.step, self.samples_seen, self.resumed_from = 0, 0, None
+        self.progress = Progress()
+        self.resumed_from: int | None = None
         self.callbacks: list[Any] = []
         self.last_eval: dict[str, float] = {}
         self._last_io: dict[str, float] = {}
+        self._resources = ExitStack()
+        self._finished = False
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def samples_seen(self) -> int:
+        return self.progress.samples_seen
 
     # ---- assembly ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg = self.cfg
+        cfg, hold = self.cfg, self._resources
         with self.ledger.measure("startup"):
             self.strategy = build(cfg.strategy)
+            hold.callback(self.strategy.teardown)          # released last: the others may still need the group
             self.strategy.setup()
+            main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=cfg.trainer.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=self.strategy.is_main)
+            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main)
+            hold.push(self._record_failure)
             self.data = build(cfg.data, _convert_="partial")
             self.task = build(cfg.task)
             self.model = self.strategy.wrap(build(cfg.model))
@@ -81,20 +116,48 @@ class Runner:
             self.eval_loader = build(cfg.loader, split=cfg.trainer.eval_split, train=False, **common)
             self.total_steps = self._total_steps()
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
-            self.state = TrainState(self)
+            self.state = TrainState(self.progress, self.loader, self.scheduler, self.fingerprint())
+            self.target = Target(self.model, self.optimizer, self.state)
             # Buffers (BatchNorm running stats) change in forward, so an async save's staging must finish
             # before the next forward; without buffers it may overlap forward/backward until optimizer.step().
             self.forward_mutates_state = any(True for _ in self.model.buffers())
-            self.ckpt = build(cfg.ckpt)
-            self.ckpt.bind(self)
-            main = self.strategy.is_main
-            self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
+            hold.callback(self.metrics_file.close)
+            self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
+            hold.callback(self._close_logger, "FAILED")    # a no-op once finish() closed it
+            self.ckpt = build(cfg.ckpt)
+            hold.callback(self._release_ckpt)
+            self.ckpt.setup(self.strategy, self.report, fault_mtbf=OmegaConf.select(cfg, "fault.mtbf_seconds"),
+                            failures=self.goodput.failures(), job_seconds=self.goodput.job_seconds())
             if cfg.data.get("record_sample_ids"):
                 self._open_sample_log()
             self.fault = build(cfg.fault)
-            self.fault.bind(self)
+            hold.callback(self.fault.close)
+            self.fault.bind(FaultContext(
+                run_dir=self.run_dir, rank=self.strategy.rank, world_size=self.strategy.world_size,
+                total_steps=self.total_steps, max_restarts=int(cfg.trainer.get("max_restarts") or 0),
+                start_wall=self.ledger.start_wall, checkpointer=self.ckpt))
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
+
+    def close(self) -> None:
+        """Release what setup() acquired (``run()`` does this itself; for callers that drive the steps)."""
+        self._resources.close()
+
+    def _record_failure(self, exc_type, exc, tb) -> bool:
+        """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
+        it must leave nothing a later run would count)."""
+        if exc is not None and not isinstance(exc, ConfigError):
+            self.goodput.write(self.step, status="failed")
+        return False
+
+    def _release_ckpt(self) -> None:
+        try:
+            self.ckpt.close()  # a save in flight becomes durable (or fails) before the process goes down
+        except ERRORS as e:  # noqa: BLE001 - the original error matters more
+            if not self._finished:
+                log.error("while failing, the checkpoint in flight also failed: %s", e)
+            else:
+                raise
 
     def _total_steps(self) -> int:
         t = self.cfg.trainer
@@ -108,33 +171,26 @@ class Runner:
         return {**self.data.fingerprint(), "seed": int(cfg.seed),
                 "model": OmegaConf.to_yaml(cfg.model, resolve=True), "batch_size": int(cfg.trainer.batch_size)}
 
+    _sample_file = None
+
     def _open_sample_log(self) -> None:
         path = os.path.join(self.run_dir, f"samples.rank{self.strategy.rank}.jsonl")
         f = open(path, "a", buffering=1 << 16)
         self._sample_file = f
+        self._resources.callback(f.close)
         self.loader.sample_log = lambda keys: f.write(f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"'))
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
-        self.setup()
-        try:
+        with self._resources:  # however it ends, what setup() acquired is released, in reverse order
+            self.setup()
             self.restore()
             self.fit()
             return self.finish()
-        except BaseException:
-            try:
-                if getattr(self, "ckpt", None) is not None:
-                    self.ckpt.wait()  # let a save in flight become durable before going down
-            except BaseException as e:  # noqa: BLE001 - the original error matters more
-                log.error("while failing, the checkpoint in flight also failed: %s", e)
-            if getattr(self, "goodput", None) is not None:
-                self.goodput.write(self.step, status="failed")
-            self._close(status="FAILED")
-            raise
 
     def restore(self) -> None:
         with self.ledger.measure("startup"):
-            self.resumed_from = self.ckpt.restore(self)
+            self.resumed_from = self.ckpt.restore(self.target)
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
         if self.resumed_from is not None:
@@ -163,9 +219,9 @@ class Runner:
             t2 = time.perf_counter()
             ledger.add("data_wait", t1 - t0)
             ledger.add("compute", t2 - t1)
-            self.step += 1
+            self.progress.step += 1
             n = len(batch[-1]) if isinstance(batch, (list, tuple)) else cfg.batch_size
-            self.samples_seen += n * self.strategy.world_size
+            self.progress.samples_seen += n * self.strategy.world_size
             window["samples"] += n
             window["fetch"] += t1 - t0
             window["compute"] += t2 - t1
@@ -175,12 +231,13 @@ class Runner:
             if self._eval_due():                                    # 4. evaluate
                 self.evaluate()
             last = self.step >= self.total_steps
-            ledger.add("checkpoint", self.ckpt.maybe_save(self.state, self.step, last=last))  # 5. save
-            if getattr(self.ckpt, "saved_step", None) == self.step:
+            saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 5. save
+            ledger.add("checkpoint", saved.blocked)
+            if saved.started == self.step:
                 self._flush_logs()  # what a resume would not redo is on disk
                 self.goodput.mark(self.step)
             self.goodput.tick(self.step)
-            self.fault.after_step(self)
+            self.fault.after_step(self.step)
             for cb in self.callbacks:
                 cb.on_step_end(self)
         if bar is not None:
@@ -231,12 +288,13 @@ class Runner:
 
     def report(self, metrics: dict[str, float], step: int) -> None:
         """Extra metrics from components (e.g. per-save checkpoint costs): tracker + metrics.jsonl."""
-        self.logger.log_metrics(metrics, step)
+        if self.logger is not None:  # (None once the run has ended)
+            self.logger.log_metrics(metrics, step)
         self.metrics_file.write({"step": step, **metrics})
 
     def _flush_logs(self) -> None:
         self.metrics_file.flush()
-        if getattr(self, "_sample_file", None) is not None:
+        if self._sample_file is not None:
             self._sample_file.flush()
 
     def _eval_due(self) -> bool:
@@ -247,9 +305,10 @@ class Runner:
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"):
-            batches = (self.data.on_device(self.strategy.to_device(b)) for b in self.eval_loader.iterate_once())
-            out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device,
-                                     self.cfg.trainer.eval_max_batches)
+            # Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see iterate_once.
+            passes = self.eval_loader.iterate_once(self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object)
+            batches = ((self.data.on_device(self.strategy.to_device(b)), counted) for b, counted in passes)
+            out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device)
         self.last_eval = out
         self.logger.log_metrics(out, self.step)
         self.metrics_file.write({"step": self.step, **out})
@@ -261,6 +320,7 @@ class Runner:
             self.evaluate()
         with self.ledger.measure("checkpoint"):
             self.ckpt.close()                     # never report success with a save still in flight
+        self._finished = True
         self.fault.close()
         account = self.goodput.write(self.step, status="finished")
         self.logger.log_metrics({"goodput": account["goodput"], "restarts": account["restarts"],
@@ -276,7 +336,10 @@ class Runner:
         }
         for cb in self.callbacks:
             cb.on_train_end(self)
-        summary.update(self._close(status="FINISHED"))
+        if self.strategy.is_main:
+            self.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
+        summary.update(self._close_logger("FINISHED"))
+        self.metrics_file.close()
         split = self.ledger.split()
         summary["wall_clock"] = split
         summary["samples_per_s"] = self.samples_seen / max(split["total"], 1e-9)
@@ -292,20 +355,10 @@ class Runner:
         wait, compute = self.ledger.seconds["data_wait"], self.ledger.seconds["compute"]
         return round(wait / max(wait + compute, 1e-9), 4)
 
-    def _close(self, status: str) -> dict:
-        out: dict = {}
-        if getattr(self, "logger", None) is not None:
-            if self.strategy.is_main and status == "FINISHED":
-                self.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
-            out = self.logger.close(status) or {}
-            self.logger = None
-        if getattr(self, "metrics_file", None) is not None:
-            self.metrics_file.close()
-        if getattr(self, "_sample_file", None) is not None:
-            self._sample_file.close()
-        if getattr(self, "strategy", None) is not None:
-            self.strategy.teardown()
-        return out
+    def _close_logger(self, status: str) -> dict:
+        """End the tracker run (FINISHED, or FAILED on the way out of a failed run); only the first call counts."""
+        logger, self.logger = self.logger, None
+        return (logger.close(status) or {}) if logger is not None else {}
 
     def params_sha256(self) -> str:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

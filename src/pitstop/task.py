@@ -22,15 +22,17 @@ class Supervised:
         return self.loss_fn(model(inputs), targets)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterable[Any], all_reduce_sum: Callable, device: torch.device,
-                 max_batches: int | None = None) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable,
+                 device: torch.device) -> dict[str, float]:
+        """``batches``: ``(batch, counted)`` pairs; an uncounted (padding) batch runs the forward — a
+        collective under DDP/FSDP, so every rank must run as many — but is not scored."""
         was_training = model.training
         model.eval()
         sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64, device=device)  # count, loss, metrics...
-        for i, (inputs, targets) in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
+        for (inputs, targets), counted in batches:
             outputs = model(inputs)
+            if not counted:
+                continue
             n = targets.shape[0]
             sums[0] += n
             sums[1] += self.loss_fn(outputs, targets).double() * n

@@ -5,17 +5,17 @@
   background, written by a separate checkpoint process; the loop waits for staging only right before the
   optimizer changes the parameters, so the copy overlaps forward/backward.
 
-At most one save is in flight: a new save first waits for the previous one.  A failed background write is
-logged, counted (``ckpt_failed``) and handled per ``ckpt.on_error``; ``close()`` waits for the last save.
+The lifecycle (one save in flight, waiting for staging before the state changes, commit, failure handling
+per ``ckpt.on_error``, waiting for the last save at close) is :class:`~pitstop.ckpt.base.CheckpointManager`'s;
+this module only starts the write and says where staging happens.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import logging
 import os
-import time
+import tempfile
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pitstop.ckpt.base import ERRORS, CheckpointManager, SaveRecord
+from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
+from pitstop.errors import ConfigError
 from pitstop.ckpt.sync_dcp import dcp_writer
 
 log = logging.getLogger("pitstop.ckpt")
@@ -38,23 +39,20 @@ class AsyncDCP(CheckpointManager):
     is_async = True
 
     def __init__(self, pinned: bool = False, checkpointer: str = "auto", **kw: Any):
-        super().__init__(**kw)
-        self.pinned = bool(pinned)
         if checkpointer not in ("auto", "thread", "process"):
-            raise ValueError(f"ckpt.checkpointer must be auto, thread or process, got {checkpointer!r}")
-        self.checkpointer = checkpointer
+            raise ConfigError(f"ckpt.checkpointer={checkpointer!r}: use auto, thread or process")
+        super().__init__(**kw)
+        self.pinned, self.checkpointer = bool(pinned), checkpointer
         self.stager = None
-        self.staging: Future | None = None
-        self.upload: Future | None = None
         if self.pinned:
             self.name = "async_dcp_pinned"
 
-    def bind(self, runner: Any) -> None:
-        super().bind(runner)
+    def _setup_backend(self) -> None:
         kind = self.checkpointer if self.checkpointer != "auto" else ("process" if self.pinned else "thread")
         self.kind = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
         if self.kind == AsyncCheckpointerType.PROCESS and not dist.is_initialized():
-            self.strategy.init_local_group(os.path.join(runner.run_dir, ".pg-store"))
+            # A one-rank group for the checkpoint process; its file store is private to this process.
+            self.strategy.init_local_group(os.path.join(tempfile.gettempdir(), f"pitstop-pg-{os.getpid()}-{id(self)}"))
             self.group = self.strategy.ckpt_group()
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -69,48 +67,13 @@ class AsyncDCP(CheckpointManager):
         log.info("%s: %s checkpointer, staging %s into %s", self.name, kind,
                  "in the background" if self.pinned else "in the loop", where)
 
-    def _write(self, app_state: dict, record: SaveRecord) -> None:
+    def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps),
                              process_group=self.group, async_checkpointer_type=self.kind, async_stager=self.stager)
         if isinstance(out, Future):
-            self.staging, self.upload = None, out
-        else:  # AsyncSaveResponse: staging continues in the background
-            self.staging, self.upload = out.staging_completion, out.upload_completion
-        self.inflight = record
-        self.upload.add_done_callback(lambda _: setattr(record, "finished", time.perf_counter()))
-
-    def poll(self) -> None:
-        if self.upload is not None and self.upload.done():
-            self.wait()
-
-    def wait_staging(self) -> float:
-        if self.staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        try:
-            self.staging.result()
-        except ERRORS as e:  # the upload future carries the same failure
-            log.debug("staging failed: %s", e)
-        self.staging = None
-        waited = time.perf_counter() - t0
-        if self.inflight is not None:
-            self.inflight.block_seconds += waited
-        return waited
-
-    def wait(self) -> float:
-        if self.upload is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.wait_staging()
-        record, upload = self.inflight, self.upload
-        self.upload, self.inflight = None, None
-        try:
-            upload.result()
-        except ERRORS as e:  # handled per on_error
-            self._failed(record, e)
-        else:
-            self._committed(record)
-        return time.perf_counter() - t0
+            return Pending(record, upload=out)
+        # AsyncSaveResponse: staging continues in the background
+        return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
 
     def _shutdown(self) -> None:
         if self.stager is not None:

@@ -1,9 +1,11 @@
-"""What every checkpoint backend shares: when to save, the commit protocol, auto-resume, retention.
+"""The checkpointer contract, and the save lifecycle every saving backend shares.
 
-Layout: ``ckpt.dir/step_{:08d}/``, one dir per checkpoint.  A checkpoint is *complete* only when its
-commit marker exists, and the marker is written last: DCP's ``.metadata`` (rank 0 writes it after every
-rank's data is written and fsynced) or, for ``sync_save``, ``COMMITTED`` (after ``state.pt`` was written
-under a temporary name, fsynced and renamed).  Anything else in ``ckpt.dir`` is partial and never loaded.
+:class:`Checkpointer` is what the training loop sees; every ``conf/ckpt/`` option implements it, ``none``
+included.  :class:`CheckpointManager` implements it once for the saving backends: restore (with
+fallback), the save lifecycle (one save in flight; staging, upload, commit or failure; retention) and the
+accounting.  A backend only says how it writes (:meth:`CheckpointManager._write`, returning the futures of
+a background save, if any) and, optionally, how it reads.  The layout on disk is :mod:`.layout`, when a
+save is due is :mod:`.schedule`, the file formats are :mod:`.formats`.
 
 The saved state (the same for every backend, so checkpoints are interchangeable):
 - ``model`` and ``optim``: from DCP's ``get_state_dict`` (the same keys for plain, DDP and FSDP models);
@@ -14,17 +16,18 @@ The saved state (the same for every backend, so checkpoints are interchangeable)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
-import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -32,48 +35,109 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from torch.distributed.checkpoint.api import CheckpointException
-
-from omegaconf import OmegaConf
-
+from pitstop.ckpt import layout
+from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.errors import CheckpointError, ConfigError, FingerprintMismatch
 
 log = logging.getLogger("pitstop.ckpt")
 
-DCP_MARKER = ".metadata"
-SAVE_MARKER = "COMMITTED"
-STEP_PREFIX = "step_"
 # DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
 ERRORS = (Exception, CheckpointException)
 
 
-class CheckpointError(PitstopError):
-    """A checkpoint could not be written or read, or does not match this run."""
+class TrainStateLike(Protocol):
+    """What a checkpoint holds besides model and optimizer tensors (``pitstop.runner.TrainState``)."""
+
+    step: int
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None: ...
+
+    def fingerprint(self) -> dict: ...
 
 
-class FingerprintMismatch(CheckpointError):
-    pass
+@dataclass
+class Target:
+    """What is saved and restored: the (wrapped) model, its optimizer and the rest of the train state."""
+
+    model: nn.Module
+    optimizer: Any
+    state: TrainStateLike
 
 
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
+@dataclass(frozen=True)
+class SaveResult:
+    """What :meth:`Checkpointer.maybe_save` did: seconds the loop was blocked, and the step of the save it
+    started (None if none was due)."""
+
+    blocked: float = 0.0
+    started: int | None = None
 
 
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, DCP_MARKER)) or os.path.isfile(os.path.join(path, SAVE_MARKER))
+class Checkpointer(ABC):
+    """The contract of a ``ckpt`` option, as the training loop uses it (in this order)."""
+
+    name: str = "base"
+    root: str | None = None             # where checkpoints go (None: nowhere)
+    last_started: int | None = None     # the step of the newest save started (in flight or done)
+
+    @abstractmethod
+    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
+              failures: int = 0, job_seconds: float = 0.0) -> None:
+        """Bind to the job: ``strategy`` (ranks, collectives), ``report(metrics, step)`` (per-save costs);
+        the rest informs ``ckpt.interval=auto`` (an MTBF from fault injection, failures seen so far)."""
+
+    @abstractmethod
+    def restore(self, target: Target) -> int | None:
+        """Load the checkpoint chosen by ``ckpt.load`` into ``target``; return its step, or None to start fresh."""
+
+    @abstractmethod
+    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
+        """Save ``target`` at ``step`` if due (``last``: the final step)."""
+
+    @abstractmethod
+    def wait_staging(self) -> float:
+        """Called before the model state changes; a background copy of it finishes here. Returns seconds waited."""
+
+    @abstractmethod
+    def wait(self) -> float:
+        """Wait until the save in flight (if any) is durable or failed. Returns seconds waited."""
+
+    @abstractmethod
+    def poll(self) -> None:
+        """Settle a background save that has finished (commit it, or report its failure) without waiting."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for the last save and release resources; raise if the run must not count as a success."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Per-run figures for summary.json (saves, failures, blocking and total seconds, bytes)."""
 
 
-def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
-    """``(step, path, complete)`` for every ``step_*`` dir, oldest first."""
-    out = []
-    if not os.path.isdir(root):
-        return out
-    for name in os.listdir(root):
-        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-            path = os.path.join(root, name)
-            out.append((int(name[len(STEP_PREFIX):]), path, is_complete(path)))
-    return sorted(out)
+@dataclass
+class SaveRecord:
+    step: int
+    path: str
+    last: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    block_seconds: float = 0.0
+    total_seconds: float | None = None
+    finished: float | None = None  # when the write became durable (set from the writer's thread)
+    bytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Pending:
+    """A save still running in the background: ``staging`` (host copy; may be None) then ``upload`` (write)."""
+
+    record: SaveRecord
+    upload: Future
+    staging: Future | None = None
 
 
 def one_line(error: BaseException) -> str:
@@ -89,28 +153,8 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
 
-def encode_json(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
-
-
-def decode_json(t: torch.Tensor) -> Any:
-    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
-
-
-@dataclass
-class SaveRecord:
-    step: int
-    path: str
-    started: float = field(default_factory=time.perf_counter)
-    block_seconds: float = 0.0
-    total_seconds: float | None = None
-    finished: float | None = None  # when the write became durable (set from the writer's thread)
-    bytes: int = 0
-    error: str | None = None
-
-
-class CheckpointManager:
-    """Base class of the saving backends; subclasses implement :meth:`_write` and :meth:`_read`."""
+class CheckpointManager(Checkpointer):
+    """The saving backends' common part; a subclass implements :meth:`_write` (and may override :meth:`_read`)."""
 
     name = "base"
     is_async = False
@@ -122,7 +166,8 @@ class CheckpointManager:
                  mtbf_seconds: float | None = None, **_: Any):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
-        for key, v in (("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds)):
+        for key, v in (("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
+                       ("ckpt.mtbf_seconds", mtbf_seconds), ("ckpt.throttle_mbps", throttle_mbps)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
                 raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
         if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 0:
@@ -133,77 +178,67 @@ class CheckpointManager:
         if interval not in (None, "auto"):
             raise ConfigError(f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
                               f"or null with ckpt.interval_steps / ckpt.interval_seconds")
-        if mtbf_seconds is not None and (isinstance(mtbf_seconds, bool) or not isinstance(mtbf_seconds, (int, float))
-                                         or mtbf_seconds <= 0):
-            raise ConfigError(f"ckpt.mtbf_seconds must be a positive number of seconds or null, got {mtbf_seconds!r}")
         self.root = str(dir)
         self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
         if self.auto:  # the measured interval replaces the fixed ones
             interval_steps = interval_seconds = None
-        self.interval_steps, self.interval_seconds = interval_steps, interval_seconds
-        self.keep_last_k, self.save_last, self.load_spec, self.on_error = keep_last_k, save_last, load, on_error
+        self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
+        self.keep_last_k, self.load_spec, self.on_error = keep_last_k, load, on_error
         self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
         self.records: list[SaveRecord] = []
-        self.inflight: SaveRecord | None = None
+        self.pending: Pending | None = None
         self.failures = 0
+        self.blocked_total = 0.0  # the loop's time in saves and staging waits (C for ckpt.interval=auto)
         self._done: list[SaveRecord] = []  # finished in the background, not yet reported
         self._lock = threading.Lock()
         self._purger: ThreadPoolExecutor | None = None
-        self.saved_step: int | None = None  # the step of the latest save started
+        self._closed = False
+        self.last_started = None
 
     # ---- wiring -------------------------------------------------------------------------------------
-    def bind(self, runner: Any) -> None:
-        self.runner, self.strategy = runner, runner.strategy
-        self.rank, self.world_size = self.strategy.rank, self.strategy.world_size
-        self.group = self.strategy.ckpt_group()
-        if self.rank == 0:
-            self._check_writable()
-            self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
-        self.strategy.barrier()
-        self.last_save_time = time.monotonic()
-        self.started_saves = 0
-        if self.auto:
-            from pitstop.goodput import AutoInterval
+    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
+              failures: int = 0, job_seconds: float = 0.0) -> None:
+        from pitstop.ckpt.schedule import SaveSchedule
+        from pitstop.goodput import AutoInterval
 
-            fault_mtbf = OmegaConf.select(runner.cfg, "fault.mtbf_seconds", default=None)
+        self.strategy, self.report = strategy, report
+        self.rank, self.world_size = strategy.rank, strategy.world_size
+        self.group = strategy.ckpt_group()
+        if self.rank == 0:
+            layout.check_writable(self.root)
+            self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
+        strategy.barrier()
+        auto = None
+        if self.auto:
             mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
                             (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
-            self.auto_interval = AutoInterval(mtbf, source, runner.goodput.failures(), runner.goodput.job_seconds())
+            auto = AutoInterval(mtbf, source, failures, job_seconds)
+        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+        self._setup_backend()
 
-    def _check_writable(self) -> None:
-        probe = os.path.join(self.root, f".write-probe-{os.getpid()}")
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(b"ok")
-                f.flush()
-                os.fsync(f.fileno())
-            os.remove(probe)
-        except OSError as e:
-            raise CheckpointError(f"ckpt.dir {self.root} is not writable ({e.strerror or e}); "
-                                  f"point ckpt.dir at a writable directory") from None
+    def _setup_backend(self) -> None:
+        """Per-run resources of a backend (stagers, checkpoint processes)."""
 
     # ---- restore ------------------------------------------------------------------------------------
-    def restore(self, runner: Any) -> int | None:
+    def restore(self, target: Target) -> int | None:
         spec = self.load_spec
         if spec in (None, "none", False):
             return None
         choice: Any = None
         if self.rank == 0:  # rank 0 decides (and reports a bad spec) for everyone
             try:
-                choice = self._candidates(spec)
+                choice = layout.candidates(self.root, spec)
             except CheckpointError as e:
                 choice = str(e)
         choice = self.strategy.broadcast_object(choice)
         if isinstance(choice, str):
             raise CheckpointError(choice)
-        candidates = choice
         explicit = spec != "auto"
-        for i, path in enumerate(candidates):
+        for i, path in enumerate(choice):
             t0 = time.perf_counter()
             error: BaseException | None = None
             try:
-                self._load(path, runner)
+                self._load(path, target)
             except FingerprintMismatch:
                 raise
             except ERRORS as e:  # corrupt/truncated: fall back to an older one
@@ -212,136 +247,121 @@ class CheckpointManager:
                 reason = one_line(error) if error is not None else "failed to load on another rank"
                 if explicit:
                     raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from error
-                older = candidates[i + 1] if i + 1 < len(candidates) else None
+                older = choice[i + 1] if i + 1 < len(choice) else None
                 log.warning("checkpoint %s failed to load (%s); %s", path, reason,
                             f"falling back to {os.path.basename(older)}" if older else "no older complete checkpoint")
                 if older is None:
                     raise CheckpointError(f"no loadable checkpoint in {self.root} (newest failed: {reason}); "
                                           f"fix or move the directory, or set ckpt.load=none to start over") from error
                 continue
-            step = runner.step
-            log.info("restored %s (step %d) in %.2f s", path, step, time.perf_counter() - t0)
-            return step
+            log.info("restored %s (step %d) in %.2f s", path, target.state.step, time.perf_counter() - t0)
+            return target.state.step
         return None
 
-    def _candidates(self, spec: Any) -> list[str]:
-        """Rank 0: the checkpoints to try, newest first; partial dirs are reported (and cleaned up)."""
-        if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
-            path = step_dir(self.root, int(spec))
-            if not is_complete(path):
-                raise CheckpointError(f"ckpt.load={spec}: {path} is not a complete checkpoint")
-            return [path]
-        if spec != "auto":
-            path = os.path.abspath(str(spec))
-            if not is_complete(path):
-                raise CheckpointError(f"ckpt.load={spec}: no complete checkpoint there (missing {DCP_MARKER} or {SAVE_MARKER})")
-            return [path]
-        found = list_checkpoints(self.root)
-        for step, path, complete in found:
-            if not complete:
-                log.warning("skipping partial checkpoint %s (no commit marker); removing it", path)
-                shutil.rmtree(path, ignore_errors=True)
-        return [path for _, path, complete in reversed(found) if complete]
-
-    def _load(self, path: str, runner: Any) -> None:
-        model, optim = runner.model, runner.optimizer
-        model_sd, optim_sd, trains = self._read(path, runner)
+    def _load(self, path: str, target: Target) -> None:
+        model_sd, optim_sd, trains = self._read(path, target)
         # This rank's own state; a rank that did not exist when it was saved starts from rank 0's.
         train = trains.get(f"train.rank{self.rank}", trains.get("train.rank0"))
         saved_fp = train["fingerprint"] if train is not None else None
         if saved_fp is not None and not self.load_model_only:
-            self._check_fingerprint(path, saved_fp, runner.fingerprint())
-        full = StateDictOptions(full_state_dict=self._read_full(path))
+            _check_fingerprint(path, saved_fp, target.state.fingerprint())
+        full = StateDictOptions(full_state_dict=layout.is_full_state(path))
         if self.load_model_only:
-            set_model_state_dict(model, model_sd, options=full)
+            set_model_state_dict(target.model, model_sd, options=full)
             log.info("loaded model weights only from %s (ckpt.load_model_only=true)", path)
             return
         if train is None:
             raise CheckpointError(f"{path} has no training state (step, data position, RNG)")
-        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full)
+        set_state_dict(target.model, target.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=full)
         peers = [trains[k] for k in sorted(trains, key=lambda k: int(k[len("train.rank"):]))]
         if len(peers) != self.world_size:
             log.info("resharding: checkpoint written by %d rank(s), resuming on %d", len(peers), self.world_size)
-        runner.state.load_state_dict(train, peers=peers)
+        target.state.load_state_dict(train, peers=peers)
 
-    @staticmethod
-    def _check_fingerprint(path: str, saved: dict, now: dict) -> None:
-        changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-        if changed:
-            detail = "; ".join(
-                f"{k}: {str(saved.get(k))[:60]!r} -> {str(now.get(k))[:60]!r}" if k != "model" else "model config changed"
-                for k in changed)
-            raise FingerprintMismatch(
-                f"cannot resume from {path}: {', '.join(changed)} changed since it was saved ({detail}); "
-                f"use a new run_dir, or ckpt.load_model_only=true to start from its model weights")
+    def _read(self, path: str, target: Target) -> tuple[dict, dict, dict[str, dict]]:
+        return read_checkpoint(path, target.model, target.optimizer, self.group)
 
     # ---- save ---------------------------------------------------------------------------------------
-    def due(self, step: int, last: bool) -> bool:
-        if last:
-            return bool(self.save_last)
-        if self.auto and self.started_saves == 0:
-            return True  # the first save measures what a save costs
-        if self.interval_steps and step % int(self.interval_steps) == 0:
-            return True
-        seconds = self._auto_seconds(step) if self.auto else self.interval_seconds
-        if seconds:
-            flag = time.monotonic() - self.last_save_time >= float(seconds)
-            return self.strategy.any(flag)  # every rank must agree, or collectives would hang
-        return False
-
-    def _auto_seconds(self, step: int) -> float:
-        """Young–Daly from this attempt's measured blocking cost per save (the loop's checkpoint time,
-        staging waits included) and, for async saves, never before the last one became durable."""
-        cost = self.runner.ledger.seconds["checkpoint"] / max(self.started_saves, 1)
-        ok = [r.total_seconds for r in self.records[-5:] if r.error is None and r.total_seconds]
-        write = sum(ok) / len(ok) if ok and self.is_async else 0.0
-        before = self.auto_interval.seconds
-        seconds = self.auto_interval.update(cost, write)
-        if seconds != before:  # update() keeps the old value unless it moves by more than 10%
-            self.runner.report({"ckpt_interval_seconds": seconds}, step)
-        return seconds
-
-    def maybe_save(self, state: Any, step: int, *, last: bool = False) -> float:
-        """Save if due; return the seconds the training loop was blocked."""
+    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
         self.poll()
         self._report_finished()
-        if not self.due(step, last):
-            return 0.0
+        if self.schedule.auto is not None and self.schedule.saves:
+            self._measure_auto(step)
+        if not self.schedule.due(step, last, self.strategy.any):
+            return SaveResult()
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
-        self.saved_step = step
-        self.started_saves += 1
-        record = SaveRecord(step=step, path=step_dir(self.root, step))
+        self.last_started = step
+        self.schedule.started()
+        record = SaveRecord(step=step, path=layout.step_dir(self.root, step), last=last)
         if self.rank == 0 and os.path.exists(record.path):
             shutil.rmtree(record.path)  # a partial leftover of the same step (e.g. after a crash)
         self.strategy.barrier()
         try:
-            self._write(self.app_state(), record)
+            pending = self._write(self._app_state(target), record)
         except ERRORS as e:  # handled per on_error
             self._failed(record, e)
+        else:
+            if pending is None:
+                self._committed(record)
+            else:
+                pending.upload.add_done_callback(lambda _: setattr(record, "finished", time.perf_counter()))
+                self.pending = pending
         block = time.perf_counter() - t0
         record.block_seconds += block
-        self.last_save_time = time.monotonic()
-        return block
+        self.blocked_total += block
+        self.schedule.finished_blocking()
+        return SaveResult(blocked=block, started=step)
 
-    def app_state(self) -> dict:
-        r = self.runner
-        self.strategy.sync_buffers(r.model)
+    def _measure_auto(self, step: int) -> None:
+        """Young–Daly from this attempt's measured blocking cost per save (staging waits included) and, for
+        async saves, never before the last one became durable."""
+        cost = self.blocked_total / max(self.schedule.saves, 1)
+        ok = [r.total_seconds for r in self.records[-5:] if r.error is None and r.total_seconds]
+        write = sum(ok) / len(ok) if ok and self.is_async else 0.0
+        moved = self.schedule.measured(cost, write)
+        if moved is not None:
+            self.report({"ckpt_interval_seconds": moved}, step)
+
+    def _app_state(self, target: Target) -> dict:
+        self.strategy.sync_buffers(target.model)
         opts = StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
-        model_sd, optim_sd = get_state_dict(r.model, r.optimizer, options=opts)
-        return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(r.state.state_dict())}
+        model_sd, optim_sd = get_state_dict(target.model, target.optimizer, options=opts)
+        return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(target.state.state_dict())}
 
     def wait_staging(self) -> float:
-        """Called before the model state changes (the next forward if it updates buffers, else before
-        ``optimizer.step()``); a background stager finishes here. Returns the seconds waited."""
-        return 0.0
+        p = self.pending
+        if p is None or p.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            p.staging.result()
+        except ERRORS as e:  # the upload future carries the same failure
+            log.debug("staging failed: %s", e)
+        p.staging = None
+        waited = time.perf_counter() - t0
+        p.record.block_seconds += waited
+        self.blocked_total += waited
+        return waited
 
     def wait(self) -> float:
-        """Wait for the save in flight (if any); return the seconds waited."""
-        return 0.0
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.wait_staging()
+        p, self.pending = self.pending, None
+        try:
+            p.upload.result()
+        except ERRORS as e:  # handled per on_error
+            self._failed(p.record, e)
+        else:
+            self._committed(p.record)
+        return time.perf_counter() - t0
 
     def poll(self) -> None:
-        """Settle a background save that has finished (commit it, or report its failure) without waiting."""
+        if self.pending is not None and self.pending.upload.done():
+            self.wait()
 
     def _committed(self, record: SaveRecord) -> None:
         """A save became durable: account for it and purge old checkpoints (rank 0, in the background)."""
@@ -349,7 +369,7 @@ class CheckpointManager:
         if self.rank == 0:
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
-                self._purger.submit(self._purge)
+                self._purger.submit(layout.purge, self.root, self.keep_last_k)
         with self._lock:
             self._done.append(record)
 
@@ -358,20 +378,12 @@ class CheckpointManager:
         self.failures += 1
         log.error("checkpoint at step %d failed: %s (it is not committed; older checkpoints are intact)",
                   record.step, record.error)
-        if self.rank == 0 and not is_complete(record.path):
+        if self.rank == 0 and not layout.is_complete(record.path):
             shutil.rmtree(record.path, ignore_errors=True)
         with self._lock:
             self._done.append(record)
         if self.on_error == "raise":
             raise CheckpointError(f"checkpoint at step {record.step} failed: {record.error}") from error
-
-    def _purge(self) -> None:
-        if not self.keep_last_k:
-            return
-        complete = [(s, p) for s, p, ok in list_checkpoints(self.root) if ok]
-        for step, path in complete[:-self.keep_last_k]:  # never the in-flight one: it is not complete yet
-            shutil.rmtree(path, ignore_errors=True)
-            log.debug("purged %s", path)
 
     def _report_finished(self) -> None:
         with self._lock:
@@ -381,10 +393,14 @@ class CheckpointManager:
             metrics = {"ckpt_block_seconds": rec.block_seconds, "ckpt_failed": float(rec.error is not None)}
             if rec.error is None:
                 metrics.update(ckpt_total_seconds=rec.total_seconds, ckpt_bytes=float(rec.bytes))
-            self.runner.report(metrics, rec.step)
+            self.report(metrics, rec.step)
 
     def close(self) -> None:
-        """Wait for the last save; never let the run end successfully with a save in flight or failed."""
+        """Wait for the last save; never let the run end successfully with a save in flight or failed.
+        Only the first call does anything (the runner also calls it on the way out of a failed run)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -394,13 +410,12 @@ class CheckpointManager:
                 self._purger = None
             self._shutdown()
         last = self.records[-1] if self.records else None
-        final_step = getattr(self.runner, "total_steps", None)
-        if last is not None and last.error is not None and (self.on_error == "raise" or last.step == final_step):
+        if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
             # The final save failed (or failures must fail the run): never report success.
             raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
 
     def _shutdown(self) -> None:
-        pass
+        """Release per-run backend resources (also after a failure)."""
 
     def stats(self) -> dict:
         ok = [r for r in self.records if r.error is None]
@@ -411,14 +426,19 @@ class CheckpointManager:
                 "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
                 "bytes_last": ok[-1].bytes if ok else 0}
 
-    # ---- backend hooks --------------------------------------------------------------------------------
-    def _write(self, app_state: dict, record: SaveRecord) -> None:
-        raise NotImplementedError
+    # ---- backend hook ---------------------------------------------------------------------------------
+    @abstractmethod
+    def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
+        """Write ``app_state`` to ``record.path``: return None once it is committed (a synchronous save), or
+        the futures of a save that goes on in the background (the lifecycle here waits for and commits it)."""
 
-    def _read(self, path: str, runner: Any) -> tuple[dict, dict, dict[str, dict]]:
-        from pitstop.ckpt.formats import read_checkpoint
 
-        return read_checkpoint(path, runner, self.group)
-
-    def _read_full(self, path: str) -> bool:
-        return os.path.isfile(os.path.join(path, SAVE_MARKER))
+def _check_fingerprint(path: str, saved: dict, now: dict) -> None:
+    changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if changed:
+        detail = "; ".join(
+            f"{k}: {str(saved.get(k))[:60]!r} -> {str(now.get(k))[:60]!r}" if k != "model" else "model config changed"
+            for k in changed)
+        raise FingerprintMismatch(
+            f"cannot resume from {path}: {', '.join(changed)} changed since it was saved ({detail}); "
+            f"use a new run_dir, or ckpt.load_model_only=true to start from its model weights")

@@ -13,11 +13,19 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from pitstop.ckpt.base import DCP_MARKER, SAVE_MARKER, decode_json
+from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER
 from pitstop.ckpt.storage import fsync_dir, open_write
 
 STATE_FILE = "state.pt"
 TRAIN_PREFIX = "train.rank"
+
+
+def encode_json(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def decode_json(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -34,21 +42,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_checkpoint(path: str, runner: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
+def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
     """Read any pitstop checkpoint into ``(model_sd, optim_sd, {"train.rankR": train state} of every saved rank)``."""
     if os.path.isfile(os.path.join(path, DCP_MARKER)):
-        return _read_dcp(path, runner, group)
+        return _read_dcp(path, model, optimizer, group)
     if os.path.isfile(os.path.join(path, SAVE_MARKER)):
         sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
         return sd["model"], sd["optim"], {k: decode_json(v) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
-def _read_dcp(path: str, runner: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
+def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
     reader = FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
-    model_sd, optim_sd = get_state_dict(runner.model, runner.optimizer, options=StateDictOptions())
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     trains = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
     sd.update({k: torch.empty(meta[k].size, dtype=torch.uint8) for k in trains})

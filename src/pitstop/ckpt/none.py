@@ -1,32 +1,39 @@
-"""``ckpt=none``: never saves, never resumes (each run starts from step 0)."""
+"""``ckpt=none``: never saves, never resumes (each run starts from step 0) — a full :class:`Checkpointer`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from pitstop.ckpt.base import Checkpointer, SaveResult, Target
 
 
-class NoCheckpoint:
+class NoCheckpoint(Checkpointer):
     name = "none"
 
     def __init__(self, **_: Any):
+        self.root, self.last_started = None, None
+
+    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
+              failures: int = 0, job_seconds: float = 0.0) -> None:
         pass
 
-    def bind(self, runner: Any) -> None:
-        pass
+    def restore(self, target: Target) -> int | None:
+        return None
+
+    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
+        return SaveResult()
 
     def wait_staging(self) -> float:
         return 0.0
 
-    def restore(self, state: Any) -> int | None:
-        """Load the newest complete checkpoint into ``state``; return its step, or None to start fresh."""
-        return None
-
-    def maybe_save(self, state: Any, step: int, *, last: bool = False) -> float:
-        """Save if due; return the seconds the training loop was blocked."""
+    def wait(self) -> float:
         return 0.0
 
+    def poll(self) -> None:
+        pass
+
     def close(self) -> None:
-        """Wait for in-flight saves; raise if one failed."""
+        pass
 
     def stats(self) -> dict:
-        return {}
+        return {"backend": self.name, "saves": 0, "failures": 0}

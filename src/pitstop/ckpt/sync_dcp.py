@@ -6,7 +6,7 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 
-from pitstop.ckpt.base import CheckpointManager, SaveRecord
+from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
 from pitstop.ckpt.storage import ThrottledFileSystem
 
 
@@ -24,6 +24,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 class SyncDCP(CheckpointManager):
     name = "sync_dcp"
 
-    def _write(self, app_state: dict, record: SaveRecord) -> None:
+    def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
         dcp.save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps), process_group=self.group)
-        self._committed(record)
+        return None

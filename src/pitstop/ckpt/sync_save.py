@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pitstop.ckpt.base import CheckpointManager, SaveRecord
+from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
 from pitstop.ckpt.formats import write_torch_save
 
 
@@ -10,7 +10,7 @@ class SyncSave(CheckpointManager):
     name = "sync_save"
     full_state = True
 
-    def _write(self, app_state: dict, record: SaveRecord) -> None:
+    def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
         write_torch_save(app_state, record.path, self.rank, self.world_size, self.group, record.step, self.throttle_mbps)
-        self.strategy.barrier()
-        self._committed(record)
+        self.strategy.barrier()  # committed on every rank only once rank 0 wrote the marker
+        return None

@@ -9,6 +9,8 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 
 from __future__ import annotations
 
+import logging
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,6 +22,8 @@ from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
 from pitstop.loader import plan
 from pitstop.seed import derive_seed
+
+log = logging.getLogger("pitstop.loader")
 
 
 class _Failure:
@@ -68,7 +72,7 @@ class StreamReader(IterableDataset):
         failed = False
         try:
             for s in local_streams:
-                for item in self._stream(self.rank * self.streams + s):
+                for item in self._stream(plan.stream_id(self.rank, s, self.streams, self.world_size, self.train)):
                     failed = isinstance(item, _Failure)
                     yield item
         finally:  # after a failure the run goes down: let downloads in flight finish cleaning up first
@@ -131,8 +135,13 @@ class StreamReader(IterableDataset):
                 "skipped": skipped, "io": self.source.take_stats()}
 
 
-class ShardLoader:
-    """Trainer side: an endless iterator of batches across epochs with an exact, saveable position."""
+class ShardLoader(ABC):
+    """Trainer side: an endless iterator of batches across epochs with an exact, saveable position.
+
+    The contract of a ``loader`` option: ``iter(loader)`` (training batches, endless), ``iterate_once``
+    (an evaluation pass in lockstep across ranks), ``steps_per_epoch``, ``state_dict``/``load_state_dict``
+    (the data position), ``stats`` (cumulative counters); a subclass says where shard bytes come from
+    (:meth:`source`)."""
 
     kind = "base"
 
@@ -158,17 +167,26 @@ class ShardLoader:
             raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
                               f"commands; set loader.allow_pipe=true only if you trust it")
         self.partitions = int(partitions or len(shards))
-        total_streams = self.streams * world_size
-        if train and total_streams > self.partitions:  # (evaluation tolerates idle readers)
-            raise ConfigError(
-                f"{split} split has {self.partitions} partitions but {world_size} rank(s) x {self.streams} "
-                f"worker(s) = {total_streams} readers; lower loader.num_workers or write more shards")
+        if train and self.streams * world_size > self.partitions:  # (evaluation tolerates idle readers)
+            if self.partitions < world_size:
+                raise ConfigError(
+                    f"{split} split has {self.partitions} partition(s) but {world_size} ranks: every rank needs at "
+                    f"least one; write more shards (recipe.prepare data.prepare.samples_per_shard=...) or use fewer ranks")
+            # A worker without a partition would only idle: use as many as there are partitions per rank.
+            fewer = self.partitions // world_size
+            log.warning("%s split has %d partition(s) for %d rank(s): %d loader worker(s) per rank instead of "
+                        "loader.num_workers=%d (write more shards to use them all)", split, self.partitions,
+                        world_size, fewer, self.num_workers)
+            self.num_workers = self.streams = fewer
         self.epoch, self.batches, self.positions = 0, 0, {}
         self.base: dict[int, int] = {}  # samples per partition consumed before this segment (elastic resume)
         self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_from_source": 0, "fetch_retries": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
 
     # ---- the plan (pure) -------------------------------------------------------------------------
+    def _gid(self, rank: int, worker: int) -> int:
+        return plan.stream_id(rank, worker, self.streams, self.world_size, self.train)
+
     def _items(self, epoch: int, g: int) -> list[tuple[int, int, int]]:
         return plan.stream_items(len(self.urls), self.counts, self.partitions, g, self.streams * self.world_size,
                                  self.seed, epoch, self.shuffle, self.base if epoch == self.epoch else {})
@@ -181,7 +199,7 @@ class ShardLoader:
         """Batches each rank hands out per epoch: the same on every rank (the smallest rank's count)."""
         e = self.epoch if epoch is None else epoch
         return min(
-            sum(self._stream_batches(e, r * self.streams + s) for s in range(self.streams))
+            sum(self._stream_batches(e, self._gid(r, s)) for s in range(self.streams))
             for r in range(self.world_size)
         )
 
@@ -195,7 +213,7 @@ class ShardLoader:
         offsets: dict[int, int] = {}
         if not ended:  # consumed samples per partition of this rank's streams (for a resume on other ranks)
             for s in range(self.streams):
-                g = self.rank * self.streams + s
+                g = self._gid(self.rank, s)
                 offsets.update(plan.partition_offsets(self._items(self.epoch, g), self.counts,
                                                       self.positions.get(g, 0), self.base))
         return {"epoch": self.epoch, "batches": self.batches, "ended": ended,
@@ -229,15 +247,15 @@ class ShardLoader:
             self.base.update({int(k): int(v) for k, v in peer["offsets"].items()})
 
     # ---- reading ----------------------------------------------------------------------------------
+    @abstractmethod
     def source(self) -> ShardSource:
         """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
-        raise NotImplementedError
 
     def _reader(self, epoch: int) -> Iterator[dict | _Failure]:
         """Readers for ``epoch``: from the saved position if it is the current epoch, else from its start."""
         current = epoch == self.epoch
         done = self.batches if current else 0
-        counts = [self._stream_batches(epoch, self.rank * self.streams + s) for s in range(self.streams)]
+        counts = [self._stream_batches(epoch, self._gid(self.rank, s)) for s in range(self.streams)]
         seq = plan.round_robin(counts)
         rotation = seq[done] if done < len(seq) else 0
         # Workers hand out batches round-robin starting at worker 0; rotate stream ids so that the
@@ -285,12 +303,59 @@ class ShardLoader:
             if self.batches < limit:  # every reader ran dry early (samples skipped as corrupt)
                 self.batches = limit
 
-    def iterate_once(self) -> Iterator[Any]:
-        """One pass over this rank's share (evaluation): no shuffling, no position kept."""
-        for item in self._reader(0):
-            if isinstance(item, _Failure):
-                raise DataError(item.message)
-            yield item["data"]
+    def eval_batches(self) -> list[int]:
+        """Batches of one evaluation pass, per rank (pure: every rank computes the same list)."""
+        return [sum(self._stream_batches(0, self._gid(r, s)) for s in range(self.streams))
+                for r in range(self.world_size)]
+
+    def iterate_once(self, max_batches: int | None = None,
+                     share: Callable[[Any, int], Any] | None = None) -> Iterator[tuple[Any, bool]]:
+        """One pass over this rank's share (evaluation): no shuffling, no position kept.
+
+        Yields ``(batch, counted)``, and every rank yields the same number of batches: a forward is a
+        collective under DDP (buffer broadcast) and FSDP (parameter all-gather), so a rank that stopped
+        early while a peer still runs forwards would deadlock the job.  A rank that ran out keeps stepping
+        with a one-sample *padding* batch (``counted=False``: run it, do not score it).  A rank with no
+        evaluation data at all gets its padding sample from a rank that has some, through
+        ``share(obj, src)`` (a broadcast every rank calls, before any forward, only when such a rank exists).
+        """
+        counts = self.eval_batches()
+        steps = max(counts, default=0)
+        if max_batches is not None:
+            steps = min(steps, int(max_batches))
+        mine = min(counts[self.rank], steps)
+        it = self._reader(0) if mine else iter(())
+        first = self._checked(next(it)) if mine else None
+        if steps and min(counts) == 0 and self.world_size > 1:
+            if share is None:
+                raise ValueError("a rank has no evaluation data: iterate_once needs share= to stay in lockstep")
+            src = counts.index(max(counts))
+            pad = share(first_sample(first) if self.rank == src else None, src)
+        else:
+            pad = first_sample(first) if first is not None else None
+        for i in range(mine):
+            yield (first if i == 0 else self._checked(next(it))), True
+            first = None
+        del it  # stop this pass's workers now, not when the generator is collected
+        for _ in range(steps - mine):
+            yield pad, False
+
+    @staticmethod
+    def _checked(item: dict | _Failure) -> Any:
+        if isinstance(item, _Failure):
+            raise DataError(item.message)
+        return item["data"]
+
+
+def first_sample(batch: Any) -> Any:
+    """A one-sample batch of the same structure (copied: it must not pin the whole batch's memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:1].clone()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(first_sample(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: first_sample(v) for k, v in batch.items()}
+    return batch
 
 
 def _mp_context():

@@ -42,6 +42,14 @@ def round_robin(counts: list[int]) -> list[int]:
     return seq
 
 
+def stream_id(rank: int, worker: int, workers: int, world_size: int, train: bool) -> int:
+    """The global stream of a rank's ``worker``.  Training: rank-major blocks (rank ``r`` owns streams
+    ``r*workers .. r*workers+workers-1``; saved positions refer to these ids).  Evaluation: worker-major
+    (stream ``worker*world_size + rank``), so partitions spread over the ranks before the workers of one
+    rank: 2 val shards on 2 ranks x 2 workers give each rank one shard, not one rank both."""
+    return rank * workers + worker if train else worker * world_size + rank
+
+
 def stream_partitions(partitions: int, stream: int, streams: int) -> list[int]:
     return list(range(stream, partitions, streams))
 

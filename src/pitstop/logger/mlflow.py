@@ -19,13 +19,15 @@ import threading
 import time
 from typing import Any
 
+from pitstop.logger.base import Logger
+
 log = logging.getLogger(__name__)
 
 _PARAM_BATCH = 100
 _METRIC_BATCH = 1000
 
 
-class MLflowLogger:
+class MLflowLogger(Logger):
     name = "mlflow"
 
     def __init__(self, tracking_uri: str, experiment: str = "pitstop", run_name: str | None = None,

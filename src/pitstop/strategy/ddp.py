@@ -82,9 +82,9 @@ class DDP(Single):
     def init_local_group(self, store_path: str) -> None:
         pass  # already in a process group
 
-    def broadcast_object(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._ckpt_group)
+        dist.broadcast_object_list(box, src=src, group=self._ckpt_group)
         return box[0]
 
     def any(self, flag: bool) -> bool:
@@ -96,7 +96,7 @@ class DDP(Single):
         dist.barrier(group=self._ckpt_group)
 
     def teardown(self) -> None:
-        if getattr(self, "_owns_group", False) and dist.is_initialized():
+        if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
 

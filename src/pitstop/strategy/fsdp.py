@@ -2,7 +2,8 @@
 
 Each module named in ``shard`` (or, with ``shard: auto``, each direct child that has parameters) becomes
 its own FSDP unit, then the root; ``reshard_after_forward`` trades memory for a re-gather in backward;
-``mixed_precision`` (null | bfloat16 | float16) sets the parameter dtype for compute (reductions in fp32).
+``mixed_precision`` (null | bfloat16 | float16) sets the parameter dtype for compute (reductions in fp32);
+BatchNorm layers stay in fp32 (their own units), as their running statistics are.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class FSDP(DDP):
         if self.mixed_precision:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.mixed_precision),
                                                    reduce_dtype=torch.float32)
+            # BatchNorm keeps fp32 parameters next to its fp32 running statistics (kernels refuse bf16 weights with
+            # fp32 stats): each norm layer is its own unit that computes in fp32 and hands back mp-dtype outputs.
+            norm = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                        output_dtype=getattr(torch, self.mixed_precision))
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m, reshard_after_forward=self.reshard_after_forward, mp_policy=norm)
         if self.shard == "auto":
             units = [m for m in model.children() if any(True for _ in m.parameters())]
         else:

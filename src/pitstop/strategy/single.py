@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pitstop.strategy.base import Strategy
+
 
 def move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -18,21 +20,15 @@ def move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     return batch
 
 
-class Single:
+class Single(Strategy):
     name = "single"
 
     def __init__(self, device: str = "auto", **_: Any):
         self.requested = device
         self.rank, self.local_rank, self.world_size = 0, 0, 1
         self.device = torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def pin_memory(self) -> bool:
-        return self.device.type == "cuda"
+        self._owns_group = False         # this strategy created the process group (and must destroy it)
+        self._store_path: str | None = None
 
     def setup(self) -> None:
         if self.requested == "auto":
@@ -72,9 +68,9 @@ class Single:
             os.remove(store_path)
         os.makedirs(os.path.dirname(store_path), exist_ok=True)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
-        self._owns_group = True
+        self._owns_group, self._store_path = True, store_path
 
-    def broadcast_object(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
     def any(self, flag: bool) -> bool:
@@ -84,8 +80,12 @@ class Single:
         pass
 
     def teardown(self) -> None:
-        if getattr(self, "_owns_group", False):
+        if self._owns_group:
+            import os
+
             import torch.distributed as dist
 
             dist.destroy_process_group()
             self._owns_group = False
+            if self._store_path and os.path.exists(self._store_path):
+                os.remove(self._store_path)

@@ -1,0 +1,95 @@
+"""The on-disk layout of checkpoints: where they live, when one is complete, which to load, which to purge.
+
+``ckpt.dir/step_{:08d}/``, one dir per checkpoint.  A checkpoint is *complete* only when its commit marker
+exists, and the marker is written last: DCP's ``.metadata`` (rank 0 writes it after every rank's data is
+written and fsynced) or, for ``sync_save``, ``COMMITTED`` (after ``state.pt`` was written under a temporary
+name, fsynced and renamed).  Anything else in ``ckpt.dir`` is partial and never loaded.
+
+Pure functions of the directory (no process groups, no tensors): rank 0 calls them and shares the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from pitstop.errors import CheckpointError
+
+log = logging.getLogger("pitstop.ckpt")
+
+DCP_MARKER = ".metadata"
+SAVE_MARKER = "COMMITTED"
+STEP_PREFIX = "step_"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, DCP_MARKER)) or os.path.isfile(os.path.join(path, SAVE_MARKER))
+
+
+def is_full_state(path: str) -> bool:
+    """Written by ``sync_save`` (one unsharded ``state.pt``) rather than as DCP shards."""
+    return os.path.isfile(os.path.join(path, SAVE_MARKER))
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
+    """``(step, path, complete)`` for every ``step_*`` dir, oldest first."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+            path = os.path.join(root, name)
+            out.append((int(name[len(STEP_PREFIX):]), path, is_complete(path)))
+    return sorted(out)
+
+
+def candidates(root: str, spec: Any) -> list[str]:
+    """The checkpoints to try for ``ckpt.load=spec``, newest first.  ``auto``: every complete one (partial
+    dirs are logged and removed); a step or a path: exactly that one, which must be complete."""
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
+        path = step_dir(root, int(spec))
+        if not is_complete(path):
+            raise CheckpointError(f"ckpt.load={spec}: {path} is not a complete checkpoint")
+        return [path]
+    if spec != "auto":
+        path = os.path.abspath(str(spec))
+        if not is_complete(path):
+            raise CheckpointError(f"ckpt.load={spec}: no complete checkpoint there (missing {DCP_MARKER} or {SAVE_MARKER})")
+        return [path]
+    found = list_checkpoints(root)
+    for _, path, complete in found:
+        if not complete:
+            log.warning("skipping partial checkpoint %s (no commit marker); removing it", path)
+            shutil.rmtree(path, ignore_errors=True)
+    return [path for _, path, complete in reversed(found) if complete]
+
+
+def purge(root: str, keep_last_k: int) -> None:
+    """Remove all but the newest ``keep_last_k`` complete checkpoints (0 keeps all).  An in-flight save is
+    not complete yet, so it never counts and is never removed."""
+    if not keep_last_k:
+        return
+    complete = [(s, p) for s, p, ok in list_checkpoints(root) if ok]
+    for _, path in complete[:-keep_last_k]:
+        shutil.rmtree(path, ignore_errors=True)
+        log.debug("purged %s", path)
+
+
+def check_writable(root: str) -> None:
+    probe = os.path.join(root, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"ckpt.dir {root} is not writable ({e.strerror or e}); "
+                              f"point ckpt.dir at a writable directory") from None

@@ -1,0 +1,67 @@
+"""Entry-point glue: a config that Hydra cannot compose is reported like every other config error.
+
+``@hydra.main`` prints a composition error (a wrong type, an unknown key or option, a bad override) over
+several lines with a hint about ``HYDRA_FULL_ERROR`` and exits with status 1.  :func:`run` makes it one line,
+``error: <what is wrong, naming the key>``, and exit status 2, like pitstop's own ``ConfigError``s
+(``PITSTOP_TRACEBACK=1`` prints the traceback too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+_NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
+
+
+def one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages (and their cause) as one line."""
+    texts = [str(error)]
+    if error.__cause__ is not None and str(error.__cause__) not in texts[0]:
+        texts.append(str(error.__cause__))
+    parts: list[str] = []
+    for text in texts:
+        lines = [ln.strip() for ln in text.split("Config search path:")[0].splitlines()]
+        options: list[str] = []
+        for ln in lines:
+            if not ln or ln.startswith(_NOISE):
+                continue
+            if parts and parts[-1].startswith("Available options in") and not ln.endswith(":") and " " not in ln:
+                options.append(ln)
+                continue
+            if options:
+                parts[-1] += " " + ", ".join(options)
+                options = []
+            parts.append(ln)
+        if options:
+            parts[-1] += " " + ", ".join(options)
+    if any(" not in '" in p for p in parts):  # a schema'd group: appending with + would be refused too
+        parts = [p for p in parts if not p.startswith("To append to your config use")]
+        parts.append("see the option's YAML in conf/ for its keys")
+    return "; ".join(p.rstrip(".") for p in parts)
+
+
+def run(hydra_main: Callable[[], Any]) -> Any:
+    """Call a ``@hydra.main`` function; composition errors -> one line on stderr, exit status 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pitstop.config import register
+    from pitstop.errors import PitstopError
+
+    register()  # config schemas and resolvers
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let the exception reach us instead of Hydra's report
+    try:
+        return hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if os.environ.get("PITSTOP_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except PitstopError as e:  # a failed job of a sweep, re-raised by Hydra after the others ran
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

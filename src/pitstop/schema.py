@@ -1,0 +1,173 @@
+"""Typed schemas of the config groups (Hydra structured configs): types only, the values live in the YAML.
+
+Each YAML option of ``ckpt``, ``loader``, ``strategy``, ``fault``, ``logger`` and ``trainer`` opens with
+``defaults: [/schema/<group>/<name>@_here_, _self_]``, so Hydra checks every key's type while composing:
+``ckpt.interval_steps=abc`` is refused naming the key, and a misspelled key is refused instead of being
+ignored.  Types live here, once; value ranges and rules that relate two keys stay in code
+(``pitstop.config.validate`` and the components), as one-line ``ConfigError``s.
+Every field defaults to ``???`` (MISSING): merging a schema never overrides a value the YAML set, so an
+option that extends another (``fsdp`` extends ``ddp``) adds its own schema after the parent's.
+``register()`` runs on import of ``pitstop.config`` (the entry points and tests import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+# ---- ckpt ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ckpt:
+    _target_: str = MISSING
+    dir: str = MISSING
+    interval_steps: Optional[int] = MISSING
+    interval_seconds: Optional[float] = MISSING
+    interval: Optional[str] = MISSING            # auto | null
+    mtbf_seconds: Optional[float] = MISSING
+    keep_last_k: int = MISSING
+    save_last: bool = MISSING
+    load: Any = MISSING                        # auto | none | STEP | PATH
+    load_model_only: bool = MISSING
+    on_error: str = MISSING                   # raise | warn
+    throttle_mbps: Optional[float] = MISSING
+
+
+@dataclass
+class AsyncCkpt(Ckpt):
+    pinned: bool = MISSING
+    checkpointer: str = MISSING                # auto | thread | process
+
+
+# ---- loader --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loader:
+    _target_: str = MISSING
+    num_workers: int = MISSING
+    prefetch_factor: int = MISSING
+    partitions: Optional[int] = MISSING
+    shuffle: bool = MISSING
+    drop_last: bool = MISSING
+    timeout: float = MISSING
+    retries: int = MISSING
+    backoff: float = MISSING
+    read_timeout: float = MISSING
+    allow_pipe: bool = MISSING
+
+
+@dataclass
+class CachedLoader(Loader):
+    cache_dir: str = MISSING
+    cache_limit: Any = MISSING                   # bytes, "50GB", or null
+    prefetch_shards: int = MISSING
+    verify: str = MISSING                    # sha256 | size
+
+
+# ---- strategy ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Single:
+    _target_: str = MISSING
+    device: str = MISSING
+
+
+@dataclass
+class DDP(Single):
+    nproc_per_node: int = MISSING
+    backend: str = MISSING
+    timeout: float = MISSING
+    max_restarts: int = MISSING
+    master_port: Optional[int] = MISSING
+    oversubscribe: bool = MISSING
+
+
+@dataclass
+class FSDP(DDP):
+    shard: Any = MISSING                       # auto | [module names]
+    reshard_after_forward: bool = MISSING
+    mixed_precision: Optional[str] = MISSING     # null | bfloat16 | float16
+
+
+# ---- fault ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NoFault:
+    _target_: str = MISSING
+
+
+@dataclass
+class AtStep(NoFault):
+    step: int = MISSING
+    rank: int = MISSING
+
+
+@dataclass
+class Stall(AtStep):
+    seconds: float = MISSING
+
+
+@dataclass
+class RandomFault(NoFault):
+    mtbf_seconds: float = MISSING
+    seed: int = MISSING
+    rank: int = MISSING
+
+
+# ---- logger --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NullLogger:
+    _target_: str = MISSING
+
+
+@dataclass
+class MLflow(NullLogger):
+    tracking_uri: str = MISSING
+    experiment: str = MISSING
+    run_name: Optional[str] = MISSING
+    flush_every_seconds: float = MISSING
+
+
+# ---- trainer -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trainer:
+    epochs: Optional[int] = MISSING
+    max_steps: Optional[int] = MISSING
+    batch_size: int = MISSING
+    eval_split: str = MISSING
+    eval_every_steps: Optional[int] = MISSING
+    eval_max_batches: Optional[int] = MISSING
+    log_every_steps: int = MISSING
+    grad_clip: Optional[float] = MISSING
+    deterministic: bool = MISSING
+    progress_bar: Any = MISSING                # auto | true | false
+    max_restarts: int = MISSING
+
+
+SCHEMAS = {
+    "ckpt": {"sync": Ckpt, "async": AsyncCkpt},
+    "loader": {"plain": Loader, "cached": CachedLoader},
+    "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
+    "fault": {"none": NoFault, "at_step": AtStep, "stall": Stall, "random": RandomFault},
+    "logger": {"none": NullLogger, "mlflow": MLflow},
+    "trainer": {"default": Trainer},
+}
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)

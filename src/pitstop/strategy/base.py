@@ -1,0 +1,70 @@
+"""The contract of a ``strategy`` option: where the model runs, how ranks cooperate, and the collectives
+that checkpointing and evaluation use (on a dedicated gloo group when there are several ranks)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Strategy(ABC):
+    name: str = "base"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.device.type == "cuda"
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Choose the device and join the process group (if any)."""
+
+    @abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Place (and replicate or shard) the model."""
+
+    @abstractmethod
+    def to_device(self, batch: Any) -> Any:
+        """Move a batch to the device (non-blocking from pinned memory on CUDA)."""
+
+    @abstractmethod
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Make every rank's buffers rank 0's before they are saved."""
+
+    @abstractmethod
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (the training group)."""
+
+    @abstractmethod
+    def ckpt_group(self) -> Any:
+        """The process group for checkpoint collectives (None: no process group)."""
+
+    @abstractmethod
+    def init_local_group(self, store_path: str) -> None:
+        """Make a one-rank process group for savers that need one, if none exists."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+
+    @abstractmethod
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    @abstractmethod
+    def teardown(self) -> None:
+        """Leave the process group this strategy joined (idempotent)."""

@@ -1,0 +1,159 @@
+"""One contract per component kind: every option in conf/ implements it; pure decisions have unit tables."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import CONF
+from pitstop.build import build
+from pitstop.ckpt.base import Checkpointer, SaveResult
+from pitstop.fault import Fault
+from pitstop.launch import LaunchMode, launch_mode
+from pitstop.loader.base import ShardLoader
+from pitstop.logger.base import Logger
+from pitstop.strategy.base import Strategy
+
+CONTRACTS = {"ckpt": Checkpointer, "loader": ShardLoader, "strategy": Strategy, "logger": Logger, "fault": Fault}
+REQUIRED = {"fault": {"crash_at_step": ["fault.step=3"], "stall": ["fault.step=3"], "random": ["fault.mtbf_seconds=9"]}}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
+
+
+def contract_methods(base: type) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(fn) for name, fn in inspect.getmembers(base, inspect.isfunction)
+            if getattr(fn, "__isabstractmethod__", False) or name in ("iterate_once", "state_dict", "load_state_dict",
+                                                                        "steps_per_epoch")}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in CONTRACTS for o in options(g)])
+def test_every_option_implements_its_contract(group, option, make_cfg):
+    cfg = make_cfg(f"{group}={option}", *REQUIRED.get(group, {}).get(option, []))
+    kw = {}
+    if group == "loader":
+        kw = dict(dataset=build(cfg.data, _convert_="partial"), split="train", batch_size=8, seed=0)
+    obj = build(cfg[group], **kw)
+    base = CONTRACTS[group]
+    assert isinstance(obj, base), f"{group}={option} builds {type(obj).__name__}, not a {base.__name__}"
+    assert not getattr(type(obj), "__abstractmethods__", None)
+    for name, want in contract_methods(base).items():
+        got = inspect.signature(getattr(type(obj), name))
+        assert list(got.parameters) == list(want.parameters), (group, option, name, got, want)
+    assert isinstance(obj.name if group != "loader" else obj.kind, str)
+
+
+def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
+    ckpt = build(make_cfg("ckpt=none").ckpt)
+    assert ckpt.maybe_save(None, 5, last=True) == SaveResult(0.0, None)
+    assert ckpt.wait() == 0.0 and ckpt.wait_staging() == 0.0 and ckpt.poll() is None and ckpt.close() is None
+    assert ckpt.root is None and ckpt.last_started is None and ckpt.stats()["saves"] == 0
+
+
+@pytest.mark.parametrize("nproc,restarts,env,mode", [
+    (1, 0, {}, LaunchMode.IN_PROCESS),
+    (1, 3, {}, LaunchMode.SUPERVISED),
+    (2, 0, {}, LaunchMode.ELASTIC),
+    (2, 3, {}, LaunchMode.ELASTIC),                          # the agent restarts the ranks
+    (2, 0, {"RANK": "1", "WORLD_SIZE": "2"}, LaunchMode.CHILD),  # under torchrun / SLURM / the agent
+    (1, 3, {"RANK": "0"}, LaunchMode.CHILD),                  # torchrun's --max-restarts, not ours
+    (1, 3, {"PITSTOP_SUPERVISED": "1"}, LaunchMode.CHILD),    # an attempt started by the supervisor
+    (1, 0, {"PITSTOP_SUPERVISED": ""}, LaunchMode.IN_PROCESS),
+])
+def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restarts, env, mode):
+    assert launch_mode(nproc, restarts, env) == mode
+
+
+# ---- the schedule and the layout: pure pieces of checkpointing ------------------------------------------
+def test_save_schedule_steps_seconds_last_and_agreement():
+    from pitstop.ckpt.schedule import SaveSchedule
+
+    s = SaveSchedule(interval_steps=5, interval_seconds=None, save_last=True)
+    never = lambda flag: pytest.fail("no time-based decision expected")  # noqa: E731
+    assert [st for st in range(1, 13) if s.due(st, st == 12, never)] == [5, 10, 12]
+    assert not SaveSchedule(None, None, save_last=False).due(12, True, never)
+    timed = SaveSchedule(None, interval_seconds=3600, save_last=True)
+    asked = []
+    assert timed.due(1, False, lambda flag: asked.append(flag) or True)  # a peer says it is due: all save
+    assert asked == [False]
+
+
+def test_layout_candidates_skip_and_remove_partial_dirs_and_purge_keeps_the_newest(tmp_path):
+    from pitstop.ckpt import layout
+    from pitstop.errors import CheckpointError
+
+    for step, marker in ((5, layout.DCP_MARKER), (10, layout.SAVE_MARKER), (15, None), (20, layout.DCP_MARKER)):
+        d = Path(layout.step_dir(str(tmp_path), step))
+        d.mkdir()
+        if marker:
+            (d / marker).write_text("x")
+    assert layout.candidates(str(tmp_path), "auto") == [layout.step_dir(str(tmp_path), s) for s in (20, 10, 5)]
+    assert not os.path.exists(layout.step_dir(str(tmp_path), 15))  # partial: removed
+    assert layout.candidates(str(tmp_path), "10") == [layout.step_dir(str(tmp_path), 10)]
+    with pytest.raises(CheckpointError, match="ckpt.load=15: .* is not a complete checkpoint"):
+        layout.candidates(str(tmp_path), 15)
+    layout.purge(str(tmp_path), keep_last_k=2)
+    assert [s for s, _, _ in layout.list_checkpoints(str(tmp_path))] == [10, 20]
+
+
+# ---- evaluation in lockstep: the DDP/FSDP deadlock's cause, as a pure plan ----------------------------------
+def eval_loaders(cfg, world: int, workers: int):
+    data = build(cfg.data, _convert_="partial")
+    return [build(cfg.loader, dataset=data, split="val", batch_size=64, seed=0, rank=r, world_size=world,
+                  train=False, num_workers=workers) for r in range(world)]
+
+
+def test_evaluation_spreads_shards_over_ranks_before_workers(make_cfg):
+    # 2 val shards, 2 ranks x 2 workers: rank 1 used to get no shard at all, so it skipped the forwards (DDP
+    # buffer broadcast, FSDP all-gather) that rank 0 ran, and the two ranks deadlocked in different collectives.
+    loaders = eval_loaders(make_cfg(), world=2, workers=2)
+    assert loaders[0].eval_batches() == [3, 3]  # 180 and 179 samples: one shard each
+    assert [loaders[r].eval_batches() for r in (0, 1)] == [[3, 3], [3, 3]]  # the same plan on every rank
+
+
+def test_a_rank_without_evaluation_data_pads_in_lockstep(make_cfg, tmp_path):
+    from recipe.prepare import prepare
+
+    # One val shard for two ranks: rank 1 has nothing; it runs padding forwards with a sample rank 0 shares.
+    cfg = make_cfg(f"data.root={tmp_path}/one", "data.prepare.samples_per_shard=400")
+    prepare(cfg.data)
+    r0, r1 = eval_loaders(cfg, world=2, workers=0)
+    assert r0.eval_batches() == [6, 0]
+    shared = {}
+
+    def share(obj, src):  # a stand-in for the broadcast: rank 0 runs first here
+        assert src == 0
+        if obj is not None:
+            shared["x"] = obj
+        return shared["x"]
+
+    got0 = list(r0.iterate_once(share=share))
+    got1 = list(r1.iterate_once(share=share))
+    assert len(got0) == len(got1) == 6
+    assert all(counted for _, counted in got0) and not any(counted for _, counted in got1)
+    assert sum(len(b[1]) for b, _ in got0) == 359 and all(len(b[1]) == 1 for b, _ in got1)
+    capped = list(r1.iterate_once(max_batches=2, share=share))
+    assert len(capped) == 2 == len(list(r0.iterate_once(max_batches=2, share=share)))
+
+
+def test_a_setup_that_fails_half_way_releases_what_it_acquired(make_cfg):
+    import torch.distributed as dist
+
+    from pitstop.errors import ConfigError
+    from pitstop.runner import Runner
+
+    # The fault's check is the last step of setup: by then the process group, the checkpoint process's
+    # stager and the logger exist. A config error must release all of them and leave no progress behind.
+    cfg = make_cfg("strategy=ddp", "strategy.nproc_per_node=1", "ckpt=async_dcp_pinned", "logger=mlflow",
+                   "fault=crash_at_step", "fault.step=1000")
+    runner = Runner(cfg, cfg.run_dir)
+    with pytest.raises(ConfigError, match=r"fault.step=1000 is after the last step \(12\)"):
+        runner.run()
+    assert not dist.is_initialized()              # the process group setup() joined is gone
+    assert runner.ckpt.stager is None and runner.logger is None
+    left = sorted(str(p.relative_to(cfg.run_dir)) for p in Path(cfg.run_dir).rglob("*"))
+    assert left == ["checkpoints"], left          # no goodput.json, metrics.jsonl or checkpoint: nothing to resume

@@ -1,0 +1,153 @@
+"""Every command in README.md, run for real, in README order, in one fresh project dir — as a new user would.
+
+Commands are extracted from README.md (fenced blocks and inline code): every ``python -m recipe.*`` and
+``python -m pitstop.*`` line.  Only size-shrinking overrides are added (``trainer.max_steps``, smaller synthetic
+data); the trainer, loader (2 workers per rank), evaluation and tracker settings are the defaults users get:
+no ``debug=tiny`` here.  Placeholders (``DIR``, ``K``, the slowstore's port) are filled in; a command that needs
+something this machine cannot give is in ``SKIP`` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import image_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# Commands this machine cannot run, with why (matched by substring).
+SKIP = {
+    "hydra/launcher=slurm": "needs a SLURM cluster; the same sweep path runs through hydra/launcher=submitit_local "
+                            "in test_cli.py::test_sweep_through_the_submitit_launcher",
+}
+# Size-shrinking overrides per entry point: replace the value where the command sets the key, else append.
+SHRINK = {
+    "recipe.train": {"trainer.max_steps": "25"},  # one epoch is 23 steps: crosses an epoch boundary + evaluation
+    "recipe.prepare": {"data.num_samples": "96", "data.image_size": "32"},  # only where the command sets them
+}
+
+
+def readme_commands() -> list[str]:
+    text = README.read_text()
+    cmds: list[str] = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
+            if line.startswith("python -m "):
+                cmds.append(line)
+    for inline in re.findall(r"`(python -m [^`]+)`", text):
+        cmds.append(inline.strip())
+    return cmds
+
+
+def fill(cmd: str, env: dict) -> str:
+    cmd = cmd.replace("[--dtype bfloat16]", "--dtype bfloat16")
+    cmd = re.sub(r"\bDIR\b", env["tree"], cmd)
+    cmd = re.sub(r"data\.num_classes=K\b", "data.num_classes=3", cmd)
+    return cmd.replace("127.0.0.1:8000", f"127.0.0.1:{env['port']}").replace("--port 8000", f"--port {env['port']}")
+
+
+def shrink(argv: list[str]) -> list[str]:
+    module = argv[2]
+    rules = dict(SHRINK.get(module, {}))
+    if "data=imagefolder" in argv:  # 30 images: one step per epoch, so 25 steps would be 25 epochs
+        rules["trainer.max_steps"] = "3"
+    out, seen = [], set()
+    for a in argv:
+        key = a.split("=", 1)[0]
+        if key in rules:
+            a, _ = f"{key}={rules[key]}", seen.add(key)
+        out.append(a)
+    if module == "recipe.train":
+        out += [f"{k}={v}" for k, v in rules.items() if k not in seen]
+    return out
+
+
+def summaries_after(cwd: Path, before: set[Path]) -> list[Path]:
+    runs = set(cwd.glob("outputs/runs/*/summary.json")) | set(cwd.glob("outputs/multirun/*/*/summary.json"))
+    return sorted(runs - before)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A fresh project dir (the user's cwd), an ImageFolder tree for DIR, a free port for the slowstore."""
+    cwd = tmp_path_factory.mktemp("user")
+    tree = image_tree(cwd / "my_images", per_class=10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PITSTOP_CACHE_DIR": str(cwd / ".cache" / "shards")}
+    env.pop("RANK", None)
+    servers: list[subprocess.Popen] = []
+    yield {"cwd": cwd, "tree": str(tree), "port": port, "env": env, "servers": servers}
+    for srv in servers:
+        srv.terminate()
+        srv.wait(10)
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_the_commands_this_test_runs():
+    assert len(COMMANDS) >= 20 and COMMANDS[0] == "python -m recipe.prepare"
+    assert any("strategy=ddp" in c for c in COMMANDS) and any("strategy=fsdp" in c for c in COMMANDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c[len("python -m "):][:60] for c in COMMANDS])
+def test_readme_command(cmd, project):
+    skip = next((why for key, why in SKIP.items() if key in cmd), None)
+    if skip:
+        pytest.skip(skip)
+    cwd, env = project["cwd"], project["env"]
+    line = fill(cmd, project)
+    background = line.endswith("&")
+    argv = [sys.executable, *shlex.split(line.rstrip("& "))[1:]]
+    if background:  # a server the next commands use: start it, wait until it answers
+        srv = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        project["servers"].append(srv)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", project["port"])) == 0:
+                    return
+            assert srv.poll() is None, srv.stderr.read().decode()[-2000:]
+            time.sleep(0.2)
+        pytest.fail(f"{line} did not start listening")
+    argv = shrink(argv)
+    before = set(summaries_after(cwd, set()))
+    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, f"{' '.join(argv[1:])}\n{p.stderr[-3000:]}"
+    module, args = argv[2], argv[3:]
+    sweep = "-m" in args or "--multirun" in args
+    if module == "recipe.train" and "--cfg" not in args:
+        pinned = next((a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")), None)
+        new = [cwd / pinned / "summary.json"] if pinned else summaries_after(cwd, before)
+        jobs = 1
+        if sweep:  # a sweep: one job per combination of the comma-separated options
+            jobs = int(np.prod([len(a.split("=", 1)[1].split(",")) for a in args if "=" in a and "," in a
+                                and not a.split("=", 1)[1].startswith("[")]))
+        assert len(new) == jobs and all(s.is_file() for s in new), (line, new)
+        for s in new:
+            summary = json.loads(s.read_text())
+            steps = int(next(a for a in reversed(argv) if a.startswith("trainer.max_steps=")).split("=")[1])
+            assert summary["final_step"] == steps and 0.0 <= summary["metrics"]["val_accuracy"] <= 1.0
+            if sweep:
+                assert (s.parent.parent / "report.md").is_file()
+    elif module == "recipe.export":
+        assert (cwd / argv[4]).is_file()
+    elif module == "recipe.goodput":
+        assert "%" in p.stdout
