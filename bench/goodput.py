@@ -1,6 +1,7 @@
 """Measured goodput under injected failures vs the goodput model, per checkpoint backend and interval.
 
     python bench/goodput.py [--mtbf 25] [--work 80] [--intervals 1 4 16] [--throttle-mbps 2] [--seed 7]
+    python bench/goodput.py --restarts [--seed 7]   # restart cost R, cold vs warm restarts, and its parts
 
 Every configuration trains the same job (small CNN on digits; ``--work`` seconds of compute) with
 ``fault=random fault.mtbf_seconds=MTBF`` (the same seeded failure times for every configuration) and
@@ -65,8 +66,9 @@ def measured(run_dir: str) -> dict:
         "goodput": doc["goodput"], "total": t["total"], "U": t["productive"], "failures": failures,
         "C": t["checkpoint"] / max(saves, 1), "saves": saves,
         "W": sum(writes) / len(writes) if writes else 0.0,
-        "R": t["startup"] / len(attempts),
-        "e0": t["productive"] / max(t["productive"] + t["data_wait"] + t["other"], 1e-9),
+        "R": sum(t[k] for k in ("program_start", "init", "restore", "recovery_gap")) / len(attempts),
+        "R_parts": {k: t[k] / len(attempts) for k in ("recovery_gap", "program_start", "init", "restore")},
+        "e0": t["productive"] / max(t["productive"] + t["data_wait"] + t["eval"] + t["other"], 1e-9),
         "mtbf_seen": t["total"] / failures if failures else float("inf"),
         "auto_T": doc.get("auto_interval"), "totals": t,
     }
@@ -85,7 +87,47 @@ def predict_first_order(U: float, e0: float, T: float, C: float, R: float, W: fl
     return U / (R + U / g) if g > 0 else 0.0
 
 
+RESTART_JOB = ["logger=none", "trainer.progress_bar=false", "trainer.max_steps=600", "ckpt=async_dcp",
+               "ckpt.interval_steps=7", "fault=random", "fault.mtbf_seconds=8", "trainer.max_restarts=100"]
+PARTS = ("recovery_gap", "program_start", "init", "restore")
+
+
+def restarts(seed: int) -> None:
+    """The recovery issue's job (600 digits steps, async_dcp every 7 steps, failures ~ Exponential(8 s)), with
+    cold restarts (a fresh interpreter per attempt) and warm ones (forks of a pre-imported server), side by
+    side: restart cost R per automatic restart and its parts, and the job's goodput."""
+    ensure_data()
+    tmp = tempfile.mkdtemp(prefix="pitstop-bench-restart-")
+    rows = {}
+    try:
+        for name, warm in (("cold", "false"), ("warm", "true")):
+            run_dir = os.path.join(tmp, name)
+            rc, wall = train(run_dir, [*RESTART_JOB, f"fault.seed={seed}", f"trainer.warm_restarts={warm}"], 3600)
+            doc = json.load(open(os.path.join(run_dir, "goodput.json")))
+            auto = [a for a in doc["attempts"][1:] if a.get("auto_restart")]
+            gaps = doc["totals"]["recovery_gap"] / max(len(auto), 1)
+            parts = {k: sum(a["buckets"].get(k, 0.0) for a in auto) / max(len(auto), 1) for k in PARTS[1:]}
+            first = doc["attempts"][0]["buckets"]
+            rows[name] = {"rc": rc, "goodput": doc["goodput"], "R": doc.get("restart_seconds") or 0.0,
+                          "restarts": len(auto), "gap": gaps, **parts, "wall": wall,
+                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:])}
+            print(f"  done {name}: rc {rc}, {len(auto)} restarts, goodput {doc['goodput'] * 100:.1f}%", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{'restarts':9} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
+          f"{'1st start s':>11} {'goodput':>8} {'wall s':>7}")
+    for name, r in rows.items():
+        print(f"{name:9} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
+              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['goodput'] * 100:>7.1f}% {r['wall']:>7.1f}")
+    c, w = rows["cold"], rows["warm"]
+    print(f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); "
+          f"goodput {c['goodput'] * 100:.1f}% -> {w['goodput'] * 100:.1f}% (target >= 60%)")
+
+
 def main() -> None:
+    if "--restarts" in sys.argv:
+        seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 7
+        return restarts(seed)
     ap = argparse.ArgumentParser()
     ap.add_argument("--mtbf", type=float, default=25.0, help="seconds between injected failures (mean)")
     ap.add_argument("--work", type=float, default=80.0, help="seconds of training compute per job")

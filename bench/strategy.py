@@ -52,7 +52,7 @@ def main() -> None:
         sps = s["samples_seen"] / busy
         base = base or sps
         print(f"{name:<9} {sps:8.1f} samples/s in the loop ({sps / base:.2f}x single)   "
-              f"wall {w['total']:.1f} s, startup {w['startup']:.1f} s")
+              f"wall {w['total']:.1f} s, startup {w['program_start'] + w['init'] + w['restore']:.1f} s")
     print("\n# per-save blocking time (median over saves every 5 steps), ResNet-18 + SGD state")
     print(f"{'backend':<18}{'ddp(2)':>12}{'fsdp(2)':>12}")
     for ckpt in ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]:

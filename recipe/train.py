@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from pitstop.errors import PitstopError
+from pitstop.preempt import Preempted
 from pitstop import cli, launch
 
 log = logging.getLogger("recipe.train")
@@ -41,6 +42,9 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> float | None:
     try:
         summary = train(cfg)
+    except Preempted as e:  # saved (or the newest checkpoint kept): exit "requeue me", not "failed"
+        log.warning("%s", e)
+        raise SystemExit(e.exit_code) from None
     except PitstopError as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)

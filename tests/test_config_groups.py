@@ -21,7 +21,7 @@ def test_every_group_has_its_documented_options():
     assert options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
     assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
-    assert options("fault") == ["crash_at_step", "during_save", "none", "random", "stall"]
+    assert options("fault") == ["crash_at_step", "during_save", "none", "preempt", "random", "stall"]
     assert options("logger") == ["mlflow", "none"] and options("loader") == ["cached", "plain"]
     for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "fault", "logger", "trainer", "debug"):
         for name in options(group):  # small, commented YAML named for its variant

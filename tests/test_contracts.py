@@ -18,7 +18,7 @@ from pitstop.logger.base import Logger
 from pitstop.strategy.base import Strategy
 
 CONTRACTS = {"ckpt": Checkpointer, "loader": ShardLoader, "strategy": Strategy, "logger": Logger, "fault": Fault}
-REQUIRED = {"fault": {"crash_at_step": ["fault.step=3"], "stall": ["fault.step=3"], "random": ["fault.mtbf_seconds=9"]}}
+REQUIRED = {"fault": {"crash_at_step": ["fault.step=3"], "stall": ["fault.step=3"], "preempt": ["fault.step=3"], "random": ["fault.mtbf_seconds=9"]}}
 
 
 def options(group: str) -> list[str]:

@@ -74,12 +74,12 @@ def test_recipe_goodput_prints_the_published_figures():
 
 
 def test_account_moves_redone_work_to_lost():
-    b = lambda compute, wait, startup=1.0: {"startup": startup, "compute": compute, "data_wait": wait,  # noqa: E731
-                                            "checkpoint": 0.5, "eval": 0.0, "logging": 0.0, "other": 0.1}
+    b = lambda compute, wait: {"program_start": 0.5, "init": 0.3, "restore": 0.2, "compute": compute,  # noqa: E731
+                               "data_wait": wait, "checkpoint": 0.5, "eval": 0.4, "logging": 0.0, "other": 0.1}
     attempts = [
         {"status": "running", "start": 0.0, "end": 11.6, "step": 25, "resumed_from": None, "auto_restart": False,
          "buckets": b(8.0, 2.0), "marks": {"10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
-                                           "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0, "logging": 0}}},
+                                           "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0.4, "logging": 0}}},
         {"status": "finished", "start": 12.6, "end": 20.0, "step": 40, "resumed_from": 20, "auto_restart": True,
          "buckets": b(6.0, 0.5), "marks": {}},
     ]
@@ -87,7 +87,10 @@ def test_account_moves_redone_work_to_lost():
     t = doc["totals"]
     assert t["lost"] == 2.5  # compute 8-6 and data wait 2-1.5 after step 20 were redone
     assert t["productive"] == 6.0 + 6.0 and t["data_wait"] == 1.5 + 0.5
-    assert t["startup"] == 1.0 + 1.0 + 1.0  # + the 1 s between the attempts (an automatic restart)
+    assert (t["program_start"], t["init"], t["restore"]) == (1.0, 0.6, 0.4)
+    assert t["recovery_gap"] == 1.0  # the 1 s between the attempts (an automatic restart)
+    assert t["eval"] == 0.4 + 0.4 and t["other"] == 0.2  # eval of surviving steps only; its own bucket
+    assert doc["restart_seconds"] == 1.0 + 0.5 + 0.3 + 0.2  # R: gap + program start + init + restore
     assert doc["restarts"] == 1 and doc["failures"] == 1
     check_account(doc)
 
@@ -106,7 +109,11 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
     assert (a1["status"], a1["step"] >= 20, a1["auto_restart"]) == ("running", True, False)  # killed: never closed
     assert (a2["status"], a2["resumed_from"], a2["auto_restart"]) == ("finished", 20, True)
     assert doc["restarts"] == 1 and doc["failures"] == 1 and s["goodput"]["restarts"] == 1
-    assert all(a["buckets"]["startup"] > 0.5 for a in doc["attempts"])  # includes interpreter start + imports
+    assert [a["start_method"] for a in doc["attempts"]] == ["forkserver"] * 2  # warm: forks of a pre-imported server
+    assert all(a["buckets"]["program_start"] > 0 for a in doc["attempts"])
+    assert all(a["buckets"]["init"] > 0 and a["buckets"]["restore"] > 0 for a in doc["attempts"])
+    assert doc["restart_seconds"] == round(doc["totals"]["recovery_gap"] + sum(
+        doc["attempts"][1]["buckets"][k] for k in ("program_start", "init", "restore")), 3)
     check_account(doc)
     assert "attempt 1 failed (killed by signal 9); restarting" in (run_dir / "train.log").read_text()
     assert "goodput" in p.stderr and "lost" in p.stderr  # the table at the end
@@ -222,3 +229,70 @@ def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_pat
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["pitstop"], filter_string=f"tags.sweep = '{sweep.name}'")
     assert len(runs) == 4 and set(runs["tags.sweep_job"]) == {"0", "1", "2", "3"}
+
+
+# ---- preemption notices (a real SIGTERM) --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(strategy, data_root, tmp_path,
+                                                                              reference):
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", f"strategy={strategy}", "ckpt=async_dcp", "ckpt.interval_steps=10",
+            "fault=preempt", "fault.step=13"]
+    first = cli(args, data_root, tmp_path)
+    assert first.returncode == 75, first.stderr[-3000:]  # EX_TEMPFAIL: requeue, not failure
+    assert "preempted (SIGTERM) at step 13: saved it" in (run_dir / "train.log").read_text()
+    assert (run_dir / "checkpoints" / "step_00000013" / ".metadata").is_file()
+    second = cli(args, data_root, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["resumed_from"] == 13 and [a["status"] for a in doc["attempts"]] == ["preempted", "finished"]
+    assert doc["totals"]["lost"] == 0.0  # no step computed twice
+    if strategy == "single":
+        assert s["params_sha256"] == reference[40]  # the same model as an uninterrupted run
+    check_account(doc)
+
+
+@pytest.mark.parametrize("signals,grace,expected", [
+    (["SIGKILL"], 30, "trainer.preempt_signals: 'SIGKILL' is not a signal that can be caught"),
+    (["SIGTERM"], -1, "trainer.preempt_grace_seconds must be a number of seconds >= 0, got -1"),
+])
+def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expected):
+    from pitstop.preempt import PreemptionNotice
+
+    with pytest.raises(ConfigError, match=expected):
+        PreemptionNotice(signals, grace)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_path, reference):
+    # The scheduler signals the job's main process (the supervisor): it hands the notice to its attempt, which
+    # saves; both leave with 75, and the same command resumes from the saved step.
+    import signal
+    import subprocess
+    import time
+
+    from conftest import cli_cmd
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=1000", "trainer.max_restarts=2"]
+    proc = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until it trains (a step past 5 is in the ledger)
+        try:
+            if json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]["step"] >= 5:
+                break
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    doc = json.loads((run_dir / "goodput.json").read_text())
+    stopped = doc["attempts"][-1]["step"]
+    assert doc["attempts"][-1]["status"] == "preempted" and (run_dir / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    p = cli(args, data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["resumed_from"] == stopped and s["params_sha256"] == reference[40] and doc["totals"]["lost"] == 0.0

@@ -138,6 +138,17 @@ class StallAtStep(CrashAtStep):
         time.sleep(self.seconds)
 
 
+class PreemptAtStep(CrashAtStep):
+    """A preemption notice: SIGTERM to this process at the end of step ``step``, once per run dir (the handler
+    of ``pitstop.preempt`` turns it into: finish the step, save, exit 75)."""
+
+    name = "preempt"
+
+    def fire(self) -> None:
+        log.warning("fault injection: preemption notice (SIGTERM) at step %d", self.step)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class RandomFault(NoFault):
     """SIGKILL at a random moment: time to failure ~ Exponential(mean ``mtbf_seconds``) from process start,
     drawn from (``seed``, attempt number), in every attempt (a timer thread: it can hit any phase)."""

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import uuid
 from enum import Enum
 from typing import Any, Mapping
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
+from pitstop.preempt import PREEMPTED_EXIT, Preempted
 
 log = logging.getLogger("pitstop.launch")
 
@@ -88,6 +90,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
+            raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
         why = _first_line(failure)
         if "timeout" in why.lower() or "timed out" in why.lower():
             why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
@@ -108,47 +112,107 @@ def worker(cfg_yaml: str, run_dir: str) -> dict:
     cfg = OmegaConf.create(cfg_yaml)
     try:
         return Runner(cfg, run_dir).run()
+    except Preempted as e:
+        logging.getLogger("pitstop").warning("%s", e)
+        raise SystemExit(PREEMPTED_EXIT) from None
     except PitstopError as e:
         logging.getLogger("pitstop").error("%s", e)
         raise
+
+
+def warm_context(cfg: DictConfig) -> Any:
+    """A multiprocessing context whose children start warm: a fork server (a clean process: no threads, no
+    CUDA context) imports torch, the runner and every module the config names (``_target_``) once; each
+    attempt is then a fork of it and pays no interpreter start or imports again."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    import sys
+
+    # The entry point (e.g. recipe.train, which each child re-runs as __mp_main__) is preloaded too.
+    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    # torch._inductor: torch.use_deterministic_algorithms imports it lazily (~1.8 s of every attempt's init here).
+    modules = {"torch", "torch._inductor", "pitstop.runner", "pitstop.launch", *([main] if main else [])}
+    for value in _targets(OmegaConf.to_container(cfg, resolve=False)):
+        mod = value.rsplit(".", 1)[0]
+        if mod and not mod.startswith("__"):
+            modules.add(mod)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(sorted(modules))
+    return ctx
+
+
+def _targets(node: Any):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "_target_" and isinstance(v, str):
+                yield v
+            else:
+                yield from _targets(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _targets(v)
 
 
 def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     """``strategy=single`` with ``trainer.max_restarts=N``: run the job in a child process and start it
     again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
     times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
-    storage errors may be transient (a remote store down for a while) and are."""
+    storage errors may be transient (a remote store down for a while) and are.
+
+    Restarts are warm (:func:`warm_context`): attempts are forks of a pre-imported server, so a restart
+    costs the detection of the failure, the fork, init and restore, not a cold start. The first attempt's
+    ledger counts from the supervisor's own start (its imports and the server's are program start)."""
     import multiprocessing as mp
 
+    from pitstop.ledger import process_start_wall
+
+    global _import_seconds
     validate(cfg)
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml, error_file = OmegaConf.to_yaml(cfg, resolve=True), os.path.join(run_dir, ".last_error")
-    ctx = mp.get_context("spawn")
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
+    if _import_seconds is None:  # this process's start -> its first supervised job (imports)
+        _import_seconds = max(0.0, time.time() - process_start_wall())
+    job_start = time.time() - _import_seconds  # a later job of an in-process sweep is charged the same
+    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
-        return _attempts(ctx, cfg_yaml, run_dir, error_file, max_restarts)
+        return _attempts(ctx, cfg_yaml, run_dir, error_file, max_restarts, job_start, grace)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
 
 
-def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, error_file: str, max_restarts: int) -> dict:
+_import_seconds: float | None = None
+
+
+def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, error_file: str, max_restarts: int, job_start: float,
+              grace: float = 30.0) -> dict:
     import json
 
     for attempt in range(max_restarts + 1):
         if os.path.exists(error_file):
             os.remove(error_file)
-        child = ctx.Process(target=_supervised, args=(cfg_yaml, run_dir, attempt), name=f"pitstop-attempt{attempt}")
+        # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
+        # /proc's process start times is too coarse for sub-second restarts).
+        start = job_start if attempt == 0 else time.time()
+        child = ctx.Process(target=_supervised, args=(cfg_yaml, run_dir, attempt, start, ctx.get_start_method()),
+                            name=f"pitstop-attempt{attempt}")
         child.start()
         try:
             child.join()
-        finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): take the attempt down too
+        finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): a notice for the attempt too
             if child.is_alive():
-                child.terminate()
-                child.join(30)
+                child.terminate()  # SIGTERM: a preemption notice, the attempt saves within its grace period
+                child.join(grace + 30)
                 if child.is_alive():
                     child.kill()
+            if child.exitcode == PREEMPTED_EXIT:
+                raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
         code = child.exitcode
         if code == 0:
             with open(os.path.join(run_dir, "summary.json")) as f:
@@ -171,16 +235,21 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _supervised(cfg_yaml: str, run_dir: str, attempt: int) -> None:
+def _supervised(cfg_yaml: str, run_dir: str, attempt: int, program_start: float, method: str) -> None:
     import sys
 
     from pitstop.runner import Runner
 
     os.environ["PITSTOP_SUPERVISED"] = "1"
     os.environ["PITSTOP_RESTART_COUNT"] = str(attempt)
+    os.environ["PITSTOP_START_METHOD"] = method  # recorded in goodput.json (forkserver: a warm attempt)
+    os.environ["PITSTOP_PROGRAM_START"] = repr(program_start)
     _log_to(run_dir, 0)
     try:
         Runner(OmegaConf.create(cfg_yaml), run_dir).run()
+    except Preempted as e:
+        logging.getLogger("pitstop").warning("%s", e)
+        sys.exit(PREEMPTED_EXIT)
     except PitstopError as e:
         logging.getLogger("pitstop").error("%s", e)
         with open(os.path.join(run_dir, ".last_error"), "w") as f:

@@ -7,15 +7,26 @@ checkpoint it started), rewritten at least every ``heartbeat`` seconds, at every
 When an attempt resumes from step S, the work its predecessor did after S was thrown away; that is
 moved from *productive*/*data wait* into *lost*.  Goodput = productive / total.
 
-Job buckets (``goodput.json`` → ``totals``):
+Job buckets (``goodput.json`` → ``totals``), with the names of Google's ml-goodput-measurement badput types
+where they match:
 
-- ``productive``  compute of steps whose results survive;
-- ``data_wait``   waiting for input batches (of surviving steps);
-- ``checkpoint``  the loop blocked by saves (staging, writes, waiting for a save in flight);
-- ``startup``     process start → first step (imports, process groups, data index, restore), plus, for an
-                  automatic restart, the time between the previous attempt's last record and this start;
-- ``lost``        compute, data wait, evaluation and logging of steps that were computed again;
-- ``other``       evaluation, logging and whatever the loop did outside those (e.g. the final close).
+- ``productive``     compute of steps whose results survive;
+- ``data_wait``      waiting for input batches of surviving steps (data loading);
+- ``checkpoint``     the loop blocked by saves: staging, writes, waiting for a save in flight (checkpoint save);
+- ``eval``           evaluation of surviving steps;
+- ``program_start``  process start → the runner exists: interpreter and imports (program startup);
+- ``init``           process groups, model, optimizer, data index, loaders, checkpointer (training preparation);
+- ``restore``        reading the checkpoint it resumes from (checkpoint restore);
+- ``recovery_gap``   for an automatic restart, the previous attempt's last record → this process's start
+                     (infrastructure recovery from disruption);
+- ``lost``           compute, data wait, evaluation and logging of steps computed again (wasted progress);
+- ``other``          logging and whatever the loop did outside those (e.g. the final close).
+
+Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore of
+the attempts a supervisor or the elastic agent started after a failure.
+
+In-process ``-m`` sweeps: jobs after the first in one process import nothing; each is charged the
+``program_start`` that the process measured for its first job, so every job is accounted as if started alone.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from typing import Any
 
 from pitstop.metrics import write_json_atomic
 
-BUCKETS = ("startup", "compute", "data_wait", "checkpoint", "eval", "logging")
-JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "startup", "lost", "other")
+STARTUP = ("program_start", "init", "restore")
+BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging")
+JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", "other")
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
 
@@ -50,16 +62,19 @@ def process_start_wall() -> float:
 class Ledger:
     """This attempt's seconds per bucket; ``other`` = wall time since process start minus the rest."""
 
-    _first_in_process = True
+    _program_start: float | None = None  # the first run's interpreter start -> runner, in this process
 
     def __init__(self) -> None:
-        # The first run of a process counts from process start (imports are start-up); a later one in the
-        # same process (jobs of an in-process sweep) from its own creation.
-        self.start_wall = process_start_wall() if Ledger._first_in_process else time.time()
-        Ledger._first_in_process = False
-        self.t0 = time.perf_counter() - max(0.0, time.time() - self.start_wall)
+        now = time.time()
+        if Ledger._program_start is None:  # the first run of a process counts from process start
+            start = float(os.environ.get("PITSTOP_PROGRAM_START") or process_start_wall())  # (a supervisor's)
+            Ledger._program_start = max(0.0, now - min(start, now))
+        # A later run in the same process (a job of an in-process sweep) imports nothing: it is charged the
+        # same program start, as if it had been started alone (every job of a sweep is accounted alike).
+        self.start_wall = now - Ledger._program_start
+        self.t0 = time.perf_counter() - Ledger._program_start
         self.seconds = {b: 0.0 for b in BUCKETS}
-        self.seconds["startup"] = time.perf_counter() - self.t0  # interpreter start -> here
+        self.seconds["program_start"] = Ledger._program_start
 
     def add(self, bucket: str, seconds: float) -> None:
         self.seconds[bucket] += seconds
@@ -96,6 +111,7 @@ class GoodputLog:
         self.attempt: dict[str, Any] = {
             "attempt": len(self.previous) + 1, "pid": os.getpid(), "start": round(ledger.start_wall, 3),
             "end": None, "status": "running", "auto_restart": _auto_restart(), "resumed_from": None,
+            "start_method": os.environ.get("PITSTOP_START_METHOD"),  # forkserver: a warm restart (supervisor)
             "step": 0, "saves": 0, "buckets": {}, "marks": {}}
         self._last_write, self._interval = 0.0, heartbeat
 
@@ -164,6 +180,7 @@ def _auto_restart() -> bool:
 def account(attempts: list[dict]) -> dict[str, Any]:
     """Job totals per bucket from the attempts' own ledgers (see the module docstring)."""
     t = {b: 0.0 for b in JOB_BUCKETS}
+    restart_costs = []
     for i, a in enumerate(attempts):
         b = a.get("buckets") or {}
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
@@ -181,19 +198,24 @@ def account(attempts: list[dict]) -> dict[str, Any]:
         t["productive"] += b.get("compute", 0.0) - lost["compute"]
         t["data_wait"] += b.get("data_wait", 0.0) - lost["data_wait"]
         t["checkpoint"] += b.get("checkpoint", 0.0)
-        t["startup"] += b.get("startup", 0.0)
+        for k in STARTUP:
+            t[k] += b.get(k, 0.0)
+        t["init"] += b.get("startup", 0.0)  # goodput.json of an older pitstop: one startup bucket
         t["lost"] += sum(lost.values())
-        t["other"] += b.get("eval", 0.0) + b.get("logging", 0.0) - lost["eval"] - lost["logging"] + b.get("other", 0.0)
+        t["eval"] += b.get("eval", 0.0) - lost["eval"]
+        t["other"] += b.get("logging", 0.0) - lost["logging"] + b.get("other", 0.0)
         if i > 0 and a.get("auto_restart"):  # the gap: the previous attempt's unrecorded tail + restart
             prev = attempts[i - 1]
-            gap = a.get("start", 0.0) - (prev.get("end") or a.get("start", 0.0))
-            t["startup"] += max(0.0, gap)
+            gap = max(0.0, a.get("start", 0.0) - (prev.get("end") or a.get("start", 0.0)))
+            t["recovery_gap"] += gap
+            restart_costs.append(gap + sum(b.get(k, 0.0) for k in STARTUP) + b.get("startup", 0.0))
     total = sum(t.values())
     totals = {k: round(v, 3) for k, v in t.items()}
     totals["total"] = round(total, 3)
     return {"totals": totals, "goodput": round(t["productive"] / total, 4) if total > 0 else 0.0,
             "attempts_count": len(attempts),
             "restarts": max(0, len(attempts) - 1),
+            "restart_seconds": round(sum(restart_costs) / len(restart_costs), 3) if restart_costs else None,
             "failures": sum(1 for a in attempts[:-1] if a.get("status") != "finished")
             + (1 if attempts and attempts[-1].get("status") == "failed" else 0)}
 
@@ -204,5 +226,7 @@ def table(doc: dict) -> str:
     lines = [f"goodput {doc['goodput'] * 100:.1f}% over {total:.1f} s wall clock, "
              f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"]
     for k in JOB_BUCKETS:
-        lines.append(f"  {k:<11} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
+        lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
+    if doc.get("restart_seconds") is not None:
+        lines.append(f"  restart cost R {doc['restart_seconds']:>9.2f} s per automatic restart")
     return "\n".join(lines)

@@ -21,12 +21,14 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from pitstop.ledger import JOB_BUCKETS
 from pitstop.metrics import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("pitstop.report")
 
-BUCKETS = ("productive", "data_wait", "checkpoint", "startup", "lost", "other")
-COLORS = {"productive": "#2e7d32", "data_wait": "#f9a825", "checkpoint": "#1565c0", "startup": "#6d4c41",
+BUCKETS = JOB_BUCKETS
+COLORS = {"productive": "#2e7d32", "data_wait": "#f9a825", "checkpoint": "#1565c0", "eval": "#7b1fa2",
+          "program_start": "#4e342e", "init": "#795548", "restore": "#a1887f", "recovery_gap": "#ff7043",
           "lost": "#c62828", "other": "#9e9e9e"}
 
 
@@ -79,6 +81,7 @@ def collect(sweep_dir: str) -> list[dict[str, Any]]:
             row.update(
                 status="ok", goodput=g.get("goodput"), total_s=total, totals=totals,
                 checkpoint_s=totals.get("checkpoint"), restarts=g.get("restarts", 0), failures=g.get("failures", 0),
+                restart_s=g.get("restart_seconds"),
                 data_wait=(totals.get("data_wait", 0.0) / total) if total else None,
                 samples_per_s=(s.get("samples_seen", 0) / total) if total else None,
                 accuracy=(s.get("metrics") or {}).get("val_accuracy"))
@@ -117,6 +120,7 @@ def _fmt(v: Any, kind: str) -> str:
 COLUMNS = [("configuration", "label", "str"), ("status", "status", "str"), ("goodput", "goodput", "pct"),
            ("ckpt stall s", "checkpoint_s", "f2"), ("data wait", "data_wait", "pct"),
            ("samples/s", "samples_per_s", "f1"), ("val acc", "accuracy", "acc"), ("restarts", "restarts", "str"),
+           ("R s/restart", "restart_s", "f2"),
            ("wall s", "total_s", "f1")]
 
 
@@ -133,20 +137,23 @@ def write_report(sweep_dir: str) -> list[dict]:
         if r["status"] != "ok":
             cells[1] = f"FAILED: {r['error']}".replace("|", "/")
         md.write("| " + " | ".join(cells) + " |\n")
-    md.write("\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json); "
+    md.write("\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json). "
+             "R = restart cost per automatic restart: recovery gap + program start + init + restore. Every job is "
+             "charged a program start (interpreter + imports): jobs that ran after the first in one process "
+             "(in-process sweeps) are charged the one their process measured, as if started alone. "
              "![breakdown](report.png)\n")
     write_text_atomic(os.path.join(sweep_dir, "report.md"), md.getvalue(), fsync=False)
 
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["job", "configuration", "status", "error", "goodput", "checkpoint_s", "data_wait_fraction",
-                "samples_per_s", "val_accuracy", "restarts", "failures", "wall_s",
+                "samples_per_s", "val_accuracy", "restarts", "failures", "restart_seconds", "wall_s",
                 *[f"{b}_s" for b in BUCKETS]])
     for r in rows:
         t = r.get("totals") or {}
         w.writerow([r["job"], r["label"], r["status"], r.get("error", ""), r.get("goodput"), r.get("checkpoint_s"),
                     r.get("data_wait"), r.get("samples_per_s"), r.get("accuracy"), r.get("restarts"),
-                    r.get("failures"), r.get("total_s"), *[t.get(b) for b in BUCKETS]])
+                    r.get("failures"), r.get("restart_s"), r.get("total_s"), *[t.get(b) for b in BUCKETS]])
     write_text_atomic(os.path.join(sweep_dir, "report.csv"), buf.getvalue(), fsync=False)
     _plot(rows, os.path.join(sweep_dir, "report.png"))
     return rows
@@ -186,7 +193,7 @@ def _plot(rows: list[dict], path: str) -> None:
     ax2.set_title("throughput")
     bottom = min(0.3, 0.5 / (1.2 + 0.55 * len(rows)))
     if any(r["status"] == "ok" for r in rows):
-        fig.legend(ncol=6, fontsize=8, loc="lower center", frameon=False)
+        fig.legend(ncol=5, fontsize=8, loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, bottom, 1, 1))
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp.png"
     fig.savefig(tmp, dpi=110)

@@ -34,6 +34,7 @@ from pitstop.errors import ConfigError
 from pitstop.fault import FaultContext
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
+from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.seed import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("pitstop")
@@ -96,7 +97,9 @@ class Runner:
     # ---- assembly ---------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, hold = self.cfg, self._resources
-        with self.ledger.measure("startup"):
+        with self.ledger.measure("init"):
+            self.preempt = PreemptionNotice(cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds)
+            hold.callback(self.preempt.install())          # a notice from here on stops the job after a step
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)          # released last: the others may still need the group
             self.strategy.setup()
@@ -146,7 +149,7 @@ class Runner:
     def _record_failure(self, exc_type, exc, tb) -> bool:
         """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
         it must leave nothing a later run would count)."""
-        if exc is not None and not isinstance(exc, ConfigError):
+        if exc is not None and not isinstance(exc, (ConfigError, Preempted)):
             self.goodput.write(self.step, status="failed")
         return False
 
@@ -189,7 +192,7 @@ class Runner:
             return self.finish()
 
     def restore(self) -> None:
-        with self.ledger.measure("startup"):
+        with self.ledger.measure("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
@@ -240,8 +243,38 @@ class Runner:
             self.fault.after_step(self.step)
             for cb in self.callbacks:
                 cb.on_step_end(self)
+            if self._preemption_noticed():                          # 6. a preemption notice on any rank
+                self._stop_for_preemption()
         if bar is not None:
             bar.close()
+
+    def _preemption_noticed(self) -> bool:
+        """True on every rank if any rank got a notice. On the training group: the checkpoint group may be busy
+        with an async save's collectives in its writer thread, and two threads' collectives must not interleave."""
+        flag = torch.tensor([float(self.preempt.received is not None)], device=self.strategy.device)
+        return bool(self.strategy.all_reduce_sum(flag).item() > 0)
+
+    def _stop_for_preemption(self) -> None:
+        """Every rank is here after the same step: save now if a save fits the grace period, wait until it is
+        durable, write down where the time went, and leave with the 'requeue me' exit status."""
+        why = self.preempt.received.name if self.preempt.received is not None else "a peer's notice"
+        took = float(self.ckpt.stats().get("total_seconds_mean") or 0.0)  # a measured save, start -> durable
+        if self.ckpt.root is None:
+            log.warning("preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, self.step)
+        elif self.ckpt.last_started == self.step:
+            log.warning("preempted (%s) at step %d: the save of this step is already under way", why, self.step)
+        elif took > self.preempt.grace:
+            log.warning("preempted (%s) at step %d: a save takes ~%.1f s, more than trainer.preempt_grace_seconds=%g; "
+                        "keeping the newest complete checkpoint (step %s)", why, self.step, took, self.preempt.grace,
+                        self.ckpt.last_started)
+        else:
+            self.ledger.add("checkpoint", self.ckpt.maybe_save(self.target, self.step, force=True).blocked)
+            log.warning("preempted (%s) at step %d: saved it", why, self.step)
+        with self.ledger.measure("checkpoint"):
+            self.ckpt.wait()  # durable (or failed, per ckpt.on_error) before the process goes
+        self._flush_logs()
+        self.goodput.write(self.step, status="preempted")
+        raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
     def train_step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -323,7 +356,8 @@ class Runner:
         self._finished = True
         self.fault.close()
         account = self.goodput.write(self.step, status="finished")
-        self.logger.log_metrics({"goodput": account["goodput"], "restarts": account["restarts"],
+        restart = {"restart_seconds": account["restart_seconds"]} if account["restart_seconds"] is not None else {}
+        self.logger.log_metrics({"goodput": account["goodput"], "restarts": account["restarts"], **restart,
                                  **{f"goodput_{k}_seconds": v for k, v in account["totals"].items()}}, self.step)
         digest = self.params_sha256()
         summary = {
@@ -332,7 +366,7 @@ class Runner:
             "metrics": self.last_eval, "params_sha256": digest,
             "data": {**self.loader.stats, "data_wait_fraction": self._data_wait_fraction()},
             "checkpoint": self.ckpt.stats(), "strategy": self.strategy.name, "world_size": self.strategy.world_size,
-            "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures")},
+            "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
         }
         for cb in self.callbacks:
             cb.on_train_end(self)

@@ -152,6 +152,9 @@ class Trainer:
     deterministic: bool = MISSING
     progress_bar: Any = MISSING                # auto | true | false
     max_restarts: int = MISSING
+    warm_restarts: bool = MISSING
+    preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1]
+    preempt_grace_seconds: float = MISSING
 
 
 SCHEMAS = {

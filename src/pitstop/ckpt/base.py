@@ -94,8 +94,8 @@ class Checkpointer(ABC):
         """Load the checkpoint chosen by ``ckpt.load`` into ``target``; return its step, or None to start fresh."""
 
     @abstractmethod
-    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
-        """Save ``target`` at ``step`` if due (``last``: the final step)."""
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
+        """Save ``target`` at ``step`` if due (``last``: the final step; ``force``: now, e.g. on a preemption)."""
 
     @abstractmethod
     def wait_staging(self) -> float:
@@ -283,12 +283,12 @@ class CheckpointManager(Checkpointer):
         return read_checkpoint(path, target.model, target.optimizer, self.group)
 
     # ---- save ---------------------------------------------------------------------------------------
-    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         self.poll()
         self._report_finished()
         if self.schedule.auto is not None and self.schedule.saves:
             self._measure_auto(step)
-        if not self.schedule.due(step, last, self.strategy.any):
+        if not force and not self.schedule.due(step, last, self.strategy.any):
             return SaveResult()
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight

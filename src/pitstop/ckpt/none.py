@@ -20,7 +20,7 @@ class NoCheckpoint(Checkpointer):
     def restore(self, target: Target) -> int | None:
         return None
 
-    def maybe_save(self, target: Target, step: int, *, last: bool = False) -> SaveResult:
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         return SaveResult()
 
     def wait_staging(self) -> float:

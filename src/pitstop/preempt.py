@@ -1,0 +1,69 @@
+"""Preemption notices: a signal that says the job will be killed soon (Kubernetes and spot instances send
+SIGTERM, then SIGKILL after a grace period; SLURM sends ``--signal=USR1@90`` seconds before the time limit).
+
+On a notice the loop finishes its current step, then (every rank at the same step) saves right away if the
+measured cost of a save fits ``trainer.preempt_grace_seconds`` — else it keeps the newest complete checkpoint
+and says so — waits until the save is durable, flushes logs and the ledger, and exits with status
+``PREEMPTED_EXIT`` (75, EX_TEMPFAIL): *requeue me*, not *I failed*.  Running the same command again resumes
+exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, Callable
+
+from pitstop.errors import ConfigError
+
+log = logging.getLogger("pitstop.preempt")
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): temporary failure, try again
+
+
+class Preempted(Exception):
+    """The job stopped on a preemption notice; its state is saved (or the newest checkpoint kept)."""
+
+    exit_code = PREEMPTED_EXIT
+
+
+def parse_signals(names: Any) -> list[signal.Signals]:
+    out = []
+    for name in list(names or []):
+        key = str(name).upper()
+        key = key if key.startswith("SIG") else f"SIG{key}"
+        if key not in signal.Signals.__members__ or key in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"trainer.preempt_signals: {name!r} is not a signal that can be caught; "
+                              f"use e.g. [SIGTERM, SIGUSR1]")
+        out.append(signal.Signals[key])
+    return out
+
+
+class PreemptionNotice:
+    """Installs the handlers (main thread only) and remembers the first notice; ``close()`` restores them."""
+
+    def __init__(self, signals: Any, grace_seconds: float):
+        if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
+            raise ConfigError(f"trainer.preempt_grace_seconds must be a number of seconds >= 0, got {grace_seconds!r}")
+        self.signals, self.grace = parse_signals(signals), float(grace_seconds)
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> Callable[[], None]:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self.close
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            log.warning("preemption notice (%s): finishing this step, then saving and exiting", self.received.name)
+        else:
+            log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
