@@ -111,9 +111,9 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
     assert doc["restarts"] == 1 and doc["failures"] == 1 and s["goodput"]["restarts"] == 1
     assert [a["start_method"] for a in doc["attempts"]] == ["forkserver"] * 2  # warm: forks of a pre-imported server
     assert all(a["buckets"]["program_start"] > 0 for a in doc["attempts"])
-    assert all(a["buckets"]["init"] > 0 and a["buckets"]["restore"] > 0 for a in doc["attempts"])
-    assert doc["restart_seconds"] == round(doc["totals"]["recovery_gap"] + sum(
-        doc["attempts"][1]["buckets"][k] for k in ("program_start", "init", "restore")), 3)
+    assert all(a["buckets"]["init"] > 0 for a in doc["attempts"]) and a2["buckets"]["restore"] > 0  # a2 restored
+    assert math.isclose(doc["restart_seconds"], doc["totals"]["recovery_gap"] + sum(  # (each figure rounded)
+        a2["buckets"][k] for k in ("program_start", "init", "restore")), abs_tol=0.003)
     check_account(doc)
     assert "attempt 1 failed (killed by signal 9); restarting" in (run_dir / "train.log").read_text()
     assert "goodput" in p.stderr and "lost" in p.stderr  # the table at the end

@@ -157,3 +157,15 @@ def test_a_rank_without_val_data_still_evaluates_in_lockstep(data_root, tmp_path
     assert p.returncode == 0, p.stderr[-3000:]
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_accuracy" in r]
     assert len(evals) == 2 and all(r["val_samples"] == 359 for r in evals)
+
+
+@pytest.mark.parametrize("ckpt", ["async_dcp", "async_dcp_pinned"])
+def test_time_based_async_saves_under_ddp_do_not_deadlock(ckpt, data_root, tmp_path):
+    # "Save due?" is agreed on the training group: on the checkpoint group it interleaved with the collectives
+    # of the async writer thread and the job timed out at the second save.
+    run_dir = tmp_path / "run"
+    p = cli(["debug=tiny", "trainer.max_steps=60", "strategy=ddp", f"ckpt={ckpt}", "ckpt.interval_steps=null",
+             "ckpt.interval_seconds=0.2", "strategy.timeout=60", f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["final_step"] == 60 and s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
