@@ -243,16 +243,10 @@ class Runner:
             self.fault.after_step(self.step)
             for cb in self.callbacks:
                 cb.on_step_end(self)
-            if self._preemption_noticed():                          # 6. a preemption notice on any rank
+            if self.strategy.agree(self.preempt.received is not None):  # 6. a preemption notice on any rank
                 self._stop_for_preemption()
         if bar is not None:
             bar.close()
-
-    def _preemption_noticed(self) -> bool:
-        """True on every rank if any rank got a notice. On the training group: the checkpoint group may be busy
-        with an async save's collectives in its writer thread, and two threads' collectives must not interleave."""
-        flag = torch.tensor([float(self.preempt.received is not None)], device=self.strategy.device)
-        return bool(self.strategy.all_reduce_sum(flag).item() > 0)
 
     def _stop_for_preemption(self) -> None:
         """Every rank is here after the same step: save now if a save fits the grace period, wait until it is

@@ -288,7 +288,7 @@ class CheckpointManager(Checkpointer):
         self._report_finished()
         if self.schedule.auto is not None and self.schedule.saves:
             self._measure_auto(step)
-        if not force and not self.schedule.due(step, last, self._agree):
+        if not force and not self.schedule.due(step, last, self.strategy.agree):
             return SaveResult()
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
@@ -313,15 +313,6 @@ class CheckpointManager(Checkpointer):
         self.blocked_total += block
         self.schedule.finished_blocking()
         return SaveResult(blocked=block, started=step)
-
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is on any, on the training group: the checkpoint group may be running
-        the collectives of an async save's writer thread right now, and two threads' collectives on one group
-        interleave differently on each rank (a save every ``interval_seconds`` under ddp deadlocked so)."""
-        import torch
-
-        t = torch.tensor([float(flag)], device=self.strategy.device)
-        return bool(self.strategy.all_reduce_sum(t).item() > 0)
 
     def _measure_auto(self, step: int) -> None:
         """Young–Daly from this attempt's measured blocking cost per save (staging waits included) and, for

@@ -45,6 +45,13 @@ class Strategy(ABC):
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (the training group)."""
 
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is on any, decided on the training group (main thread only). Use it
+        while an async save may be in flight: its writer thread runs collectives on the checkpoint group, and
+        two threads' collectives on one group interleave differently on each rank (a deadlock)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        return bool(self.all_reduce_sum(t).item() > 0)
+
     @abstractmethod
     def ckpt_group(self) -> Any:
         """The process group for checkpoint collectives (None: no process group)."""
