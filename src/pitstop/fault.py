@@ -118,7 +118,9 @@ class CrashAtStep(NoFault):
 
 
 class StallAtStep(CrashAtStep):
-    """Rank ``rank`` stops responding at the end of step ``step`` (sleeps ``seconds``), so its peers hit the
+    """Rank ``rank`` stops responding at the end of step ``step`` (sleeps ``seconds``, once per run dir).
+    Hang detection (``trainer.hang``) ends the attempt within a few step-times and a launcher restarts it
+    (``trainer.max_restarts``, ``strategy.max_restarts``); with it off, the peers of the stalled rank hit the
     collective timeout (``strategy.timeout``) and the job fails with a clear message instead of hanging."""
 
     name = "stall"
@@ -126,12 +128,6 @@ class StallAtStep(CrashAtStep):
     def __init__(self, step: int, rank: int = 0, seconds: float = 3600, **kw: Any):
         super().__init__(step=step, rank=rank, **kw)
         self.seconds = float(seconds)
-
-    def bind(self, ctx: FaultContext) -> None:
-        if ctx.world_size < 2:
-            raise ConfigError("fault=stall needs at least 2 ranks (a peer must notice the stall); "
-                              "use strategy=ddp or strategy=fsdp")
-        super().bind(ctx)
 
     def fire(self) -> None:
         log.warning("fault injection: rank %d stalls for %.0f s at step %d", self.rank, self.seconds, self.step)

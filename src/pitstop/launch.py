@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.watchdog import HUNG_EXIT
 
 log = logging.getLogger("pitstop.launch")
 
@@ -92,6 +93,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         rank, failure = e.get_first_failure()
         if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
+        if getattr(failure, "exitcode", None) == HUNG_EXIT:
+            raise PitstopError(f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
+                               f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log") from None
         why = _first_line(failure)
         if "timeout" in why.lower() or "timed out" in why.lower():
             why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"

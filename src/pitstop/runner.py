@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.seed import rng_state, seed_everything, set_rng_state
+from pitstop.watchdog import Hung, Watchdog
 
 log = logging.getLogger("pitstop")
 
@@ -85,6 +86,10 @@ class Runner:
         self._last_io: dict[str, float] = {}
         self._resources = ExitStack()
         self._finished = False
+        self.goodput: GoodputLog | None = None
+        hang = cfg.trainer.hang
+        self.watchdog = Watchdog(enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
+                                 first_seconds=hang.first_seconds)
 
     @property
     def step(self) -> int:
@@ -97,7 +102,10 @@ class Runner:
     # ---- assembly ---------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, hold = self.cfg, self._resources
-        with self.ledger.measure("init"):
+        # A launcher (the supervisor, the elastic agent, torchrun) restarts a process that exits on a hang.
+        launched = "RANK" in os.environ or bool(os.environ.get("PITSTOP_SUPERVISED"))
+        hold.callback(self.watchdog.start(int(os.environ.get("RANK", 0)), self.run_dir, self._on_hang, launched))
+        with self.ledger.measure("init"), self.watchdog.phase("setup"):
             self.preempt = PreemptionNotice(cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds)
             hold.callback(self.preempt.install())          # a notice from here on stops the job after a step
             self.strategy = build(cfg.strategy)
@@ -142,6 +150,14 @@ class Runner:
                 start_wall=self.ledger.start_wall, checkpointer=self.ckpt))
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
 
+    def _on_hang(self, message: str) -> None:
+        """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
+        if self.goodput is not None:
+            self.goodput.write(self.step, status="hung")
+        if os.environ.get("PITSTOP_SUPERVISED"):  # the supervisor names the cause of the restart
+            with open(os.path.join(self.run_dir, ".last_error"), "w") as f:
+                f.write(message)
+
     def close(self) -> None:
         """Release what setup() acquired (``run()`` does this itself; for callers that drive the steps)."""
         self._resources.close()
@@ -149,7 +165,7 @@ class Runner:
     def _record_failure(self, exc_type, exc, tb) -> bool:
         """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
         it must leave nothing a later run would count)."""
-        if exc is not None and not isinstance(exc, (ConfigError, Preempted)):
+        if exc is not None and not isinstance(exc, (ConfigError, Preempted, Hung)):  # (a hang is recorded as such)
             self.goodput.write(self.step, status="failed")
         return False
 
@@ -192,7 +208,7 @@ class Runner:
             return self.finish()
 
     def restore(self) -> None:
-        with self.ledger.measure("restore"):
+        with self.ledger.measure("restore"), self.watchdog.phase("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
@@ -213,38 +229,44 @@ class Runner:
         window = {"t": time.perf_counter(), "samples": 0, "fetch": 0.0, "compute": 0.0, "n": 0}
         for cb in self.callbacks:
             cb.on_train_start(self)
-        while self.step < self.total_steps:
-            t0 = time.perf_counter()
-            batch = next(batches)                                   # 1. fetch
-            batch = self.data.on_device(self.strategy.to_device(batch))
-            t1 = time.perf_counter()
-            loss = self.train_step(batch)                           # 2. step (syncs on loss.item())
-            t2 = time.perf_counter()
-            ledger.add("data_wait", t1 - t0)
-            ledger.add("compute", t2 - t1)
-            self.progress.step += 1
-            n = len(batch[-1]) if isinstance(batch, (list, tuple)) else cfg.batch_size
-            self.progress.samples_seen += n * self.strategy.world_size
-            window["samples"] += n
-            window["fetch"] += t1 - t0
-            window["compute"] += t2 - t1
-            window["n"] += 1
-            with ledger.measure("logging"):                         # 3. record
-                self.record(loss, t1 - t0, t2 - t1, window, bar)
-            if self._eval_due():                                    # 4. evaluate
-                self.evaluate()
-            last = self.step >= self.total_steps
-            saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 5. save
-            ledger.add("checkpoint", saved.blocked)
-            if saved.started == self.step:
-                self._flush_logs()  # what a resume would not redo is on disk
-                self.goodput.mark(self.step)
-            self.goodput.tick(self.step)
-            self.fault.after_step(self.step)
-            for cb in self.callbacks:
-                cb.on_step_end(self)
-            if self.strategy.agree(self.preempt.received is not None):  # 6. a preemption notice on any rank
-                self._stop_for_preemption()
+        watch = self.watchdog
+        # closing(): the loader's workers stop when the loop ends, also on an error (a traceback kept by the
+        # caller would otherwise keep them alive)
+        with closing(batches), watch.phase("step", timed=False):  # each iteration is timed by beat()
+            while self.step < self.total_steps:
+                watch.beat()                                            # 0. a step has ended (hang detection)
+                t0 = time.perf_counter()
+                batch = next(batches)                                   # 1. fetch
+                batch = self.data.on_device(self.strategy.to_device(batch))
+                t1 = time.perf_counter()
+                loss = self.train_step(batch)                           # 2. step (syncs on loss.item())
+                t2 = time.perf_counter()
+                ledger.add("data_wait", t1 - t0)
+                ledger.add("compute", t2 - t1)
+                self.progress.step += 1
+                n = len(batch[-1]) if isinstance(batch, (list, tuple)) else cfg.batch_size
+                self.progress.samples_seen += n * self.strategy.world_size
+                window["samples"] += n
+                window["fetch"] += t1 - t0
+                window["compute"] += t2 - t1
+                window["n"] += 1
+                with ledger.measure("logging"):                         # 3. record
+                    self.record(loss, t1 - t0, t2 - t1, window, bar)
+                if self._eval_due():                                    # 4. evaluate
+                    self.evaluate()
+                last = self.step >= self.total_steps
+                with watch.phase("checkpoint"):
+                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 5. save
+                ledger.add("checkpoint", saved.blocked)
+                if saved.started == self.step:
+                    self._flush_logs()  # what a resume would not redo is on disk
+                    self.goodput.mark(self.step)
+                self.goodput.tick(self.step)
+                self.fault.after_step(self.step)
+                for cb in self.callbacks:
+                    cb.on_step_end(self)
+                if self.strategy.agree(self.preempt.received is not None):  # 6. a preemption notice on any rank
+                    self._stop_for_preemption()
         if bar is not None:
             bar.close()
 
@@ -262,9 +284,10 @@ class Runner:
                         "keeping the newest complete checkpoint (step %s)", why, self.step, took, self.preempt.grace,
                         self.ckpt.last_started)
         else:
-            self.ledger.add("checkpoint", self.ckpt.maybe_save(self.target, self.step, force=True).blocked)
+            with self.watchdog.phase("checkpoint"):
+                self.ledger.add("checkpoint", self.ckpt.maybe_save(self.target, self.step, force=True).blocked)
             log.warning("preempted (%s) at step %d: saved it", why, self.step)
-        with self.ledger.measure("checkpoint"):
+        with self.ledger.measure("checkpoint"), self.watchdog.phase("checkpoint"):
             self.ckpt.wait()  # durable (or failed, per ckpt.on_error) before the process goes
         self._flush_logs()
         self.goodput.write(self.step, status="preempted")
@@ -331,7 +354,7 @@ class Runner:
         return self.loader.batches >= self.loader.steps_per_epoch() or self.step == self.total_steps
 
     def evaluate(self) -> dict[str, float]:
-        with self.ledger.measure("eval"):
+        with self.ledger.measure("eval"), self.watchdog.phase("eval"):
             # Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see iterate_once.
             passes = self.eval_loader.iterate_once(self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object)
             batches = ((self.data.on_device(self.strategy.to_device(b)), counted) for b, counted in passes)
@@ -345,7 +368,7 @@ class Runner:
     def finish(self) -> dict:
         if not self.last_eval:  # e.g. restarted after the last step: report the final model anyway
             self.evaluate()
-        with self.ledger.measure("checkpoint"):
+        with self.ledger.measure("checkpoint"), self.watchdog.phase("checkpoint"):
             self.ckpt.close()                     # never report success with a save still in flight
         self._finished = True
         self.fault.close()

@@ -12,7 +12,7 @@ option that extends another (``fsdp`` extends ``ddp``) adds its own schema after
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -140,6 +140,14 @@ class MLflow(NullLogger):
 
 
 @dataclass
+class Hang:
+    enabled: bool = MISSING
+    factor: float = MISSING
+    min_seconds: float = MISSING
+    first_seconds: float = MISSING
+
+
+@dataclass
 class Trainer:
     epochs: Optional[int] = MISSING
     max_steps: Optional[int] = MISSING
@@ -155,6 +163,7 @@ class Trainer:
     warm_restarts: bool = MISSING
     preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1]
     preempt_grace_seconds: float = MISSING
+    hang: Hang = field(default_factory=Hang)
 
 
 SCHEMAS = {

@@ -10,6 +10,7 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 from __future__ import annotations
 
 import logging
+import signal
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
@@ -273,7 +274,7 @@ class ShardLoader(ABC):
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
         return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
-                               multiprocessing_context=_mp_context()))
+                               multiprocessing_context=_mp_context(), worker_init_fn=_worker_init))
 
     def __iter__(self) -> Iterator[Any]:
         ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
@@ -356,6 +357,17 @@ def first_sample(batch: Any) -> Any:
     if isinstance(batch, dict):
         return {k: first_sample(v) for k, v in batch.items()}
     return batch
+
+
+def _worker_init(worker_id: int) -> None:
+    """A forked worker is not the trainer: it must not inherit the trainer's signal handlers (a preemption
+    notice caught and ignored by a worker keeps it alive after its loader is gone), and on SIGUSR2 it writes
+    its threads' stacks to stderr (the hang watchdog asks for them)."""
+    import faulthandler
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def _mp_context():

@@ -1,0 +1,180 @@
+"""Hang detection: a rank that stops making progress is stopped within a few step-times, not after the
+collective timeout (``strategy.timeout``, 300 s by default) or never (a stuck data worker, a dead store).
+
+The loop says which *phase* it is in (``setup``, ``restore``, ``step``, ``eval``, ``checkpoint``); a daemon
+thread checks that the current phase has not run longer than its limit:
+
+- a phase's first run (nothing measured yet: compilation, cold caches, peers still starting) gets
+  ``first_seconds``;
+- after that, ``factor`` × the longest run of that phase measured in this attempt, but never less than
+  ``min_seconds``.
+
+On a hang it writes every thread's stack to ``RUN_DIR/hang.rank<R>.txt``, logs one line naming the rank,
+the phase and the limit, lets the runner record the attempt as ``hung`` in the ledger, and ends the attempt:
+a process that a launcher started (the supervisor, the elastic agent, torchrun) exits with ``HUNG_EXIT``
+at once, so it is restarted from its newest checkpoint; a run inside a process that must survive (a test, an
+in-process sweep) gets ``Hung`` raised in its main thread, and is exited after ``grace`` seconds if that
+thread does not get out (it is stuck in native code).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from pitstop.errors import ConfigError, PitstopError
+
+log = logging.getLogger("pitstop.watchdog")
+
+HUNG_EXIT = 124  # like timeout(1): the attempt made no progress within its limit
+
+
+class Hung(PitstopError):
+    """A phase ran past its limit (raised in the main thread of an in-process run)."""
+
+
+class Watchdog:
+    def __init__(self, *, enabled: bool = True, factor: float = 10.0, min_seconds: float = 60.0,
+                 first_seconds: float = 900.0, grace: float = 30.0):
+        for key, v in (("factor", factor), ("min_seconds", min_seconds), ("first_seconds", first_seconds)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"trainer.hang.{key} must be a positive number, got {v!r}")
+        self.enabled = bool(enabled)
+        self.factor, self.min_seconds, self.first_seconds = float(factor), float(min_seconds), float(first_seconds)
+        self.grace = float(grace)
+        self.longest: dict[str, float] = {}
+        self.fired: str | None = None
+        self._current: tuple[str, float, bool] | None = None  # (phase, since, timed)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous_handler = None
+
+    # ---- the loop's side ------------------------------------------------------------------------------
+    def start(self, rank: int, run_dir: str, on_hang: Callable[[str], None], exit_process: bool) -> Callable[[], None]:
+        """Arm it; returns ``close``.  ``exit_process``: end the process on a hang (a launcher restarts it)."""
+        self.rank, self.run_dir, self.on_hang, self.exit_process = rank, run_dir, on_hang, exit_process
+        if not self.enabled:
+            return self.close
+        self._main = threading.main_thread().ident
+        if not exit_process and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGALRM, self._raise_in_main)
+        self._thread = threading.Thread(target=self._watch, name="pitstop-watchdog", daemon=True)
+        self._thread.start()
+        return self.close
+
+    @contextmanager
+    def phase(self, name: str, timed: bool = True) -> Iterator[None]:
+        """Watch ``name`` while inside; a phase inside another pauses it (the outer one's clock restarts
+        when it returns).  ``timed=False``: the phase is a loop whose iterations :meth:`beat` times."""
+        outer = self._current
+        self._current = (name, time.monotonic(), timed)
+        try:
+            yield
+        finally:
+            current, now = self._current, time.monotonic()
+            if current is not None and current[2]:
+                self._observe(current[0], now - current[1])
+            self._current = (outer[0], now, outer[2]) if outer is not None else None
+
+    def beat(self) -> None:
+        """The current phase made progress (e.g. a step ended): time its run so far, restart its clock."""
+        current, now = self._current, time.monotonic()
+        if current is None:
+            return
+        if current[2]:
+            self._observe(current[0], now - current[1])
+        self._current = (current[0], now, True)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        self.longest[name] = max(self.longest.get(name, 0.0), seconds)
+
+    def limit(self, name: str) -> float:
+        if name not in self.longest:
+            return self.first_seconds
+        return max(self.min_seconds, self.factor * self.longest[name])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGALRM, self._previous_handler)
+            self._previous_handler = None
+
+    # ---- the watcher's side ---------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.min_seconds / 4)):
+            current = self._current
+            if current is None:
+                continue
+            name, since = current[0], current[1]
+            elapsed, limit = time.monotonic() - since, self.limit(name)
+            if elapsed > limit and self._current is current:
+                self._fire(name, elapsed, limit)
+                return
+
+    def _fire(self, name: str, elapsed: float, limit: float) -> None:
+        how = (f"first {name}: trainer.hang.first_seconds" if name not in self.longest else
+               f"{self.factor:g} x the longest {name} so far ({self.longest[name]:.2f} s), "
+               f"at least trainer.hang.min_seconds")
+        stacks = os.path.join(self.run_dir, f"hang.rank{self.rank}.txt")
+        try:
+            with open(stacks, "w") as f:
+                f.write(f"rank {self.rank}: no progress in phase '{name}' for {elapsed:.1f} s\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:
+            stacks = f"(not written: {e})"
+        workers = _ask_data_workers_for_stacks()
+        also = f" (and {workers} data worker(s)' on stderr)" if workers else ""
+        msg = (f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s "
+               f"= {how}); thread stacks in {stacks}{also}; ending this attempt so that it restarts from its "
+               f"newest checkpoint")
+        self.fired = msg
+        log.error("%s", msg)
+        try:
+            self.on_hang(msg)
+        except Exception as e:  # noqa: BLE001 - the process must still end
+            log.error("hang: recording it failed: %s", e)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        if self.exit_process:
+            os._exit(HUNG_EXIT)
+        signal.pthread_kill(self._main, signal.SIGALRM)  # wakes a blocking wait; the handler raises Hung
+        if not self._stop.wait(self.grace):
+            log.error("hang: the main thread did not stop within %.0f s; exiting", self.grace)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os._exit(HUNG_EXIT)
+
+    def _raise_in_main(self, signum: int, frame: object) -> None:
+        if self.fired is not None:
+            raise Hung(self.fired)
+
+
+def _ask_data_workers_for_stacks() -> int:
+    """SIGUSR2 to this process's DataLoader workers: they write their stacks to stderr (see pitstop.loader)."""
+    import multiprocessing
+
+    asked = 0
+    try:
+        children = list(multiprocessing.active_children())
+    except (RuntimeError, OSError):  # the main thread changed the set of children meanwhile
+        return 0
+    for p in children:
+        if type(p).__name__ == "ForkProcess" and p.daemon and p.pid:  # (the loader's workers: forked daemons)
+            try:
+                os.kill(p.pid, signal.SIGUSR2)
+                asked += 1
+            except OSError:
+                pass
+    if asked:
+        time.sleep(0.5)  # let them write before this process goes
+    return asked

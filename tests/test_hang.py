@@ -1,0 +1,101 @@
+"""Hang detection (trainer.hang): a rank that stops making progress ends its attempt within a few step-times,
+names the phase, leaves its threads' stacks and a 'hung' attempt in the ledger, and a launcher restarts it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, train
+from pitstop.watchdog import Hung, Watchdog
+
+
+def attempts(run_dir) -> list[dict]:
+    return json.loads((Path(run_dir) / "goodput.json").read_text())["attempts"]
+
+
+def test_limits_come_from_measured_durations():
+    w = Watchdog(factor=10, min_seconds=2, first_seconds=50)
+    assert w.limit("step") == 50                      # nothing measured yet
+    with w.phase("step", timed=False):
+        w.beat()                                      # the first beat only starts the clock
+        assert "step" not in w.longest
+        time.sleep(0.3)
+        w.beat()
+        with w.phase("checkpoint"):                   # nested: pauses the step's clock
+            time.sleep(0.05)
+    assert 0.3 <= w.longest["step"] < 1.0 and w.longest["checkpoint"] >= 0.05
+    assert w.limit("step") == pytest.approx(10 * w.longest["step"])
+    assert w.limit("checkpoint") == 2                 # 10 x 0.05 s is below the floor
+    assert w.limit("eval") == 50
+
+
+def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=30", "fault=stall", "fault.step=5", "fault.rank=0",
+                   "trainer.hang.min_seconds=1", "ckpt=sync_save", "ckpt.interval_steps=2")
+    t0 = time.monotonic()
+    with pytest.raises(Hung) as err:
+        train(cfg)
+    assert time.monotonic() - t0 < 30                 # not the 3600 s of the stall
+    msg = str(err.value)
+    assert msg.startswith("hang: rank 0 made no progress in phase 'step'") and "\n" not in msg
+    stacks = (Path(cfg.run_dir) / "hang.rank0.txt").read_text()
+    assert "fault.py" in stacks and "fire" in stacks  # where it was stuck
+    assert attempts(cfg.run_dir)[-1]["status"] == "hung"
+
+
+def test_hang_detection_off_is_off(make_cfg):
+    cfg = make_cfg("trainer.max_steps=4", "trainer.hang.enabled=false", "trainer.hang.min_seconds=0.001",
+                   "trainer.hang.first_seconds=0.001")
+    assert train(cfg)["final_step"] == 4
+
+
+@pytest.mark.slow
+def test_a_stall_under_the_supervisor_is_restarted_and_the_job_finishes(data_root, tmp_path):
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
+    p = cli(["debug=tiny", "trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=2", "fault=stall",
+             "fault.step=7", "fault.rank=0", "trainer.hang.min_seconds=1", "trainer.max_restarts=1",
+             f"run_dir={run_dir}"], data_root, tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
+    a = attempts(run_dir)
+    assert [x["status"] for x in a] == ["hung", "finished"] and a[1]["resumed_from"] == 6
+    assert "made no progress in phase 'step'" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 30
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, tmp_path):
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
+    p = cli(["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
+             "strategy=ddp", "strategy.max_restarts=1", "ckpt=sync_dcp", "ckpt.interval_steps=2",
+             "fault=stall", "fault.step=5", "fault.rank=1", "trainer.hang.min_seconds=2", f"run_dir={run_dir}"],
+            data_root, tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 150                # not strategy.timeout (300 s) or the stall (3600 s)
+    logs = (run_dir / "train.log").read_text() + (run_dir / "rank1.log").read_text()
+    assert "made no progress in phase 'step'" in logs
+    a = attempts(run_dir)
+    assert len(a) == 2 and a[0]["status"] in ("hung", "failed") and a[1]["status"] == "finished"
+    assert a[1]["resumed_from"] == 4
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 24
+
+
+def test_a_store_that_stops_answering_is_a_hang_with_the_data_workers_stacks(make_cfg, data_root, capfd):
+    # The data workers block in a read that never returns (read_timeout is long); the loop waits for a batch.
+    from pitstop.slowstore import SlowStore
+
+    with SlowStore(str(data_root / "data"), fault_glob="*/train-*", stall_after=2) as store:
+        cfg = make_cfg(f"data.root={store.url}/digits", "loader.num_workers=2", "loader.read_timeout=3600",
+                       "trainer.max_steps=60", "trainer.eval_every_steps=null", "trainer.hang.min_seconds=1")
+        t0 = time.monotonic()
+        with pytest.raises(Hung, match=r"^hang: rank 0 made no progress in phase 'step' .* \(and 2 data worker"):
+            train(cfg)
+        assert time.monotonic() - t0 < 60
+    err = capfd.readouterr().err
+    assert err.count("(most recent call first)") >= 2  # each worker wrote its threads' stacks
