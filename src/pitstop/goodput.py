@@ -94,12 +94,14 @@ class AutoInterval:
     than 10%). An async save is never due before the previous one is durable, so T >= W.
     """
 
-    def __init__(self, mtbf: float | None, source: str, observed_failures: int = 0, observed_seconds: float = 0.0):
+    def __init__(self, mtbf: float | None, source: str, observed_failures: int = 0, observed_seconds: float = 0.0,
+                 key: str = "ckpt.interval"):
+        self.key = key
         if mtbf is None and observed_failures > 0 and observed_seconds > 0:
             mtbf, source = observed_seconds / observed_failures, f"{observed_failures} failure(s) observed in this run dir"
         if mtbf is None:
             mtbf, source = ASSUMED_MTBF, "assumed: no MTBF known yet (set ckpt.mtbf_seconds)"
-            log.info("ckpt.interval=auto: no MTBF known yet (ckpt.mtbf_seconds, fault.mtbf_seconds, or failures "
+            log.info(f"{key}=auto: no MTBF known yet (ckpt.mtbf_seconds, fault.mtbf_seconds, or failures "
                      "observed in this run dir); assuming one failure a day until one is; first save after step 1 "
                      "to measure its cost")
         self.mtbf, self.source = float(mtbf), source
@@ -109,7 +111,7 @@ class AutoInterval:
         t = max(young_daly(save_cost, self.mtbf), write_seconds, 1e-3)
         if self.seconds is not None and abs(t - self.seconds) <= 0.1 * self.seconds:
             return self.seconds  # small drifts of the running average do not move the interval
-        log.info("ckpt.interval=auto: save every %s (blocking cost %.3f s per save, MTBF %s: %s)",
+        log.info(f"{self.key}=auto: save every %s (blocking cost %.3f s per save, MTBF %s: %s)",
                  fmt_duration(t), save_cost, fmt_duration(self.mtbf), self.source)
         self.seconds = t
         return t

@@ -21,6 +21,15 @@ from omegaconf import MISSING
 
 
 @dataclass
+class LocalTier:
+    dir: Optional[str] = MISSING                 # null (off) | auto | PATH
+    interval_steps: Optional[int] = MISSING
+    interval_seconds: Optional[float] = MISSING
+    interval: Optional[str] = MISSING            # auto | null
+    keep_last_k: int = MISSING
+
+
+@dataclass
 class Ckpt:
     _target_: str = MISSING
     dir: str = MISSING
@@ -34,6 +43,7 @@ class Ckpt:
     load_model_only: bool = MISSING
     on_error: str = MISSING                   # raise | warn
     throttle_mbps: Optional[float] = MISSING
+    local: LocalTier = field(default_factory=LocalTier)
 
 
 @dataclass

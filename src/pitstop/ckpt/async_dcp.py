@@ -68,7 +68,7 @@ class AsyncDCP(CheckpointManager):
                  "in the background" if self.pinned else "in the loop", where)
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
-        out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps),
+        out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
                              process_group=self.group, async_checkpointer_type=self.kind, async_stager=self.stager)
         if isinstance(out, Future):
             return Pending(record, upload=out)

@@ -123,6 +123,8 @@ class SaveRecord:
     step: int
     path: str
     last: bool = False
+    tier: str = "durable"          # durable (ckpt.dir) | local (ckpt.local.dir)
+    throttle_mbps: float | None = None
     started: float = field(default_factory=time.perf_counter)
     block_seconds: float = 0.0
     total_seconds: float | None = None
@@ -153,6 +155,53 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
 
+class Tier:
+    """One place checkpoints go: its root, retention, schedule and the loop's measured time in its saves."""
+
+    def __init__(self, name: str, root: str, keep_last_k: int, interval_steps: int | None,
+                 interval_seconds: float | None, auto: bool, save_last: bool):
+        self.name, self.root, self.keep_last_k = name, root, keep_last_k
+        self.interval_steps, self.interval_seconds, self.auto, self.save_last = interval_steps, interval_seconds, auto, save_last
+        self.schedule: Any = None  # SaveSchedule, made in setup()
+        self.blocked_total = 0.0
+
+    def make_schedule(self, auto: Any) -> None:
+        from pitstop.ckpt.schedule import SaveSchedule
+
+        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto if self.auto else None)
+
+
+LOCAL_AUTO_DIR = "/dev/shm/pitstop"
+
+
+def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None:
+    """Check ``ckpt.local``; None when the local tier is off (``ckpt.local.dir`` null)."""
+    local = dict(local or {})
+    where = local.get("dir")
+    if where in (None, "", False):
+        return None
+    where = LOCAL_AUTO_DIR if where == "auto" else os.path.abspath(str(where))
+    durable = os.path.abspath(durable_root)
+    if os.path.commonpath([where, durable]) in (where, durable):
+        raise ConfigError(f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
+                          f"place (tmpfs such as /dev/shm, or a node-local disk)")
+    steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
+    for key, v in (("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
+    if interval not in (None, "auto"):
+        raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
+    if interval is None and not steps and not seconds:
+        raise ConfigError("ckpt.local.dir is set but the local tier has no interval: set ckpt.local.interval_steps, "
+                          "ckpt.local.interval_seconds or ckpt.local.interval=auto")
+    keep = local.get("keep_last_k", 2)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or (is_async and keep < 2):
+        raise ConfigError(f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
+                          f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}")
+    return {"dir": where, "interval_steps": None if interval == "auto" else steps,
+            "interval_seconds": None if interval == "auto" else seconds, "auto": interval == "auto", "keep": keep}
+
+
 class CheckpointManager(Checkpointer):
     """The saving backends' common part; a subclass implements :meth:`_write` (and may override :meth:`_read`)."""
 
@@ -163,7 +212,7 @@ class CheckpointManager(Checkpointer):
     def __init__(self, dir: str, interval_steps: int | None = None, interval_seconds: float | None = None,
                  keep_last_k: int = 3, save_last: bool = True, load: Any = "auto", on_error: str = "raise",
                  load_model_only: bool = False, throttle_mbps: float | None = None, interval: Any = None,
-                 mtbf_seconds: float | None = None, **_: Any):
+                 mtbf_seconds: float | None = None, local: Any = None, **_: Any):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
         for key, v in (("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
@@ -185,10 +234,12 @@ class CheckpointManager(Checkpointer):
         self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
         self.keep_last_k, self.load_spec, self.on_error = keep_last_k, load, on_error
         self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
+        self.durable = Tier("durable", self.root, keep_last_k, interval_steps, interval_seconds, self.auto, save_last)
+        self._local_cfg = _local_settings(local, self.root, self.is_async)
+        self.local: Tier | None = None  # ckpt.local: made in setup() (its dir is per run)
         self.records: list[SaveRecord] = []
         self.pending: Pending | None = None
         self.failures = 0
-        self.blocked_total = 0.0  # the loop's time in saves and staging waits (C for ckpt.interval=auto)
         self._done: list[SaveRecord] = []  # finished in the background, not yet reported
         self._lock = threading.Lock()
         self._purger: ThreadPoolExecutor | None = None
@@ -198,7 +249,6 @@ class CheckpointManager(Checkpointer):
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
               failures: int = 0, job_seconds: float = 0.0) -> None:
-        from pitstop.ckpt.schedule import SaveSchedule
         from pitstop.goodput import AutoInterval
 
         self.strategy, self.report = strategy, report
@@ -208,13 +258,38 @@ class CheckpointManager(Checkpointer):
             layout.check_writable(self.root)
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
         strategy.barrier()
-        auto = None
-        if self.auto:
-            mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
-                            (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
-            auto = AutoInterval(mtbf, source, failures, job_seconds)
-        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+        mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
+                        (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
+        self.durable.make_schedule(AutoInterval(mtbf, source, failures, job_seconds) if self.auto else None)
+        self.schedule = self.durable.schedule
+        self._setup_local(lambda: AutoInterval(mtbf, source, failures, job_seconds, key="ckpt.local.interval"))
         self._setup_backend()
+
+    def _setup_local(self, make_auto: Callable[[], Any]) -> None:
+        """The local tier lives in ``<ckpt.local.dir>/<run id>``: the run id is kept in ``ckpt.dir``, so a run dir
+        deleted and made again never resumes from a stale local checkpoint of the old one.  A local dir that
+        cannot be written is not fatal: the run goes on with the durable tier only, and says so."""
+        c = self._local_cfg
+        if c is None:
+            return
+        run_id = layout.run_id(self.root) if self.rank == 0 else None
+        run_id = self.strategy.broadcast_object(run_id)
+        root = os.path.join(c["dir"], run_id)
+        problem = None
+        try:
+            layout.check_writable(root, key="ckpt.local.dir")
+        except CheckpointError as e:
+            problem = str(e)
+        if self.strategy.any(problem is not None):  # every rank uses the local tier, or none does
+            log.warning("local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
+                        problem or "not writable on another rank")
+            return
+        self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], c["auto"], False)
+        self.local.make_schedule(make_auto() if c["auto"] else None)
+        log.info("local checkpoint tier: %s (%s; keep %d)", root,
+                 "interval=auto" if c["auto"] else f"every {c['interval_steps'] or ''}{' steps' if c['interval_steps'] else ''}"
+                 f"{' / ' if c['interval_steps'] and c['interval_seconds'] else ''}"
+                 f"{str(c['interval_seconds']) + ' s' if c['interval_seconds'] else ''}", c["keep"])
 
     def _setup_backend(self) -> None:
         """Per-run resources of a backend (stagers, checkpoint processes)."""
@@ -228,6 +303,10 @@ class CheckpointManager(Checkpointer):
         if self.rank == 0:  # rank 0 decides (and reports a bad spec) for everyone
             try:
                 choice = layout.candidates(self.root, spec)
+                if spec == "auto" and self.local is not None:  # the newest complete one of either tier
+                    both = [(layout.step_of(p), 0, p) for p in layout.candidates(self.local.root, "auto")]
+                    both += [(layout.step_of(p), 1, p) for p in choice]
+                    choice = [p for _, _, p in sorted(both, key=lambda x: (-x[0], x[1]))]  # a tie: local (faster)
             except CheckpointError as e:
                 choice = str(e)
         choice = self.strategy.broadcast_object(choice)
@@ -254,7 +333,8 @@ class CheckpointManager(Checkpointer):
                     raise CheckpointError(f"no loadable checkpoint in {self.root} (newest failed: {reason}); "
                                           f"fix or move the directory, or set ckpt.load=none to start over") from error
                 continue
-            log.info("restored %s (step %d) in %.2f s", path, target.state.step, time.perf_counter() - t0)
+            tier = "local" if self.local is not None and path.startswith(self.local.root + os.sep) else "durable"
+            log.info("restored %s (step %d, %s tier) in %.2f s", path, target.state.step, tier, time.perf_counter() - t0)
             return target.state.step
         return None
 
@@ -286,15 +366,20 @@ class CheckpointManager(Checkpointer):
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         self.poll()
         self._report_finished()
-        if self.schedule.auto is not None and self.schedule.saves:
-            self._measure_auto(step)
-        if not force and not self.schedule.due(step, last, self.strategy.agree):
+        for tier in self._tiers():
+            if tier.schedule.auto is not None and tier.schedule.saves:
+                self._measure_auto(tier, step)
+        tier = self._due_tier(step, last, force)
+        if tier is None:
             return SaveResult()
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
         self.last_started = step
-        self.schedule.started()
-        record = SaveRecord(step=step, path=layout.step_dir(self.root, step), last=last)
+        tier.schedule.started()
+        if tier is self.durable and self.local is not None:
+            self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
+        record = SaveRecord(step=step, path=layout.step_dir(tier.root, step), last=last, tier=tier.name,
+                            throttle_mbps=self.throttle_mbps if tier is self.durable else None)
         if self.rank == 0 and os.path.exists(record.path):
             shutil.rmtree(record.path)  # a partial leftover of the same step (e.g. after a crash)
         self.strategy.barrier()
@@ -310,19 +395,36 @@ class CheckpointManager(Checkpointer):
                 self.pending = pending
         block = time.perf_counter() - t0
         record.block_seconds += block
-        self.blocked_total += block
-        self.schedule.finished_blocking()
+        tier.blocked_total += block
+        tier.schedule.finished_blocking()
         return SaveResult(blocked=block, started=step)
 
-    def _measure_auto(self, step: int) -> None:
-        """Young–Daly from this attempt's measured blocking cost per save (staging waits included) and, for
-        async saves, never before the last one became durable."""
-        cost = self.blocked_total / max(self.schedule.saves, 1)
-        ok = [r.total_seconds for r in self.records[-5:] if r.error is None and r.total_seconds]
-        write = sum(ok) / len(ok) if ok and self.is_async else 0.0
-        moved = self.schedule.measured(cost, write)
+    def _tiers(self) -> list[Tier]:
+        return [self.durable] if self.local is None else [self.durable, self.local]
+
+    def _tier(self, record: SaveRecord) -> Tier:
+        return self.local if record.tier == "local" and self.local is not None else self.durable
+
+    def _due_tier(self, step: int, last: bool, force: bool) -> Tier | None:
+        """The durable tier when it is due (and always for the last step or a forced save: a preempted machine
+        takes its local tier with it), else the local tier when it is due."""
+        agree = self.strategy.agree
+        if force or self.durable.schedule.due(step, last, agree):
+            return self.durable
+        if self.local is not None and not last and self.local.schedule.due(step, False, agree):
+            return self.local
+        return None
+
+    def _measure_auto(self, tier: Tier, step: int) -> None:
+        """Young–Daly from this attempt's measured blocking cost per save of ``tier`` (staging waits included)
+        and, for async saves, never before the last one became durable."""
+        cost = tier.blocked_total / max(tier.schedule.saves, 1)
+        ok = [r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name]
+        write = sum(ok[-5:]) / len(ok[-5:]) if ok and self.is_async else 0.0
+        moved = tier.schedule.measured(cost, write)
         if moved is not None:
-            self.report({"ckpt_interval_seconds": moved}, step)
+            key = "ckpt_interval_seconds" if tier is self.durable else "ckpt_local_interval_seconds"
+            self.report({key: moved}, step)
 
     def _app_state(self, target: Target) -> dict:
         self.strategy.sync_buffers(target.model)
@@ -342,7 +444,7 @@ class CheckpointManager(Checkpointer):
         p.staging = None
         waited = time.perf_counter() - t0
         p.record.block_seconds += waited
-        self.blocked_total += waited
+        self._tier(p.record).blocked_total += waited
         return waited
 
     def wait(self) -> float:
@@ -369,20 +471,25 @@ class CheckpointManager(Checkpointer):
         if self.rank == 0:
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
-                self._purger.submit(layout.purge, self.root, self.keep_last_k)
+                tier = self._tier(record)
+                self._purger.submit(layout.purge, tier.root, tier.keep_last_k)
+                if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
+                    self._purger.submit(layout.purge_up_to, self.local.root, record.step)
         with self._lock:
             self._done.append(record)
 
     def _failed(self, record: SaveRecord, error: BaseException) -> None:
         record.error = one_line(error)
         self.failures += 1
-        log.error("checkpoint at step %d failed: %s (it is not committed; older checkpoints are intact)",
-                  record.step, record.error)
-        if self.rank == 0 and not layout.is_complete(record.path):
-            shutil.rmtree(record.path, ignore_errors=True)
+        local = record.tier == "local"
+        log.error("%scheckpoint at step %d failed: %s (it is not committed; older checkpoints are intact%s)",
+                  "local-tier " if local else "", record.step, record.error,
+                  "; the durable tier is unaffected" if local else "")
+        if not layout.is_complete(record.path) and (self.rank == 0 or local):
+            shutil.rmtree(record.path, ignore_errors=True)  # (a local tier may be per node: every rank cleans)
         with self._lock:
             self._done.append(record)
-        if self.on_error == "raise":
+        if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run
             raise CheckpointError(f"checkpoint at step {record.step} failed: {record.error}") from error
 
     def _report_finished(self) -> None:
@@ -393,6 +500,8 @@ class CheckpointManager(Checkpointer):
             metrics = {"ckpt_block_seconds": rec.block_seconds, "ckpt_failed": float(rec.error is not None)}
             if rec.error is None:
                 metrics.update(ckpt_total_seconds=rec.total_seconds, ckpt_bytes=float(rec.bytes))
+            if rec.tier == "local":
+                metrics = {k.replace("ckpt_", "ckpt_local_", 1): v for k, v in metrics.items()}
             self.report(metrics, rec.step)
 
     def close(self) -> None:
@@ -409,7 +518,10 @@ class CheckpointManager(Checkpointer):
                 self._purger.shutdown(wait=True)
                 self._purger = None
             self._shutdown()
-        last = self.records[-1] if self.records else None
+        durable = [r for r in self.records if r.tier == "durable"]
+        last = durable[-1] if durable else None
+        if self.local is not None and last is not None and last.last and last.error is None and self.rank == 0:
+            shutil.rmtree(self.local.root, ignore_errors=True)  # the run is complete: free the tmpfs
         if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
             # The final save failed (or failures must fail the run): never report success.
             raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
@@ -418,13 +530,23 @@ class CheckpointManager(Checkpointer):
         """Release per-run backend resources (also after a failure)."""
 
     def stats(self) -> dict:
-        ok = [r for r in self.records if r.error is None]
+        """The durable tier's figures (``local_*``: the local tier's, when it is on)."""
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        return {"backend": self.name, "saves": len(ok), "failures": self.failures,
-                "block_seconds_total": round(sum(r.block_seconds for r in self.records), 4),
-                "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
-                "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
-                "bytes_last": ok[-1].bytes if ok else 0}
+
+        def figures(tier: str) -> dict:
+            records = [r for r in self.records if r.tier == tier]
+            ok = [r for r in records if r.error is None]
+            return {"saves": len(ok), "failures": sum(1 for r in records if r.error is not None),
+                    "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
+                    "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+                    "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+                    "bytes_last": ok[-1].bytes if ok else 0}
+
+        out = {"backend": self.name, **figures("durable")}
+        if self.local is not None:
+            out.update({f"local_{k}": v for k, v in figures("local").items()})
+            out["local_dir"] = self.local.root
+        return out
 
     # ---- backend hook ---------------------------------------------------------------------------------
     @abstractmethod

@@ -28,6 +28,10 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
 
 
+def step_of(path: str) -> int:
+    return int(os.path.basename(os.path.normpath(path))[len(STEP_PREFIX):])
+
+
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DCP_MARKER)) or os.path.isfile(os.path.join(path, SAVE_MARKER))
 
@@ -81,7 +85,36 @@ def purge(root: str, keep_last_k: int) -> None:
         log.debug("purged %s", path)
 
 
-def check_writable(root: str) -> None:
+def run_id(root: str) -> str:
+    """This run's id, kept in ``root/.run_id`` (made on first use): it names the run's local-tier dir."""
+    import uuid
+
+    path = os.path.join(root, ".run_id")
+    try:
+        with open(path) as f:
+            rid = f.read().strip()
+        if rid:
+            return rid
+    except FileNotFoundError:
+        pass
+    rid = uuid.uuid4().hex[:16]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(rid)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return rid
+
+
+def purge_up_to(root: str, step: int) -> None:
+    """Remove every checkpoint of ``step`` or older (the local tier, once a durable save of ``step`` is committed)."""
+    for s, path, _ in list_checkpoints(root):
+        if s <= step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def check_writable(root: str, key: str = "ckpt.dir") -> None:
     probe = os.path.join(root, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
@@ -91,5 +124,5 @@ def check_writable(root: str) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"ckpt.dir {root} is not writable ({e.strerror or e}); "
-                              f"point ckpt.dir at a writable directory") from None
+        raise CheckpointError(f"{key} {root} is not writable ({e.strerror or e}); "
+                              f"point {key} at a writable directory") from None

@@ -25,5 +25,5 @@ class SyncDCP(CheckpointManager):
     name = "sync_dcp"
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
-        dcp.save(app_state, storage_writer=dcp_writer(record.path, self.throttle_mbps), process_group=self.group)
+        dcp.save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps), process_group=self.group)
         return None
