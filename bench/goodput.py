@@ -1,7 +1,8 @@
 """Measured goodput under injected failures vs the goodput model, per checkpoint backend and interval.
 
     python bench/goodput.py [--mtbf 25] [--work 80] [--intervals 1 4 16] [--throttle-mbps 2] [--seed 7]
-    python bench/goodput.py --restarts [--seed 7]   # restart cost R, cold vs warm restarts, and its parts
+    python bench/goodput.py --restarts [--seed 7]   # restart cost R (cold vs warm restarts) and its parts,
+                                                    # and the local checkpoint tier (ckpt.local) on top
 
 Every configuration trains the same job (small CNN on digits; ``--work`` seconds of compute) with
 ``fault=random fault.mtbf_seconds=MTBF`` (the same seeded failure times for every configuration) and
@@ -94,15 +95,19 @@ PARTS = ("recovery_gap", "program_start", "init", "restore")
 
 def restarts(seed: int) -> None:
     """The recovery issue's job (600 digits steps, async_dcp every 7 steps, failures ~ Exponential(8 s)), with
-    cold restarts (a fresh interpreter per attempt) and warm ones (forks of a pre-imported server), side by
-    side: restart cost R per automatic restart and its parts, and the job's goodput."""
+    cold restarts (a fresh interpreter per attempt), warm ones (forks of a pre-imported server), and warm ones
+    with a local checkpoint tier in /dev/shm (``ckpt.local.interval=auto``: Young–Daly from its own measured
+    cost), side by side: restart cost R per automatic restart and its parts, lost work, and the job's goodput."""
     ensure_data()
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-restart-")
+    shm = tempfile.mkdtemp(prefix="pitstop-bench-local-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     rows = {}
+    variants = (("cold", ["trainer.warm_restarts=false"]), ("warm", ["trainer.warm_restarts=true"]),
+                ("warm+local", ["trainer.warm_restarts=true", f"ckpt.local.dir={shm}", "ckpt.local.interval=auto"]))
     try:
-        for name, warm in (("cold", "false"), ("warm", "true")):
+        for name, extra in variants:
             run_dir = os.path.join(tmp, name)
-            rc, wall = train(run_dir, [*RESTART_JOB, f"fault.seed={seed}", f"trainer.warm_restarts={warm}"], 3600)
+            rc, wall = train(run_dir, [*RESTART_JOB, f"fault.seed={seed}", *extra], 3600)
             doc = json.load(open(os.path.join(run_dir, "goodput.json")))
             auto = [a for a in doc["attempts"][1:] if a.get("auto_restart")]
             gaps = doc["totals"]["recovery_gap"] / max(len(auto), 1)
@@ -110,18 +115,21 @@ def restarts(seed: int) -> None:
             first = doc["attempts"][0]["buckets"]
             rows[name] = {"rc": rc, "goodput": doc["goodput"], "R": doc.get("restart_seconds") or 0.0,
                           "restarts": len(auto), "gap": gaps, **parts, "wall": wall,
-                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:])}
+                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:]),
+                          "lost": doc["totals"]["lost"] / max(len(auto), 1)}
             print(f"  done {name}: rc {rc}, {len(auto)} restarts, goodput {doc['goodput'] * 100:.1f}%", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{'restarts':9} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
-          f"{'1st start s':>11} {'goodput':>8} {'wall s':>7}")
+        shutil.rmtree(shm, ignore_errors=True)
+    print(f"\n{'restarts':11} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
+          f"{'1st start s':>11} {'lost/fail s':>11} {'goodput':>8} {'wall s':>7}")
     for name, r in rows.items():
-        print(f"{name:9} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
-              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['goodput'] * 100:>7.1f}% {r['wall']:>7.1f}")
-    c, w = rows["cold"], rows["warm"]
-    print(f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); "
-          f"goodput {c['goodput'] * 100:.1f}% -> {w['goodput'] * 100:.1f}% (target >= 60%)")
+        print(f"{name:11} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
+              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['lost']:>11.2f} {r['goodput'] * 100:>7.1f}% {r['wall']:>7.1f}")
+    c, w, wl = rows["cold"], rows["warm"], rows["warm+local"]
+    print(f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); goodput "
+          f"{c['goodput'] * 100:.1f}% cold -> {w['goodput'] * 100:.1f}% warm -> {wl['goodput'] * 100:.1f}% warm + local "
+          f"tier (target >= 60%)")
 
 
 def main() -> None:
