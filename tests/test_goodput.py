@@ -59,6 +59,21 @@ def test_model_reproduces_the_published_case_and_young_daly():
     assert exact_goodput(7200, mtbf) - expected_goodput(7200, mtbf) > 0.03
 
 
+def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
+    from pitstop.goodput import two_tier_goodput
+
+    m = 8.0
+    # A local tier no failure survives, saving for free: the durable tier's own model.
+    assert math.isclose(two_tier_goodput(0.5, 2.5, m, 0.0, 0.05, 0.9, 0.0, 0.1, local_share=0.0),
+                        expected_goodput(2.5, m, 0.05, 0.9, 0.1), rel_tol=1e-12)
+    # Cheap, frequent local saves that every failure survives (process kills): less lost work.
+    one = expected_goodput(2.5, m, 0.05, 0.9, 0.1)
+    two = two_tier_goodput(0.5, 2.5, m, 0.01, 0.05, 0.9, 0.0, 0.1, local_share=1.0)
+    assert two - one > 0.08
+    # Its saves are not free: a local tier as slow as the durable one, saving 5x as often, costs more than it saves.
+    assert two_tier_goodput(0.5, 2.5, m, 0.3, 0.05, 0.9, 0.0, 0.1, local_share=1.0) < one
+
+
 @pytest.mark.slow
 def test_recipe_goodput_prints_the_published_figures():
     def run(*args):

@@ -52,6 +52,25 @@ def exact_goodput(interval: float, mtbf: float, save_cost: float = 0.0, restart_
     return t * math.exp(-(restart_cost + write_lag) / mtbf) / (mtbf * math.expm1((t + c) / mtbf))
 
 
+def two_tier_goodput(local_interval: float, durable_interval: float, mtbf: float, local_cost: float = 0.0,
+                     durable_cost: float = 0.0, restart_cost: float = 0.0, local_lag: float = 0.0,
+                     durable_lag: float = 0.0, local_share: float = 1.0) -> float:
+    """First order, with a local tier (``ckpt.local``) saving every ``local_interval`` seconds of work next to
+    the durable one: both tiers' saves block the loop; a failure the local tier survives (a share
+    ``local_share`` of them: a crashed or killed process, a hang) loses half a local cycle, one it does not
+    survive (the node is gone) half a durable cycle::
+
+        goodput = (1 - C_l/(T_l + C_l) - C_d/(T_d + C_d)) * (1 - (R + p ((T_l+C_l)/2 + W_l) + (1-p) ((T_d+C_d)/2 + W_d)) / M)
+
+    With ``local_share=0`` it is :func:`expected_goodput` of the durable tier alone (plus the local saves' cost)."""
+    tl, td, p = float(local_interval), float(durable_interval), min(max(float(local_share), 0.0), 1.0)
+    if tl <= 0 or td <= 0 or mtbf <= 0:
+        return 0.0
+    useful = 1.0 - local_cost / (tl + local_cost) - durable_cost / (td + durable_cost)
+    lost = restart_cost + p * ((tl + local_cost) / 2 + local_lag) + (1 - p) * ((td + durable_cost) / 2 + durable_lag)
+    return max(0.0, useful * (1.0 - lost / mtbf))
+
+
 def young_daly(save_cost: float, mtbf: float) -> float:
     return math.sqrt(2.0 * max(save_cost, 0.0) * mtbf)
 

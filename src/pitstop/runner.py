@@ -36,7 +36,7 @@ from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.seed import rng_state, seed_everything, set_rng_state
-from pitstop.watchdog import Hung, Watchdog
+from pitstop.watchdog import DataStall, Hung, Watchdog
 
 log = logging.getLogger("pitstop")
 
@@ -72,6 +72,34 @@ class TrainState:
         self.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+
+
+class Batches:
+    """The training batches, fetched in the watchdog's ``data`` phase.  When the data workers stall (a worker
+    stuck in a read, a store that stopped answering), the watchdog raises ``DataStall`` once: the workers are
+    restarted from the current data position and the fetch is tried again (a second stall in the same fetch
+    propagates, and the attempt ends)."""
+
+    def __init__(self, loader: Any, watchdog: Watchdog):
+        self.loader, self.watchdog = loader, watchdog
+        self.it = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            with self.watchdog.phase("data", heal=True):
+                return next(self.it)
+        except DataStall as e:
+            stalled = e  # (its traceback holds the stuck workers' iterator until it is dropped below)
+        with self.watchdog.phase("data"):  # the restart is data wait too; a stall in here is a hang
+            log.warning("%s", stalled)
+            stalled.__traceback__ = None  # the stuck workers stop (shut down, terminated if they do not)
+            del stalled
+            self.it.close()
+            self.it = iter(self.loader)  # new ones resume from the position of the last batch received
+            return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()
 
 
 class Runner:
@@ -224,7 +252,7 @@ class Runner:
 
     def fit(self) -> None:
         cfg, ledger = self.cfg.trainer, self.ledger
-        batches = iter(self.loader)
+        batches = Batches(self.loader, self.watchdog)
         bar = self._progress_bar()
         window = {"t": time.perf_counter(), "samples": 0, "fetch": 0.0, "compute": 0.0, "n": 0}
         for cb in self.callbacks:
@@ -236,7 +264,7 @@ class Runner:
             while self.step < self.total_steps:
                 watch.beat()                                            # 0. a step has ended (hang detection)
                 t0 = time.perf_counter()
-                batch = next(batches)                                   # 1. fetch
+                batch = batches.next()                                  # 1. fetch
                 batch = self.data.on_device(self.strategy.to_device(batch))
                 t1 = time.perf_counter()
                 loss = self.train_step(batch)                           # 2. step (syncs on loss.item())

@@ -7,7 +7,8 @@ Every response waits ``--latency-ms`` before its first byte and then streams at 
 per second (1 MB = 1e6 bytes) per connection, like a request to an object store.  ``--fail-every N`` answers
 every Nth request with HTTP 503; ``--truncate-every N`` cuts every Nth response in half (the connection
 closes early, as a flaky network does); ``--stall-after N`` stops answering after N requests (a hung
-backend: each later request waits ``--stall-seconds``); ``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters (requests and bytes per
+backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests after those);
+``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters (requests and bytes per
 path), which tests use to check how often each shard was downloaded.  Threaded: one thread per connection.
 """
 
@@ -30,12 +31,12 @@ class SlowStore(ThreadingHTTPServer):
 
     def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, latency_ms: float = 0.0,
                  mbps: float | None = None, fail_every: int = 0, truncate_every: int = 0, fault_glob: str = "*",
-                 stall_after: int = 0, stall_seconds: float = 3600.0):
+                 stall_after: int = 0, stall_seconds: float = 3600.0, stall_count: int = 0):
         super().__init__((host, port), _Handler)
         self.root = os.path.abspath(root)
         self.latency, self.rate = latency_ms / 1000.0, (mbps * 1e6 if mbps else None)
         self.fail_every, self.truncate_every, self.fault_glob = int(fail_every), int(truncate_every), fault_glob
-        self.stall_after, self.stall_seconds = int(stall_after), float(stall_seconds)
+        self.stall_after, self.stall_seconds, self.stall_count = int(stall_after), float(stall_seconds), int(stall_count)
         self.lock = threading.Lock()
         self.requests = self.faultable = 0
         self.per_path: dict[str, dict[str, int]] = {}
@@ -85,7 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
             entry["requests"] += 1
         if srv.latency:
             time.sleep(srv.latency)
-        if n and srv.stall_after and n > srv.stall_after:  # the store stops answering (a hung backend)
+        if n and srv.stall_after and n > srv.stall_after and (not srv.stall_count or n <= srv.stall_after + srv.stall_count):
+            # the store stops answering (a hung backend), for good or for stall_count requests
             time.sleep(srv.stall_seconds)
         if n and srv.fail_every and n % srv.fail_every == 0:
             return self._send(503, b"slowstore: injected failure\n", "text/plain")
@@ -138,13 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--truncate-every", type=int, default=0, help="cut every Nth response short")
     p.add_argument("--stall-after", type=int, default=0, help="stop answering after N requests")
     p.add_argument("--stall-seconds", type=float, default=3600.0, help="how long a stalled request waits")
+    p.add_argument("--stall-count", type=int, default=0, help="stall only this many requests (0 = all after N)")
     p.add_argument("--fault-glob", default="*", help="faults only for paths matching this (e.g. '*.tar')")
     a = p.parse_args(argv)
     if not os.path.isdir(a.dir):
         p.error(f"{a.dir} is not a directory")
     try:
         srv = SlowStore(a.dir, a.host, a.port, a.latency_ms, a.mbps or None, a.fail_every, a.truncate_every,
-                        a.fault_glob, a.stall_after, a.stall_seconds)
+                        a.fault_glob, a.stall_after, a.stall_seconds, a.stall_count)
     except OSError as e:
         p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")
     print(f"slowstore: serving {srv.root} at {srv.url} (latency {a.latency_ms:g} ms, "

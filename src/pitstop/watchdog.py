@@ -9,6 +9,10 @@ thread checks that the current phase has not run longer than its limit:
 - after that, ``factor`` × the longest run of that phase measured in this attempt, but never less than
   ``min_seconds``.
 
+The ``data`` phase (waiting for the next batch) is healed once before it counts as a hang: the data workers
+write their stacks to stderr, ``DataStall`` is raised in the main thread, and the runner restarts the workers
+from the current data position (the same batches follow, so the run stays bitwise reproducible).
+
 On a hang it writes every thread's stack to ``RUN_DIR/hang.rank<R>.txt``, logs one line naming the rank,
 the phase and the limit, lets the runner record the attempt as ``hung`` in the ledger, and ends the attempt:
 a process that a launcher started (the supervisor, the elastic agent, torchrun) exits with ``HUNG_EXIT``
@@ -39,6 +43,11 @@ class Hung(PitstopError):
     """A phase ran past its limit (raised in the main thread of an in-process run)."""
 
 
+class DataStall(PitstopError):
+    """The input pipeline produced no batch within the ``data`` phase's limit (raised in the main thread, once per
+    fetch: the runner restarts the data workers from the current position and fetches again)."""
+
+
 class Watchdog:
     def __init__(self, *, enabled: bool = True, factor: float = 10.0, min_seconds: float = 60.0,
                  first_seconds: float = 900.0, grace: float = 30.0):
@@ -50,10 +59,13 @@ class Watchdog:
         self.grace = float(grace)
         self.longest: dict[str, float] = {}
         self.fired: str | None = None
-        self._current: tuple[str, float, bool] | None = None  # (phase, since, timed)
+        self._current: tuple[str, float, bool, bool] | None = None  # (phase, since, timed, healable)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
+        self._raise: BaseException | None = None           # what the SIGALRM handler raises in the main thread
+        self._healed: tuple | None = None  # the phase run that got its heal
+        self.heals = 0
 
     # ---- the loop's side ------------------------------------------------------------------------------
     def start(self, rank: int, run_dir: str, on_hang: Callable[[str], None], exit_process: bool) -> Callable[[], None]:
@@ -62,25 +74,27 @@ class Watchdog:
         if not self.enabled:
             return self.close
         self._main = threading.main_thread().ident
-        if not exit_process and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGALRM, self._raise_in_main)
         self._thread = threading.Thread(target=self._watch, name="pitstop-watchdog", daemon=True)
         self._thread.start()
         return self.close
 
     @contextmanager
-    def phase(self, name: str, timed: bool = True) -> Iterator[None]:
+    def phase(self, name: str, timed: bool = True, heal: bool = False) -> Iterator[None]:
         """Watch ``name`` while inside; a phase inside another pauses it (the outer one's clock restarts
-        when it returns).  ``timed=False``: the phase is a loop whose iterations :meth:`beat` times."""
+        when it returns).  ``timed=False``: the phase is a loop whose iterations :meth:`beat` times.
+        ``heal=True`` (the ``data`` phase): its stall raises ``DataStall`` in the main thread first, and is a
+        hang only if the main thread is still in it after another limit's worth of time."""
         outer = self._current
-        self._current = (name, time.monotonic(), timed)
+        self._current = (name, time.monotonic(), timed, heal)
         try:
             yield
         finally:
             current, now = self._current, time.monotonic()
             if current is not None and current[2]:
                 self._observe(current[0], now - current[1])
-            self._current = (outer[0], now, outer[2]) if outer is not None else None
+            self._current = (outer[0], now, outer[2], outer[3]) if outer is not None else None
 
     def beat(self) -> None:
         """The current phase made progress (e.g. a step ended): time its run so far, restart its clock."""
@@ -89,7 +103,7 @@ class Watchdog:
             return
         if current[2]:
             self._observe(current[0], now - current[1])
-        self._current = (current[0], now, True)
+        self._current = (current[0], now, True, current[3])
 
     def _observe(self, name: str, seconds: float) -> None:
         self.longest[name] = max(self.longest.get(name, 0.0), seconds)
@@ -117,8 +131,24 @@ class Watchdog:
             name, since = current[0], current[1]
             elapsed, limit = time.monotonic() - since, self.limit(name)
             if elapsed > limit and self._current is current:
+                if current[3] and self._healed is not current:
+                    self._heal(current, elapsed, limit)    # once per phase run; still stuck after that: a hang
+                    continue
+                if self._healed is current and elapsed < 2 * limit:
+                    continue                               # the heal gets its own limit's worth of time
                 self._fire(name, elapsed, limit)
                 return
+
+    def _heal(self, current: tuple, elapsed: float, limit: float) -> None:
+        """A stalled ``data`` phase: stacks of the data workers to stderr, then ``DataStall`` in the main thread."""
+        self._healed = current
+        self.heals += 1
+        workers = _ask_data_workers_for_stacks()
+        msg = (f"data stall: rank {self.rank} got no batch for {elapsed:.0f} s (limit {limit:.1f} s); "
+               f"restarting the data workers from the current position"
+               f"{f' ({workers} worker stack(s) on stderr)' if workers else ''}")
+        self._raise = DataStall(msg)
+        signal.pthread_kill(self._main, signal.SIGALRM)
 
     def _fire(self, name: str, elapsed: float, limit: float) -> None:
         how = (f"first {name}: trainer.hang.first_seconds" if name not in self.longest else
@@ -138,6 +168,7 @@ class Watchdog:
                f"= {how}); thread stacks in {stacks}{also}; ending this attempt so that it restarts from its "
                f"newest checkpoint")
         self.fired = msg
+        self._raise = Hung(msg)
         log.error("%s", msg)
         try:
             self.on_hang(msg)
@@ -155,8 +186,11 @@ class Watchdog:
             os._exit(HUNG_EXIT)
 
     def _raise_in_main(self, signum: int, frame: object) -> None:
-        if self.fired is not None:
-            raise Hung(self.fired)
+        exc, self._raise = self._raise, None
+        if isinstance(exc, DataStall) and self._current is not self._healed:
+            return  # the batch came after all (the main thread left that fetch): nothing to heal
+        if exc is not None:
+            raise exc
 
 
 def _ask_data_workers_for_stacks() -> int:
