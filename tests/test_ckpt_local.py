@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,18 @@ def summary(run_dir) -> dict:
 
 def local_steps(shm: Path) -> list[str]:
     return sorted(p.name for p in shm.glob("*/step_*"))
+
+
+@contextmanager
+def tmpfs(path: Path, options: str):
+    """A real tmpfs at ``path`` (the test is skipped where mounting one needs privileges it does not have)."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +98,7 @@ def test_a_local_tier_that_is_gone_or_corrupt_falls_back(data_root, tmp_path, re
 
 @pytest.mark.slow
 def test_a_full_local_tier_fails_its_saves_but_not_the_run(data_root, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(shm)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "shm", "size=1200k") as shm:
         run_dir = tmp_path / "run"
         p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=12", "ckpt=sync_dcp", "ckpt.interval_steps=10",
                  f"ckpt.local.dir={shm}", "ckpt.local.interval_steps=2", "ckpt.local.keep_last_k=3"], data_root, tmp_path)
@@ -100,17 +109,11 @@ def test_a_full_local_tier_fails_its_saves_but_not_the_run(data_root, tmp_path):
         assert "the durable tier is unaffected" in (run_dir / "train.log").read_text()
         for d in shm.glob("*/step_*"):                  # whatever is left is complete
             assert (d / ".metadata").exists(), d
-    finally:
-        subprocess.run(["umount", str(shm)], capture_output=True)
 
 
 @pytest.mark.slow
 def test_a_read_only_local_tier_is_switched_off_with_a_warning(data_root, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(shm)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "shm", "ro,size=1m") as shm:
         run_dir = tmp_path / "run"
         p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=6", "ckpt=sync_save", "ckpt.interval_steps=3",
                  *local_args(shm, 2)], data_root, tmp_path)
@@ -118,8 +121,6 @@ def test_a_read_only_local_tier_is_switched_off_with_a_warning(data_root, tmp_pa
         log = (run_dir / "train.log").read_text()
         assert "local checkpoint tier off: ckpt.local.dir" in log and "is not writable" in log
         assert summary(run_dir)["checkpoint"]["saves"] == 2 and "local_saves" not in summary(run_dir)["checkpoint"]
-    finally:
-        subprocess.run(["umount", str(shm)], capture_output=True)
 
 
 @pytest.mark.parametrize("overrides,expected", [

@@ -160,3 +160,49 @@ def test_pipe_urls_are_refused_unless_allowed(data_root, tmp_path):
     loader = PlainLoader(digits(data_root, root), "train", batch_size=64, seed=0, num_workers=0, allow_pipe=True)
     keys = [k for ks, _ in take(loader, loader.steps_per_epoch()) for k in ks]
     assert len(keys) == len(set(keys)) == 1438
+
+
+KILLED_TRAINER = """
+import os, signal, sys
+os.setsid()  # its workers share this session: the test finds them by it
+from pitstop.loader.plain import PlainLoader
+from recipe.vision import ImageShards
+ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1)
+loader = PlainLoader(ds, "train", batch_size=16, seed=0, num_workers=2)
+it = loader._reader(0)          # forks the workers; they are still starting when
+if sys.argv[2] == "running":
+    next(it)                     # (or: once they are running)
+os.kill(os.getpid(), signal.SIGKILL)  # the trainer is killed (kill -9, the OOM killer)
+"""
+
+
+def session_members(sid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # (stat fields after the name: state, ppid, pgrp, session)
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_data_workers_die_with_a_killed_trainer(data_root, when):
+    # A worker whose trainer died while it was starting used to wait for work forever (torch's own check
+    # compares the parent pid with the one it saw at its start), holding the job's stdout and stderr open.
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, str(data_root / "data" / "digits"), when],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = p.communicate(timeout=60)  # returns only once every holder of the pipe (the workers too) is gone
+    assert p.returncode == -9, out.decode()[-2000:]
+    deadline = time.monotonic() + 10
+    while session_members(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session_members(p.pid) == []

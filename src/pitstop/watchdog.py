@@ -37,6 +37,9 @@ from pitstop.errors import ConfigError, PitstopError
 log = logging.getLogger("pitstop.watchdog")
 
 HUNG_EXIT = 124  # like timeout(1): the attempt made no progress within its limit
+# How the watcher interrupts the main thread (a blocking wait returns EINTR and the handler raises): SIGURG is
+# ignored by default and used by nothing here (SIGALRM would take over pytest-timeout's or a user's alarm).
+WAKE = signal.SIGURG
 
 
 class Hung(PitstopError):
@@ -63,7 +66,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
-        self._raise: BaseException | None = None           # what the SIGALRM handler raises in the main thread
+        self._raise: BaseException | None = None           # what the wake-up signal's handler raises in the main thread
         self._healed: tuple | None = None  # the phase run that got its heal
         self.heals = 0
 
@@ -75,7 +78,7 @@ class Watchdog:
             return self.close
         self._main = threading.main_thread().ident
         if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGALRM, self._raise_in_main)
+            self._previous_handler = signal.signal(WAKE, self._raise_in_main)
         self._thread = threading.Thread(target=self._watch, name="pitstop-watchdog", daemon=True)
         self._thread.start()
         return self.close
@@ -119,7 +122,7 @@ class Watchdog:
             self._thread.join(timeout=5)
         self._thread = None
         if self._previous_handler is not None:
-            signal.signal(signal.SIGALRM, self._previous_handler)
+            signal.signal(WAKE, self._previous_handler)
             self._previous_handler = None
 
     # ---- the watcher's side ---------------------------------------------------------------------------
@@ -148,7 +151,7 @@ class Watchdog:
                f"restarting the data workers from the current position"
                f"{f' ({workers} worker stack(s) on stderr)' if workers else ''}")
         self._raise = DataStall(msg)
-        signal.pthread_kill(self._main, signal.SIGALRM)
+        signal.pthread_kill(self._main, WAKE)
 
     def _fire(self, name: str, elapsed: float, limit: float) -> None:
         how = (f"first {name}: trainer.hang.first_seconds" if name not in self.longest else
@@ -178,7 +181,7 @@ class Watchdog:
             h.flush()
         if self.exit_process:
             os._exit(HUNG_EXIT)
-        signal.pthread_kill(self._main, signal.SIGALRM)  # wakes a blocking wait; the handler raises Hung
+        signal.pthread_kill(self._main, WAKE)  # wakes a blocking wait; the handler raises Hung
         if not self._stop.wait(self.grace):
             log.error("hang: the main thread did not stop within %.0f s; exiting", self.grace)
             for h in logging.getLogger().handlers:

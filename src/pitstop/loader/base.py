@@ -9,7 +9,9 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import signal
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
@@ -274,7 +276,8 @@ class ShardLoader(ABC):
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
         return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
-                               multiprocessing_context=_mp_context(), worker_init_fn=_worker_init))
+                               multiprocessing_context=_mp_context(),
+                               worker_init_fn=functools.partial(_worker_init, parent=os.getpid())))
 
     def __iter__(self) -> Iterator[Any]:
         ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
@@ -359,15 +362,35 @@ def first_sample(batch: Any) -> Any:
     return batch
 
 
-def _worker_init(worker_id: int) -> None:
+def _worker_init(worker_id: int, parent: int) -> None:
     """A forked worker is not the trainer: it must not inherit the trainer's signal handlers (a preemption
-    notice caught and ignored by a worker keeps it alive after its loader is gone), and on SIGUSR2 it writes
-    its threads' stacks to stderr (the hang watchdog asks for them)."""
+    notice caught and ignored by a worker keeps it alive after its loader is gone), it dies with the trainer
+    (``parent``), and on SIGUSR2 it writes its threads' stacks to stderr (the hang watchdog asks for them).
+
+    Dying with the trainer: torch's own check compares the parent pid with the one the worker saw at its
+    start, so a worker whose trainer was killed (SIGKILL, OOM) *while it was starting* never notices, waits
+    for work forever and holds the job's stdout and stderr open (a supervisor's or CI's pipe never ends).
+    On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); if it already has, exit now."""
     import faulthandler
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG):  # preemption notices, the watchdog's wake-up
         signal.signal(sig, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    _die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _mp_context():
