@@ -231,8 +231,7 @@ class CheckpointManager(Checkpointer):
         self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
         if self.auto:  # the measured interval replaces the fixed ones
             interval_steps = interval_seconds = None
-        self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
-        self.keep_last_k, self.load_spec, self.on_error = keep_last_k, load, on_error
+        self.load_spec, self.on_error = load, on_error
         self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
         self.durable = Tier("durable", self.root, keep_last_k, interval_steps, interval_seconds, self.auto, save_last)
         self._local_cfg = _local_settings(local, self.root, self.is_async)
@@ -261,7 +260,6 @@ class CheckpointManager(Checkpointer):
         mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
                         (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
         self.durable.make_schedule(AutoInterval(mtbf, source, failures, job_seconds) if self.auto else None)
-        self.schedule = self.durable.schedule
         self._setup_local(lambda: AutoInterval(mtbf, source, failures, job_seconds, key="ckpt.local.interval"))
         self._setup_backend()
 
@@ -286,10 +284,9 @@ class CheckpointManager(Checkpointer):
             return
         self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], c["auto"], False)
         self.local.make_schedule(make_auto() if c["auto"] else None)
+        every = [f"{c['interval_steps']} steps" if c["interval_steps"] else "", f"{c['interval_seconds']} s" if c["interval_seconds"] else ""]
         log.info("local checkpoint tier: %s (%s; keep %d)", root,
-                 "interval=auto" if c["auto"] else f"every {c['interval_steps'] or ''}{' steps' if c['interval_steps'] else ''}"
-                 f"{' / ' if c['interval_steps'] and c['interval_seconds'] else ''}"
-                 f"{str(c['interval_seconds']) + ' s' if c['interval_seconds'] else ''}", c["keep"])
+                 "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e), c["keep"])
 
     def _setup_backend(self) -> None:
         """Per-run resources of a backend (stagers, checkpoint processes)."""
