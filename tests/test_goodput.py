@@ -312,3 +312,31 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["resumed_from"] == stopped and s["params_sha256"] == reference[40] and doc["totals"]["lost"] == 0.0
+
+
+def test_a_launchers_own_handler_runs_after_the_save_submitit_requeue(make_cfg):
+    # Under hydra/launcher=slurm, submitit has a SIGUSR2 handler that requeues the job and exits. pitstop's
+    # notice handler takes the signal first, saves, and then hands it on: the requeue comes after a durable save.
+    import signal
+
+    from pitstop.ckpt import layout
+
+    cfg = make_cfg("trainer.max_steps=12", "ckpt=sync_save", "ckpt.interval_steps=100", "fault=preempt",
+                   "fault.step=5", "fault.signal=SIGUSR2")
+    seen = []
+
+    def submitit_like(signum, frame):  # what submitit's checkpoint_and_try_requeue does, in short
+        seen.append((signal.Signals(signum).name, layout.is_complete(layout.step_dir(cfg.ckpt.dir, 5))))
+        raise SystemExit(-1)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_like)
+    try:
+        with pytest.raises(SystemExit):
+            train(cfg)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert seen == [("SIGUSR2", True)]  # called once, after the save of step 5 was committed
+    doc = json.loads((Path(cfg.run_dir) / "goodput.json").read_text())
+    assert doc["attempts"][-1]["status"] == "preempted" and doc["attempts"][-1]["step"] == 5
+    s = train(cfg)  # the requeued job
+    assert s["resumed_from"] == 5 and s["final_step"] == 12

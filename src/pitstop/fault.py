@@ -135,14 +135,21 @@ class StallAtStep(CrashAtStep):
 
 
 class PreemptAtStep(CrashAtStep):
-    """A preemption notice: SIGTERM to this process at the end of step ``step``, once per run dir (the handler
-    of ``pitstop.preempt`` turns it into: finish the step, save, exit 75)."""
+    """A preemption notice: ``signal`` (SIGTERM, as Kubernetes sends; SIGUSR2 as submitit asks SLURM to send)
+    to this process at the end of step ``step``, once per run dir (the handler of ``pitstop.preempt`` turns it
+    into: finish the step, save, exit 75)."""
 
     name = "preempt"
 
+    def __init__(self, step: int, rank: int = 0, signal: str = "SIGTERM", **kw: Any):
+        from pitstop.preempt import parse_signals
+
+        super().__init__(step=step, rank=rank, **kw)
+        self.signal = parse_signals([signal])[0]
+
     def fire(self) -> None:
-        log.warning("fault injection: preemption notice (SIGTERM) at step %d", self.step)
-        os.kill(os.getpid(), signal.SIGTERM)
+        log.warning("fault injection: preemption notice (%s) at step %d", self.signal.name, self.step)
+        os.kill(os.getpid(), self.signal)
 
 
 class RandomFault(NoFault):

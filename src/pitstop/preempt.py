@@ -5,7 +5,9 @@ On a notice the loop finishes its current step, then (every rank at the same ste
 measured cost of a save fits ``trainer.preempt_grace_seconds`` — else it keeps the newest complete checkpoint
 and says so — waits until the save is durable, flushes logs and the ledger, and exits with status
 ``PREEMPTED_EXIT`` (75, EX_TEMPFAIL): *requeue me*, not *I failed*.  Running the same command again resumes
-exactly where it stopped.
+exactly where it stopped.  If a launcher had its own handler for that signal (submitit's checkpoint-and-requeue
+for SIGUSR2 under ``hydra/launcher=slurm``), it is called after the save is durable, so the launcher requeues
+the job as it would have, and the requeued job resumes from that save.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ class PreemptionNotice:
             log.warning("preemption notice (%s): finishing this step, then saving and exiting", self.received.name)
         else:
             log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
+
+    def forward(self) -> None:
+        """Hand the notice on to the handler that was installed before ours, once our save is durable: under
+        submitit (``hydra/launcher=slurm``) that is its checkpoint-and-requeue handler for SIGUSR2, which
+        requeues the job and exits.  Nothing happens when there was none (the default action is not taken)."""
+        if self.received is None:
+            return
+        previous = self._previous.get(self.received)
+        if callable(previous) and previous not in (signal.default_int_handler,):
+            log.warning("handing the %s notice on to the handler installed before pitstop's (%s)",
+                        self.received.name, getattr(previous, "__qualname__", previous))
+            previous(int(self.received), None)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

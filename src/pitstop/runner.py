@@ -114,6 +114,7 @@ class Runner:
         self._last_io: dict[str, float] = {}
         self._resources = ExitStack()
         self._finished = False
+        self._preempted = False
         self.goodput: GoodputLog | None = None
         hang = cfg.trainer.hang
         self.watchdog = Watchdog(enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
@@ -193,7 +194,8 @@ class Runner:
     def _record_failure(self, exc_type, exc, tb) -> bool:
         """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
         it must leave nothing a later run would count)."""
-        if exc is not None and not isinstance(exc, (ConfigError, Preempted, Hung)):  # (a hang is recorded as such)
+        if exc is not None and not isinstance(exc, (ConfigError, Preempted, Hung)) and not self._preempted:
+            # (a hang and a preemption are recorded as such, also when a launcher's handler exits after one)
             self.goodput.write(self.step, status="failed")
         return False
 
@@ -319,6 +321,8 @@ class Runner:
             self.ckpt.wait()  # durable (or failed, per ckpt.on_error) before the process goes
         self._flush_logs()
         self.goodput.write(self.step, status="preempted")
+        self._preempted = True
+        self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
     def train_step(self, batch: Any) -> float:

@@ -119,6 +119,11 @@ class AtStep(NoFault):
 
 
 @dataclass
+class Preempt(AtStep):
+    signal: str = MISSING
+
+
+@dataclass
 class Stall(AtStep):
     seconds: float = MISSING
 
@@ -171,7 +176,7 @@ class Trainer:
     progress_bar: Any = MISSING                # auto | true | false
     max_restarts: int = MISSING
     warm_restarts: bool = MISSING
-    preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1]
+    preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1, SIGUSR2]
     preempt_grace_seconds: float = MISSING
     hang: Hang = field(default_factory=Hang)
 
@@ -180,7 +185,7 @@ SCHEMAS = {
     "ckpt": {"sync": Ckpt, "async": AsyncCkpt},
     "loader": {"plain": Loader, "cached": CachedLoader},
     "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
-    "fault": {"none": NoFault, "at_step": AtStep, "stall": Stall, "random": RandomFault},
+    "fault": {"none": NoFault, "at_step": AtStep, "preempt": Preempt, "stall": Stall, "random": RandomFault},
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},
 }
