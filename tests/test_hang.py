@@ -35,7 +35,7 @@ def test_limits_come_from_measured_durations():
 
 def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(make_cfg, tmp_path):
     cfg = make_cfg("trainer.max_steps=30", "fault=stall", "fault.step=5", "fault.rank=0",
-                   "trainer.hang.min_seconds=1", "ckpt=sync_save", "ckpt.interval_steps=2")
+                   "trainer.hang.min_seconds=2", "ckpt=sync_save", "ckpt.interval_steps=2")
     t0 = time.monotonic()
     with pytest.raises(Hung) as err:
         train(cfg)
@@ -58,7 +58,7 @@ def test_a_stall_under_the_supervisor_is_restarted_and_the_job_finishes(data_roo
     run_dir = tmp_path / "r"
     t0 = time.monotonic()
     p = cli(["debug=tiny", "trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=2", "fault=stall",
-             "fault.step=7", "fault.rank=0", "trainer.hang.min_seconds=1", "trainer.max_restarts=1",
+             "fault.step=7", "fault.rank=0", "trainer.hang.min_seconds=3", "trainer.max_restarts=1",
              f"run_dir={run_dir}"], data_root, tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert time.monotonic() - t0 < 90
@@ -74,7 +74,7 @@ def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, t
     t0 = time.monotonic()
     p = cli(["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
              "strategy=ddp", "strategy.max_restarts=1", "ckpt=sync_dcp", "ckpt.interval_steps=2",
-             "fault=stall", "fault.step=5", "fault.rank=1", "trainer.hang.min_seconds=2", f"run_dir={run_dir}"],
+             "fault=stall", "fault.step=5", "fault.rank=1", "trainer.hang.min_seconds=3", f"run_dir={run_dir}"],
             data_root, tmp_path, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert time.monotonic() - t0 < 150                # not strategy.timeout (300 s) or the stall (3600 s)
@@ -88,7 +88,7 @@ def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, t
 
 def remote(store, *extra: str) -> list[str]:
     return [f"data.root={store.url}/digits", "loader.num_workers=2", "loader.read_timeout=3600", "trainer.max_steps=60",
-            "trainer.eval_every_steps=null", "trainer.hang.min_seconds=1", *extra]
+            "trainer.eval_every_steps=null", "trainer.hang.min_seconds=2", *extra]
 
 
 @pytest.mark.slow  # (in-process, but ~30 s each)
