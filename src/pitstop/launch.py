@@ -47,9 +47,14 @@ class LaunchMode(str, Enum):
                                 # SLURM, the elastic agent, pitstop's supervisor): run it, restarts are theirs
 
 
+def started_by_launcher(env: Mapping[str, str]) -> bool:
+    """This process is one rank or attempt that a launcher started (and restarts when it exits)."""
+    return "RANK" in env or bool(env.get("PITSTOP_SUPERVISED"))
+
+
 def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str]) -> LaunchMode:
     """How ``recipe.train`` runs the job: a pure function of the config and the environment."""
-    if "RANK" in env or env.get("PITSTOP_SUPERVISED"):
+    if started_by_launcher(env):
         return LaunchMode.CHILD
     if nproc_per_node > 1:
         return LaunchMode.ELASTIC
@@ -175,7 +180,7 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     global _import_seconds
     validate(cfg)
     os.makedirs(run_dir, exist_ok=True)
-    cfg_yaml, error_file = OmegaConf.to_yaml(cfg, resolve=True), os.path.join(run_dir, ".last_error")
+    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     ctx = warm_context(cfg) if warm else mp.get_context("spawn")
     if _import_seconds is None:  # this process's start -> its first supervised job (imports)
@@ -185,7 +190,7 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
-        return _attempts(ctx, cfg_yaml, run_dir, error_file, max_restarts, job_start, grace)
+        return _attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
@@ -194,13 +199,14 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
 _import_seconds: float | None = None
 
 
-def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, error_file: str, max_restarts: int, job_start: float,
+def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float,
               grace: float = 30.0) -> dict:
     import json
 
+    errors = error_file(run_dir)
     for attempt in range(max_restarts + 1):
-        if os.path.exists(error_file):
-            os.remove(error_file)
+        if os.path.exists(errors):
+            os.remove(errors)
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
         # /proc's process start times is too coarse for sub-second restarts).
         start = job_start if attempt == 0 else time.time()
@@ -221,8 +227,8 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, error_file: str, max_restar
         if code == 0:
             with open(os.path.join(run_dir, "summary.json")) as f:
                 return json.load(f)
-        if os.path.exists(error_file):
-            with open(error_file) as f:
+        if os.path.exists(errors):
+            with open(errors) as f:
                 why = f.read().strip()
         else:
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
@@ -256,14 +262,22 @@ def _supervised(cfg_yaml: str, run_dir: str, attempt: int, program_start: float,
         sys.exit(PREEMPTED_EXIT)
     except PitstopError as e:
         logging.getLogger("pitstop").error("%s", e)
-        with open(os.path.join(run_dir, ".last_error"), "w") as f:
-            f.write(str(e))
+        record_error(run_dir, str(e))
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     except BaseException as e:
         logging.getLogger("pitstop").exception("attempt failed")
-        with open(os.path.join(run_dir, ".last_error"), "w") as f:
-            f.write(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        record_error(run_dir, f"{type(e).__name__}: {e}".splitlines()[0][:300])
         sys.exit(1)
+
+
+def error_file(run_dir: str) -> str:
+    """Where a supervised attempt leaves the one line that says why it ended (read by the supervisor)."""
+    return os.path.join(run_dir, ".last_error")
+
+
+def record_error(run_dir: str, text: str) -> None:
+    with open(error_file(run_dir), "w") as f:
+        f.write(text)
 
 
 def _log_to(run_dir: str, rank: int) -> None:

@@ -32,6 +32,7 @@ from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
 from pitstop.errors import ConfigError
 from pitstop.fault import FaultContext
+from pitstop.launch import record_error, started_by_launcher
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.preempt import Preempted, PreemptionNotice
@@ -132,7 +133,7 @@ class Runner:
     def setup(self) -> None:
         cfg, hold = self.cfg, self._resources
         # A launcher (the supervisor, the elastic agent, torchrun) restarts a process that exits on a hang.
-        launched = "RANK" in os.environ or bool(os.environ.get("PITSTOP_SUPERVISED"))
+        launched = started_by_launcher(os.environ)
         hold.callback(self.watchdog.start(int(os.environ.get("RANK", 0)), self.run_dir, self._on_hang, launched))
         with self.ledger.measure("init"), self.watchdog.phase("setup"):
             self.preempt = PreemptionNotice(cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds)
@@ -184,8 +185,7 @@ class Runner:
         if self.goodput is not None:
             self.goodput.write(self.step, status="hung")
         if os.environ.get("PITSTOP_SUPERVISED"):  # the supervisor names the cause of the restart
-            with open(os.path.join(self.run_dir, ".last_error"), "w") as f:
-                f.write(message)
+            record_error(self.run_dir, message)
 
     def close(self) -> None:
         """Release what setup() acquired (``run()`` does this itself; for callers that drive the steps)."""

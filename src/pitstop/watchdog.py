@@ -61,14 +61,12 @@ class Watchdog:
         self.factor, self.min_seconds, self.first_seconds = float(factor), float(min_seconds), float(first_seconds)
         self.grace = float(grace)
         self.longest: dict[str, float] = {}
-        self.fired: str | None = None
         self._current: tuple[str, float, bool, bool] | None = None  # (phase, since, timed, healable)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
         self._raise: BaseException | None = None           # what the wake-up signal's handler raises in the main thread
         self._healed: tuple | None = None  # the phase run that got its heal
-        self.heals = 0
 
     # ---- the loop's side ------------------------------------------------------------------------------
     def start(self, rank: int, run_dir: str, on_hang: Callable[[str], None], exit_process: bool) -> Callable[[], None]:
@@ -145,7 +143,6 @@ class Watchdog:
     def _heal(self, current: tuple, elapsed: float, limit: float) -> None:
         """A stalled ``data`` phase: stacks of the data workers to stderr, then ``DataStall`` in the main thread."""
         self._healed = current
-        self.heals += 1
         workers = _ask_data_workers_for_stacks()
         msg = (f"data stall: rank {self.rank} got no batch for {elapsed:.0f} s (limit {limit:.1f} s); "
                f"restarting the data workers from the current position"
@@ -170,7 +167,6 @@ class Watchdog:
         msg = (f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s "
                f"= {how}); thread stacks in {stacks}{also}; ending this attempt so that it restarts from its "
                f"newest checkpoint")
-        self.fired = msg
         self._raise = Hung(msg)
         log.error("%s", msg)
         try:

@@ -159,19 +159,26 @@ class Tier:
     """One place checkpoints go: its root, retention, schedule and the loop's measured time in its saves."""
 
     def __init__(self, name: str, root: str, keep_last_k: int, interval_steps: int | None,
-                 interval_seconds: float | None, auto: bool, save_last: bool):
+                 interval_seconds: float | None, save_last: bool):
         self.name, self.root, self.keep_last_k = name, root, keep_last_k
-        self.interval_steps, self.interval_seconds, self.auto, self.save_last = interval_steps, interval_seconds, auto, save_last
+        self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
         self.schedule: Any = None  # SaveSchedule, made in setup()
         self.blocked_total = 0.0
 
     def make_schedule(self, auto: Any) -> None:
+        """``auto``: an AutoInterval for ``interval=auto`` (then the fixed intervals are null), else None."""
         from pitstop.ckpt.schedule import SaveSchedule
 
-        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto if self.auto else None)
+        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
 
 
 LOCAL_AUTO_DIR = "/dev/shm/pitstop"
+
+
+def _positive_or_null(*settings: tuple[str, Any]) -> None:
+    for key, v in settings:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
 
 
 def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None:
@@ -186,9 +193,7 @@ def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | Non
         raise ConfigError(f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
                           f"place (tmpfs such as /dev/shm, or a node-local disk)")
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
-    for key, v in (("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
+    _positive_or_null(("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds))
     if interval not in (None, "auto"):
         raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
     if interval is None and not steps and not seconds:
@@ -215,10 +220,8 @@ class CheckpointManager(Checkpointer):
                  mtbf_seconds: float | None = None, local: Any = None, **_: Any):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
-        for key, v in (("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
-                       ("ckpt.mtbf_seconds", mtbf_seconds), ("ckpt.throttle_mbps", throttle_mbps)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-                raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
+        _positive_or_null(("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
+                          ("ckpt.mtbf_seconds", mtbf_seconds), ("ckpt.throttle_mbps", throttle_mbps))
         if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 0:
             raise ConfigError(f"ckpt.keep_last_k must be an integer >= 0 (0 keeps all), got {keep_last_k!r}")
         if self.is_async and keep_last_k == 1:
@@ -233,7 +236,7 @@ class CheckpointManager(Checkpointer):
             interval_steps = interval_seconds = None
         self.load_spec, self.on_error = load, on_error
         self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
-        self.durable = Tier("durable", self.root, keep_last_k, interval_steps, interval_seconds, self.auto, save_last)
+        self.durable = Tier("durable", self.root, keep_last_k, interval_steps, interval_seconds, save_last)
         self._local_cfg = _local_settings(local, self.root, self.is_async)
         self.local: Tier | None = None  # ckpt.local: made in setup() (its dir is per run)
         self.records: list[SaveRecord] = []
@@ -282,7 +285,7 @@ class CheckpointManager(Checkpointer):
             log.warning("local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
                         problem or "not writable on another rank")
             return
-        self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], c["auto"], False)
+        self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], False)
         self.local.make_schedule(make_auto() if c["auto"] else None)
         every = [f"{c['interval_steps']} steps" if c["interval_steps"] else "", f"{c['interval_seconds']} s" if c["interval_seconds"] else ""]
         log.info("local checkpoint tier: %s (%s; keep %d)", root,

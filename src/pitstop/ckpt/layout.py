@@ -16,6 +16,7 @@ import shutil
 from typing import Any
 
 from pitstop.errors import CheckpointError
+from pitstop.metrics import write_text_atomic
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -98,12 +99,7 @@ def run_id(root: str) -> str:
     except FileNotFoundError:
         pass
     rid = uuid.uuid4().hex[:16]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(rid)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, rid)
     return rid
 
 
