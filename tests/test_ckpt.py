@@ -184,10 +184,12 @@ def test_changed_seed_or_data_refuses_to_resume_unless_model_only(data_root, tmp
     run_dir = tmp_path / "run"
     base = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10"]
     assert cli(base, data_root, tmp_path).returncode == 0
+    account = (run_dir / "goodput.json").read_text()
     p = cli([*base, "seed=99"], data_root, tmp_path)
     assert p.returncode == 2
     line = p.stderr.strip().splitlines()[-1]
     assert "seed changed" in line and "step_00000040" in line and "load_model_only" in line
+    assert (run_dir / "goodput.json").read_text() == account  # a refused resume is no attempt of the job
     p = cli([*base, "seed=99", "ckpt.load_model_only=true", "ckpt.load=40", "ckpt.save_last=false",
              "ckpt.interval_steps=1000"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -165,6 +165,22 @@ def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_
 
 
 @pytest.mark.slow
+def test_an_attempt_killed_during_init_is_an_attempt_of_the_job(data_root, tmp_path, reference):
+    # Seed 8694 draws 0.007 s for the first attempt (killed as soon as the fault is armed, in init, before
+    # restore and the first step) and 123 s for the second.
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=random",
+             "fault.mtbf_seconds=30", "fault.seed=8694", "trainer.max_restarts=1"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["params_sha256"] == reference[40]
+    first = doc["attempts"][0]
+    assert doc["restarts"] == 1 and first["status"] == "running" and first["step"] == 0
+    assert first["buckets"]["init"] > 0 and first["buckets"]["compute"] == 0
+    check_account(doc)
+
+
+@pytest.mark.slow
 def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "ckpt.throttle_mbps=1",

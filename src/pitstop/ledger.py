@@ -75,6 +75,7 @@ class Ledger:
         self.t0 = time.perf_counter() - Ledger._program_start
         self.seconds = {b: 0.0 for b in BUCKETS}
         self.seconds["program_start"] = Ledger._program_start
+        self._open: tuple[str, float] | None = None  # the phase being measured now, since when
 
     def add(self, bucket: str, seconds: float) -> None:
         self.seconds[bucket] += seconds
@@ -82,18 +83,24 @@ class Ledger:
     @contextmanager
     def measure(self, bucket: str):
         t = time.perf_counter()
+        outer, self._open = self._open, (bucket, t)  # split() counts a phase in progress (a kill during it)
         try:
             yield
         finally:
             self.seconds[bucket] += time.perf_counter() - t
+            self._open = outer
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
     def split(self) -> dict[str, float]:
-        total = self.elapsed()
-        out = {k: round(v, 4) for k, v in self.seconds.items()}
-        out["other"] = round(max(0.0, total - sum(self.seconds.values())), 4)
+        now = time.perf_counter()
+        total = now - self.t0
+        seconds = dict(self.seconds)
+        if self._open is not None:
+            seconds[self._open[0]] += now - self._open[1]
+        out = {k: round(v, 4) for k, v in seconds.items()}
+        out["other"] = round(max(0.0, total - sum(seconds.values())), 4)
         out["total"] = round(total, 4)
         return out
 
@@ -114,6 +121,23 @@ class GoodputLog:
             "start_method": os.environ.get("PITSTOP_START_METHOD"),  # forkserver: a warm restart (supervisor)
             "step": 0, "saves": 0, "buckets": {}, "marks": {}}
         self._last_write, self._interval = 0.0, heartbeat
+        # On record from the start: an attempt killed during init (or restore) still has its time accounted
+        # and counts as an attempt (the next one's recovery gap starts where this record ends).
+        self.write(0)
+
+    def withdraw(self) -> None:
+        """This attempt never ran (a config error): leave the account as it was before it."""
+        if not self.enabled:
+            return
+        if self.previous:
+            doc = {"attempts": self.previous}
+            doc.update(account(self.previous))
+            write_json_atomic(self.path, doc, fsync=True, indent=1, sort_keys=False)
+        else:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
 
     def _read_attempts(self) -> list[dict]:
         try:

@@ -194,7 +194,9 @@ class Runner:
     def _record_failure(self, exc_type, exc, tb) -> bool:
         """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
         it must leave nothing a later run would count)."""
-        if exc is not None and not isinstance(exc, (ConfigError, Preempted, Hung)) and not self._preempted:
+        if isinstance(exc, ConfigError):
+            self.goodput.withdraw()
+        elif exc is not None and not isinstance(exc, (Preempted, Hung)) and not self._preempted:
             # (a hang and a preemption are recorded as such, also when a launcher's handler exits after one)
             self.goodput.write(self.step, status="failed")
         return False
