@@ -31,6 +31,9 @@ def test_limits_come_from_measured_durations():
     assert w.limit("step") == pytest.approx(10 * w.longest["step"])
     assert w.limit("checkpoint") == 2                 # 10 x 0.05 s is below the floor
     assert w.limit("eval") == 50
+    # The native backstop: the loop's longest limit (not the current phase's: it may change meanwhile) + grace.
+    assert w.backstop_seconds() == pytest.approx(10 * w.longest["step"] + w.grace)
+    assert Watchdog(first_seconds=50, grace=7).backstop_seconds() == 57  # nothing measured yet
 
 
 def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(make_cfg, tmp_path):
@@ -65,6 +68,25 @@ def test_a_stall_under_the_supervisor_is_restarted_and_the_job_finishes(data_roo
     a = attempts(run_dir)
     assert [x["status"] for x in a] == ["hung", "finished"] and a[1]["resumed_from"] == 6
     assert "made no progress in phase 'step'" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 30
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_native_code_holding_the_gil_is_ended_by_the_native_backstop(data_root, tmp_path):
+    # As a fork stuck in a C library's at-fork handler: the GIL is never released, so the Python watcher
+    # cannot run; the faulthandler backstop it keeps armed (the loop's limit + grace) dumps the stacks and exits.
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
+    p = cli(["debug=tiny", "trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=2", "fault=stall",
+             "fault.step=9", "fault.rank=0", "fault.hold_gil=true", "trainer.hang.min_seconds=3",
+             "trainer.hang.grace_seconds=3", "trainer.max_restarts=1", f"run_dir={run_dir}"],
+            data_root, tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
+    assert "Timeout (0:00:0" in p.stderr and "in fire" in p.stderr  # faulthandler's dump: where it was stuck
+    assert "attempt 1 failed (exit status 1); restarting" in (run_dir / "train.log").read_text()
+    a = attempts(run_dir)
+    assert [x["status"] for x in a] == ["running", "finished"] and a[1]["resumed_from"] == 8
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 30
 
 

@@ -125,13 +125,19 @@ class StallAtStep(CrashAtStep):
 
     name = "stall"
 
-    def __init__(self, step: int, rank: int = 0, seconds: float = 3600, **kw: Any):
+    def __init__(self, step: int, rank: int = 0, seconds: float = 3600, hold_gil: bool = False, **kw: Any):
         super().__init__(step=step, rank=rank, **kw)
-        self.seconds = float(seconds)
+        self.seconds, self.hold_gil = float(seconds), bool(hold_gil)
 
     def fire(self) -> None:
-        log.warning("fault injection: rank %d stalls for %.0f s at step %d", self.rank, self.seconds, self.step)
-        time.sleep(self.seconds)
+        log.warning("fault injection: rank %d stalls for %.0f s at step %d%s", self.rank, self.seconds, self.step,
+                    " holding the GIL" if self.hold_gil else "")
+        if self.hold_gil:  # libc sleep() through ctypes.PyDLL: a native call that keeps the GIL
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(max(1, int(self.seconds)))
+        else:
+            time.sleep(self.seconds)
 
 
 class PreemptAtStep(CrashAtStep):

@@ -119,7 +119,7 @@ class Runner:
         self.goodput: GoodputLog | None = None
         hang = cfg.trainer.hang
         self.watchdog = Watchdog(enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
-                                 first_seconds=hang.first_seconds)
+                                 first_seconds=hang.first_seconds, grace=hang.grace_seconds)
 
     @property
     def step(self) -> int:

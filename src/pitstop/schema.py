@@ -126,6 +126,7 @@ class Preempt(AtStep):
 @dataclass
 class Stall(AtStep):
     seconds: float = MISSING
+    hold_gil: bool = MISSING
 
 
 @dataclass
@@ -160,6 +161,7 @@ class Hang:
     factor: float = MISSING
     min_seconds: float = MISSING
     first_seconds: float = MISSING
+    grace_seconds: float = MISSING
 
 
 @dataclass

@@ -18,13 +18,22 @@ the phase and the limit, lets the runner record the attempt as ``hung`` in the l
 a process that a launcher started (the supervisor, the elastic agent, torchrun) exits with ``HUNG_EXIT``
 at once, so it is restarted from its newest checkpoint; a run inside a process that must survive (a test, an
 in-process sweep) gets ``Hung`` raised in its main thread, and is exited after ``grace`` seconds if that
-thread does not get out (it is stuck in native code).
+thread does not get out (it is stuck in native code).  Reporting (logging, the ledger, the workers' stacks)
+may need a lock the stuck main thread holds (``os.fork`` holds logging's and the import lock while it runs),
+so it gets ``grace`` seconds in a thread of its own and the process ends anyway.
+
+The watcher itself is Python: a main thread stuck in native code *while holding the GIL* (a fork that
+blocks in a C library's at-fork handler, an extension that never releases it) stops it too.  So it keeps a
+native backstop armed, ``faulthandler.dump_traceback_later(exit=True)``: a C thread that needs no GIL.  The
+watcher re-arms it every cycle (:meth:`Watchdog.backstop_seconds`); if the watcher misses that deadline, the
+backstop writes every thread's stack to stderr and exits the process (status 1; a launcher restarts it).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -54,7 +63,8 @@ class DataStall(PitstopError):
 class Watchdog:
     def __init__(self, *, enabled: bool = True, factor: float = 10.0, min_seconds: float = 60.0,
                  first_seconds: float = 900.0, grace: float = 30.0):
-        for key, v in (("factor", factor), ("min_seconds", min_seconds), ("first_seconds", first_seconds)):
+        for key, v in (("factor", factor), ("min_seconds", min_seconds), ("first_seconds", first_seconds),
+                       ("grace_seconds", grace)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"trainer.hang.{key} must be a positive number, got {v!r}")
         self.enabled = bool(enabled)
@@ -114,10 +124,21 @@ class Watchdog:
             return self.first_seconds
         return max(self.min_seconds, self.factor * self.longest[name])
 
+    def backstop_seconds(self) -> float:
+        """How long this watcher may be kept from running (the GIL held by a thread in native code) before
+        the native backstop ends the process.  Not per phase (the phase may change while it cannot run): the
+        loop's longest limit once a loop phase has been measured, ``first_seconds`` before (imports, set-up,
+        restore: extensions may hold the GIL for long there), plus ``grace``."""
+        measured = [v for k, v in self.longest.items() if k not in ("setup", "restore")]
+        limit = max(self.min_seconds, self.factor * max(measured)) if measured else self.first_seconds
+        return limit + self.grace
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self._thread is not None:
+            faulthandler.cancel_dump_traceback_later()
         self._thread = None
         if self._previous_handler is not None:
             signal.signal(WAKE, self._previous_handler)
@@ -125,7 +146,10 @@ class Watchdog:
 
     # ---- the watcher's side ---------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.min_seconds / 4)):
+        while True:
+            faulthandler.dump_traceback_later(self.backstop_seconds(), exit=True)  # this thread must come round
+            if self._stop.wait(min(1.0, self.min_seconds / 4)):
+                return
             current = self._current
             if current is None:
                 continue
@@ -162,19 +186,21 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
             stacks = f"(not written: {e})"
-        workers = _ask_data_workers_for_stacks()
-        also = f" (and {workers} data worker(s)' on stderr)" if workers else ""
-        msg = (f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s "
-               f"= {how}); thread stacks in {stacks}{also}; ending this attempt so that it restarts from its "
-               f"newest checkpoint")
-        self._raise = Hung(msg)
-        log.error("%s", msg)
-        try:
-            self.on_hang(msg)
-        except Exception as e:  # noqa: BLE001 - the process must still end
-            log.error("hang: recording it failed: %s", e)
-        for h in logging.getLogger().handlers:
-            h.flush()
+        what = f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s " \
+               f"= {how}); thread stacks in {stacks}"
+        then = "; ending this attempt so that it restarts from its newest checkpoint"
+        self._raise = Hung(what + then)
+        # Reporting may wait on a lock the stuck main thread holds (logging's, the ledger's, a fork's): it gets
+        # `grace` seconds in a thread of its own (and the backstop that long again); then the process ends anyway.
+        faulthandler.dump_traceback_later(2 * self.grace + 5, exit=True)
+        reporter = threading.Thread(target=self._report, args=(what, then), name="pitstop-hang-report", daemon=True)
+        reporter.start()
+        reporter.join(self.grace)
+        if reporter.is_alive():
+            try:
+                os.write(2, f"{what + then} (reporting it blocked on a lock the main thread holds)\n".encode())
+            except OSError:
+                pass
         if self.exit_process:
             os._exit(HUNG_EXIT)
         signal.pthread_kill(self._main, WAKE)  # wakes a blocking wait; the handler raises Hung
@@ -183,6 +209,18 @@ class Watchdog:
             for h in logging.getLogger().handlers:
                 h.flush()
             os._exit(HUNG_EXIT)
+
+    def _report(self, what: str, then: str) -> None:
+        workers = _ask_data_workers_for_stacks()
+        msg = what + (f" (and {workers} data worker(s)' on stderr)" if workers else "") + then
+        self._raise = Hung(msg)
+        log.error("%s", msg)
+        try:
+            self.on_hang(msg)
+        except Exception as e:  # noqa: BLE001 - the process must still end
+            log.error("hang: recording it failed: %s", e)
+        for h in logging.getLogger().handlers:
+            h.flush()
 
     def _raise_in_main(self, signum: int, frame: object) -> None:
         exc, self._raise = self._raise, None
@@ -194,8 +232,6 @@ class Watchdog:
 
 def _ask_data_workers_for_stacks() -> int:
     """SIGUSR2 to this process's DataLoader workers: they write their stacks to stderr (see pitstop.loader)."""
-    import multiprocessing
-
     asked = 0
     try:
         children = list(multiprocessing.active_children())
