@@ -77,6 +77,7 @@ class Watchdog:
         self._previous_handler = None
         self._raise: BaseException | None = None           # what the wake-up signal's handler raises in the main thread
         self._healed: tuple | None = None  # the phase run that got its heal
+        self._armed: float | None = None  # the native backstop's seconds when last armed (None: not armed)
 
     # ---- the loop's side ------------------------------------------------------------------------------
     def start(self, rank: int, run_dir: str, on_hang: Callable[[str], None], exit_process: bool) -> Callable[[], None]:
@@ -118,6 +119,13 @@ class Watchdog:
 
     def _observe(self, name: str, seconds: float) -> None:
         self.longest[name] = max(self.longest.get(name, 0.0), seconds)
+        if self._armed is not None and self.backstop_seconds() < self._armed / 2:
+            self._arm()  # the first measured loop phase: first_seconds -> the loop's limit, now, not next cycle
+
+    def _arm(self) -> None:
+        """(Re-)arm the native backstop (see :meth:`backstop_seconds`)."""
+        self._armed = self.backstop_seconds()
+        faulthandler.dump_traceback_later(self._armed, exit=True)
 
     def limit(self, name: str) -> float:
         if name not in self.longest:
@@ -139,7 +147,7 @@ class Watchdog:
             self._thread.join(timeout=5)
         if self._thread is not None:
             faulthandler.cancel_dump_traceback_later()
-        self._thread = None
+        self._thread, self._armed = None, None
         if self._previous_handler is not None:
             signal.signal(WAKE, self._previous_handler)
             self._previous_handler = None
@@ -147,7 +155,7 @@ class Watchdog:
     # ---- the watcher's side ---------------------------------------------------------------------------
     def _watch(self) -> None:
         while True:
-            faulthandler.dump_traceback_later(self.backstop_seconds(), exit=True)  # this thread must come round
+            self._arm()  # this thread must come round again before the backstop fires
             if self._stop.wait(min(1.0, self.min_seconds / 4)):
                 return
             current = self._current
@@ -238,7 +246,7 @@ def _ask_data_workers_for_stacks() -> int:
     except (RuntimeError, OSError):  # the main thread changed the set of children meanwhile
         return 0
     for p in children:
-        if type(p).__name__ == "ForkProcess" and p.daemon and p.pid:  # (the loader's workers: forked daemons)
+        if p.daemon and p.pid:  # (the loader's workers are this process's daemon children)
             try:
                 os.kill(p.pid, signal.SIGUSR2)
                 asked += 1

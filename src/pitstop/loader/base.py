@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
@@ -170,6 +171,8 @@ class ShardLoader(ABC):
             raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
                               f"commands; set loader.allow_pipe=true only if you trust it")
         self.partitions = int(partitions or len(shards))
+        if self.num_workers:  # the workers' fork server imports torch while the trainer sets up
+            _worker_context({"torch", __name__, type(self).__module__, type(dataset).__module__})
         if train and self.streams * world_size > self.partitions:  # (evaluation tolerates idle readers)
             if self.partitions < world_size:
                 raise ConfigError(
@@ -276,8 +279,9 @@ class ShardLoader(ABC):
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
         return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
-                               multiprocessing_context=_mp_context(),
-                               worker_init_fn=functools.partial(_worker_init, parent=os.getpid())))
+                               multiprocessing_context=_worker_context(),
+                               worker_init_fn=functools.partial(_worker_init, parent=_workers_parent(),
+                                                                trainer=os.getpid())))
 
     def __iter__(self) -> Iterator[Any]:
         ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
@@ -362,15 +366,17 @@ def first_sample(batch: Any) -> Any:
     return batch
 
 
-def _worker_init(worker_id: int, parent: int) -> None:
-    """A forked worker is not the trainer: it must not inherit the trainer's signal handlers (a preemption
-    notice caught and ignored by a worker keeps it alive after its loader is gone), it dies with the trainer
-    (``parent``), and on SIGUSR2 it writes its threads' stacks to stderr (the hang watchdog asks for them).
+def _worker_init(worker_id: int, parent: int, trainer: int) -> None:
+    """A worker is not the trainer: it must not keep signal handlers of the trainer's (a preemption notice
+    caught and ignored by a worker keeps it alive after its loader is gone), it ends when the ``trainer``
+    process does, and on SIGUSR2 it writes its threads' stacks to stderr (the hang watchdog asks for them).
 
-    Dying with the trainer: torch's own check compares the parent pid with the one the worker saw at its
-    start, so a worker whose trainer was killed (SIGKILL, OOM) *while it was starting* never notices, waits
-    for work forever and holds the job's stdout and stderr open (a supervisor's or CI's pipe never ends).
-    On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); if it already has, exit now."""
+    Ending with the trainer: torch's own check compares the worker's parent pid with the one it saw at its
+    start, but that parent is the fork server (``parent``), which outlives a killed trainer while it has
+    children; a worker of a trainer killed by SIGKILL or the OOM killer would wait for work forever and hold
+    the job's stdout and stderr open (a supervisor's or CI's pipe never ends). So a thread watches the trainer
+    (a pidfd on Linux) and exits the worker when it is gone, also if it was gone before the worker started;
+    and the kernel kills the worker if its parent dies (PR_SET_PDEATHSIG)."""
     import faulthandler
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG):  # preemption notices, the watchdog's wake-up
@@ -379,6 +385,36 @@ def _worker_init(worker_id: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
+    _exit_with(trainer)
+
+
+def _exit_with(pid: int) -> None:
+    """Exit this process (at once, status 1) when process ``pid`` ends; now if it already has."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfds here: ask once a second
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has ended
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+                threading.Event().wait(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pitstop-exit-with-trainer", daemon=True).start()
 
 
 def _die_with_parent() -> None:
@@ -393,9 +429,35 @@ def _die_with_parent() -> None:
         pass
 
 
-def _mp_context():
-    # fork is fastest on Linux and keeps start-up cheap; workers touch no CUDA state.
+def _worker_context(preload: set[str] | None = None) -> Any:
+    """Data workers are forks of a fork server, never of the trainer.
+
+    The trainer has threads (gloo's, the hang watchdog, queue feeders) and CPython 3.11 deadlocks a forked
+    child if one of them held the interpreter's thread-state lock at that instant (``PyGILState_Ensure`` in a
+    C++ thread takes it without the GIL; the child waits for it in ``PyOS_AfterFork_Child`` forever): a worker
+    that never starts, an epoch that never begins. The fork server is a clean single-threaded process,
+    started once per trainer process (early: it imports torch and the loader's modules while the trainer sets
+    up); each worker is a fork of it, as cheap as a fork of the trainer. Where there is none: spawn.
+    """
     import multiprocessing as mp
+    from multiprocessing import forkserver
 
-    return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if preload is not None and forkserver._forkserver._forkserver_pid is None:  # (not started yet)
+        # Each worker runs the entry point's module again as __mp_main__ (multiprocessing does, so that what
+        # it defines can be unpickled): preloaded, that costs no imports per worker.
+        main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+        if main and not main.endswith("__main__"):
+            preload = {*preload, main}
+        ctx.set_forkserver_preload(sorted(m for m in preload if m))
+        forkserver.ensure_running()
+    return ctx
 
+
+def _workers_parent() -> int:
+    """The pid of the data workers' parent: the fork server's, or this process's (spawn)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) or os.getpid()
