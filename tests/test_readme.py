@@ -129,7 +129,12 @@ def test_readme_command(cmd, project):
         pytest.fail(f"{line} did not start listening")
     argv = shrink(argv)
     before = set(summaries_after(cwd, set()))
-    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    try:  # (under the suite's 900 s per test: a hung command fails with its own output, not the suite's dump)
+        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s\n{err[-3000:]}")
     assert p.returncode == 0, f"{' '.join(argv[1:])}\n{p.stderr[-3000:]}"
     module, args = argv[2], argv[3:]
     sweep = "-m" in args or "--multirun" in args

@@ -69,6 +69,10 @@ def max_restarts(cfg: DictConfig) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
+    from pitstop.loader.base import quiet_resource_tracker
+
+    # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
+    quiet_resource_tracker()
     n, restarts = nproc(cfg), max_restarts(cfg)
     mode = launch_mode(n, restarts, os.environ)
     if mode == LaunchMode.SUPERVISED:

@@ -30,7 +30,7 @@ from pitstop.build import build
 from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, FingerprintMismatch
 from pitstop.fault import FaultContext
 from pitstop.launch import record_error, started_by_launcher
 from pitstop.ledger import GoodputLog, Ledger, table
@@ -192,9 +192,9 @@ class Runner:
         self._resources.close()
 
     def _record_failure(self, exc_type, exc, tb) -> bool:
-        """On the way out of a failed run: the ledger records the failed attempt (a config error is no attempt:
-        it must leave nothing a later run would count)."""
-        if isinstance(exc, ConfigError):
+        """On the way out of a failed run: the ledger records the failed attempt (a config error, or a changed
+        config refused at resume, is no attempt: it must leave nothing a later run would count)."""
+        if isinstance(exc, (ConfigError, FingerprintMismatch)):
             self.goodput.withdraw()
         elif exc is not None and not isinstance(exc, (Preempted, Hung)) and not self._preempted:
             # (a hang and a preemption are recorded as such, also when a launcher's handler exits after one)

@@ -381,11 +381,24 @@ def _worker_init(worker_id: int, parent: int, trainer: int) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG):  # preemption notices, the watchdog's wake-up
         signal.signal(sig, signal.SIG_DFL)
+    _write_where(trainer)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
     _exit_with(trainer)
+
+
+def _write_where(pid: int) -> None:
+    """This worker's stdout and stderr go where process ``pid``'s go now (as a fork of it would), not where
+    the fork server's went when it started (a log file or a test's capture since replaced)."""
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # not Linux, or not reopenable (a socket): keep the fork server's
+            continue
+        os.dup2(target, fd)
+        os.close(target)
 
 
 def _exit_with(pid: int) -> None:
@@ -446,6 +459,7 @@ def _worker_context(preload: set[str] | None = None) -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     if preload is not None and forkserver._forkserver._forkserver_pid is None:  # (not started yet)
+        quiet_resource_tracker()
         # Each worker runs the entry point's module again as __mp_main__ (multiprocessing does, so that what
         # it defines can be unpickled): preloaded, that costs no imports per worker.
         main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
@@ -461,3 +475,12 @@ def _workers_parent() -> int:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None) or os.getpid()
+
+
+def quiet_resource_tracker() -> None:
+    """The resource tracker that a fork server brings (started next with this process's warning options) does
+    not warn about the semaphores of workers whose trainer was killed: it removes them, and its warning would
+    be the last line on stderr after the job's own one-line error."""
+    option = "ignore:resource_tracker:UserWarning"
+    if option not in sys.warnoptions:
+        sys.warnoptions.append(option)
