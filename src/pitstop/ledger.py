@@ -117,7 +117,7 @@ class GoodputLog:
         self.previous = self._read_attempts()
         self.attempt: dict[str, Any] = {
             "attempt": len(self.previous) + 1, "pid": os.getpid(), "start": round(ledger.start_wall, 3),
-            "end": None, "status": "running", "auto_restart": _auto_restart(), "resumed_from": None,
+            "end": None, "status": "running", "auto_restart": _auto_restart(), "restored": False, "resumed_from": None,
             "start_method": os.environ.get("PITSTOP_START_METHOD"),  # forkserver: a warm restart (supervisor)
             "step": 0, "saves": 0, "buckets": {}, "marks": {}}
         self._last_write, self._interval = 0.0, heartbeat
@@ -159,10 +159,10 @@ class GoodputLog:
 
     # ---- updates ----------------------------------------------------------------------------------------
     def resumed(self, step: int | None) -> None:
-        self.attempt["resumed_from"] = step
-        self.attempt["step"] = step or 0
-        if self.previous:  # only the mark this resume used is still needed: keep the file small
-            prev = self.previous[-1]
+        """The restore is done: this attempt continues from ``step`` (None: from the beginning)."""
+        self.attempt.update(restored=True, resumed_from=step, step=step or 0)
+        prev = _last_restored(self.previous)
+        if prev is not None:  # only the mark this resume used is still needed: keep the file small
             prev["marks"] = {k: v for k, v in prev.get("marks", {}).items() if k == str(step)}
 
     def mark(self, step: int) -> None:
@@ -201,13 +201,25 @@ def _auto_restart() -> bool:
         int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
+def _restored(attempt: dict) -> bool:
+    """The attempt got through its restore (records of an older pitstop do not say: they all did)."""
+    return bool(attempt.get("restored", True))
+
+
+def _last_restored(attempts: list[dict]) -> dict | None:
+    return next((a for a in reversed(attempts) if _restored(a)), None)
+
+
 def account(attempts: list[dict]) -> dict[str, Any]:
-    """Job totals per bucket from the attempts' own ledgers (see the module docstring)."""
+    """Job totals per bucket from the attempts' own ledgers (see the module docstring).
+
+    The work an attempt did after step S is lost when the next attempt that *restored* resumed from S; an
+    attempt killed before its restore ended (in program start or init) says nothing about what survives."""
     t = {b: 0.0 for b in JOB_BUCKETS}
     restart_costs = []
     for i, a in enumerate(attempts):
         b = a.get("buckets") or {}
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        nxt = next((n for n in attempts[i + 1:] if _restored(n)), None)
         lost = {k: 0.0 for k in WORK}
         if nxt is not None:
             resume = nxt.get("resumed_from") or 0
