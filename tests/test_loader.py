@@ -163,8 +163,10 @@ def test_pipe_urls_are_refused_unless_allowed(data_root, tmp_path):
 
 
 KILLED_TRAINER = """
-import os, signal, sys
+import os, signal, sys, threading
 os.setsid()  # its workers share this session: the test finds them by it
+if sys.argv[3] == "spawned":  # a thread already running: the workers' fork server is a fresh interpreter
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 from pitstop.loader.plain import PlainLoader
 from recipe.vision import ImageShards
 ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1)
@@ -190,15 +192,16 @@ def session_members(sid: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("server", ["forked", "spawned"])
 @pytest.mark.parametrize("when", ["starting", "running"])
-def test_data_workers_die_with_a_killed_trainer(data_root, when):
+def test_data_workers_die_with_a_killed_trainer(data_root, when, server):
     # A worker whose trainer died while it was starting used to wait for work forever (torch's own check
     # compares the parent pid with the one it saw at its start), holding the job's stdout and stderr open.
     import subprocess
     import sys
     import time
 
-    p = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, str(data_root / "data" / "digits"), when],
+    p = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, str(data_root / "data" / "digits"), when, server],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = p.communicate(timeout=60)  # returns only once every holder of the pipe (the workers too) is gone
     assert p.returncode == -9, out.decode()[-2000:]
@@ -206,3 +209,60 @@ def test_data_workers_die_with_a_killed_trainer(data_root, when):
     while session_members(p.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert session_members(p.pid) == []
+
+
+WORKER_SERVER = """
+import hashlib, json, sys, threading
+if sys.argv[2] == "spawned":  # a thread already running: the workers' fork server is a fresh interpreter
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+from pitstop.loader import server
+from pitstop.loader.plain import PlainLoader
+from recipe.vision import ImageShards
+ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1, augment={"pad": 1})
+loader = PlainLoader(ds, "train", batch_size=16, seed=0, num_workers=2)
+with open(f"/proc/{server.parent()}/cmdline", "rb") as f:
+    spawned = ("from multiprocessing." + "forkserver import main").encode() in f.read()  # (not this script)
+h = hashlib.sha256()
+for _, (x, y) in zip(range(100), loader):  # (more than an epoch: a second set of workers too)
+    h.update(x.numpy().tobytes() + y.numpy().tobytes())
+print(json.dumps({"server": "spawned" if spawned else "forked", "digest": h.hexdigest()}))
+"""
+
+
+def test_workers_fork_server_is_a_fork_of_the_trainer_before_its_threads_and_serves_the_same_batches(data_root):
+    # A trainer with no threads yet forks its workers' server (no imports, no CPU); one that has threads
+    # spawns a fresh interpreter instead. The batches are the same either way.
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for kind in ("forked", "spawned"):
+        p = subprocess.run([sys.executable, "-c", WORKER_SERVER, str(data_root / "data" / "digits"), kind],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[kind] = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out[kind]["server"] == kind
+    assert out["forked"]["digest"] == out["spawned"]["digest"]
+
+
+def test_evaluation_batches_are_kept_in_memory_when_they_fit(data_root):
+    from pitstop.errors import ConfigError
+
+    ds = digits(data_root)
+    kept = PlainLoader(ds, "val", batch_size=64, seed=0, train=False, num_workers=2)
+    first = list(kept.iterate_once())
+    again = list(kept.iterate_once())  # from memory: the very same tensors, no worker started
+    assert len(again) == len(first) == 6 and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(first, again))
+    assert sum(len(y) for (_, y), counted in again if counted) == 359
+    fewer = list(kept.iterate_once(max_batches=2))  # another pass length: read again
+    assert len(fewer) == 2 and fewer[0][0] is not first[0][0] and torch.equal(fewer[0][0][0], first[0][0][0])
+    for budget in (0, 1000):  # off, or too small for these batches: every pass reads
+        streamed = PlainLoader(ds, "val", batch_size=64, seed=0, train=False, num_workers=2, eval_in_memory=budget)
+        a, b = list(streamed.iterate_once()), list(streamed.iterate_once())
+        assert a[0][0] is not b[0][0]
+        assert all(torch.equal(x[0][0], y[0][0]) and torch.equal(x[0][1], y[0][1]) for x, y in zip(a, first))
+    with pytest.raises(ConfigError, match=r"loader\.eval_in_memory=null"):
+        PlainLoader(ds, "val", batch_size=64, seed=0, train=False, eval_in_memory=None)
+    with pytest.raises(ConfigError, match=r"loader\.eval_in_memory='lots' is not a size"):
+        PlainLoader(ds, "val", batch_size=64, seed=0, train=False, eval_in_memory="lots")

@@ -69,7 +69,7 @@ def max_restarts(cfg: DictConfig) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
-    from pitstop.loader.base import quiet_resource_tracker
+    from pitstop.loader.server import quiet_resource_tracker
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
@@ -88,16 +88,21 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
+    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    method = warm_context(cfg).get_start_method() if warm else "spawn"
+    job_start = _job_start()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"pitstop-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": 120},
         max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2, start_method=method,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
     )
     log.info("launching %d ranks (rendezvous 127.0.0.1:%d, max_restarts=%d)", n, port, config.max_restarts)
     try:
-        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir)
+        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
@@ -112,11 +117,21 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     return results[0]
 
 
-def worker(cfg_yaml: str, run_dir: str) -> dict:
-    """The entry point of each rank (a fresh, spawned interpreter)."""
+def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None) -> dict:
+    """The entry point of each rank: a fork of the agent's pre-imported server (``method`` forkserver: warm)
+    or a fresh interpreter (spawn)."""
     import torch
 
     from pitstop.runner import Runner
+
+    # Program start: the first ranks count from the job's start (the launching process's imports, the
+    # rendezvous, and a server's imports or their own); a restarted rank from its own start (a fork: now).
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if not restarted and job_start is not None:
+        os.environ["PITSTOP_PROGRAM_START"] = repr(job_start)
+    elif method == "forkserver":
+        os.environ["PITSTOP_PROGRAM_START"] = repr(time.time())
+    os.environ["PITSTOP_START_METHOD"] = method
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _log_to(run_dir, rank)
@@ -139,33 +154,19 @@ def warm_context(cfg: DictConfig) -> Any:
     attempt is then a fork of it and pays no interpreter start or imports again."""
     import multiprocessing as mp
 
+    from pitstop.build import target_modules
+    from pitstop.loader.server import entry_point_imports
+
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    import sys
-
-    # The entry point (e.g. recipe.train, which each child re-runs as __mp_main__) is preloaded too.
-    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    # torch._inductor: torch.use_deterministic_algorithms imports it lazily (~1.8 s of every attempt's init here).
-    modules = {"torch", "torch._inductor", "pitstop.runner", "pitstop.launch", *([main] if main else [])}
-    for value in _targets(OmegaConf.to_container(cfg, resolve=False)):
-        mod = value.rsplit(".", 1)[0]
-        if mod and not mod.startswith("__"):
-            modules.add(mod)
+    # Imported lazily by every attempt: torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's
+    # init here), fsspec by the data index (~0.3 s), pitstop.goodput at the end. What the entry point imports
+    # too (each child runs it again as __mp_main__).
+    modules = {"torch", "torch._dynamo", "fsspec", "pitstop.goodput", "pitstop.runner", "pitstop.launch",
+               *entry_point_imports(), *target_modules(cfg)}
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(sorted(modules))
     return ctx
-
-
-def _targets(node: Any):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == "_target_" and isinstance(v, str):
-                yield v
-            else:
-                yield from _targets(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _targets(v)
 
 
 def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
@@ -179,17 +180,12 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     ledger counts from the supervisor's own start (its imports and the server's are program start)."""
     import multiprocessing as mp
 
-    from pitstop.ledger import process_start_wall
-
-    global _import_seconds
     validate(cfg)
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     ctx = warm_context(cfg) if warm else mp.get_context("spawn")
-    if _import_seconds is None:  # this process's start -> its first supervised job (imports)
-        _import_seconds = max(0.0, time.time() - process_start_wall())
-    job_start = time.time() - _import_seconds  # a later job of an in-process sweep is charged the same
+    job_start = _job_start()
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
@@ -201,6 +197,17 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
 
 
 _import_seconds: float | None = None
+
+
+def _job_start() -> float:
+    """When this job started (its first attempt's program start): this process's start for its first job;
+    a later job of an in-process sweep is charged the same imports (every job is accounted alike)."""
+    from pitstop.ledger import process_start_wall
+
+    global _import_seconds
+    if _import_seconds is None:  # this process's start -> its first launched job (imports)
+        _import_seconds = max(0.0, time.time() - process_start_wall())
+    return time.time() - _import_seconds
 
 
 def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float,

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.build import build
+from pitstop.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
 from pitstop.errors import ConfigError, FingerprintMismatch
 from pitstop.fault import FaultContext
 from pitstop.launch import record_error, started_by_launcher
+from pitstop.loader import server as worker_server
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
 from pitstop.preempt import Preempted, PreemptionNotice
@@ -132,6 +133,11 @@ class Runner:
     # ---- assembly ---------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, hold = self.cfg, self._resources
+        if OmegaConf.select(cfg, "loader.num_workers", default=0):
+            # The data workers' fork server, forked now while this process has no threads of its own yet
+            # (none may exist at a fork) and already has the components' modules: ready at once, no imports.
+            with self.ledger.measure("init"):
+                log.debug("data workers' fork server: %s", worker_server.start(target_modules(cfg)))
         # A launcher (the supervisor, the elastic agent, torchrun) restarts a process that exits on a hang.
         launched = started_by_launcher(os.environ)
         hold.callback(self.watchdog.start(int(os.environ.get("RANK", 0)), self.run_dir, self._on_hang, launched))

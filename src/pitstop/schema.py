@@ -68,6 +68,7 @@ class Loader:
     backoff: float = MISSING
     read_timeout: float = MISSING
     allow_pipe: bool = MISSING
+    eval_in_memory: Any = MISSING                # bytes, "256MB", or 0
 
 
 @dataclass

@@ -12,6 +12,7 @@ import hashlib
 import os
 import random
 import struct
+import sys
 
 import numpy as np
 import torch
@@ -30,9 +31,20 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
     if deterministic:
         # Bitwise-reproducible kernels; CUBLAS needs a fixed workspace for deterministic GEMMs.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        _deterministic_kernels()
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def _deterministic_kernels() -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)``, which also sets inductor's config and so
+    imports ``torch._inductor`` (and dynamo): ~2 s of every process start here, for a compiler pitstop does not
+    use. The same switch is set without that import unless inductor is loaded already (then its flag too)."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None or "torch._inductor" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        setter(True, warn_only=True)
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -10,10 +10,10 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 from __future__ import annotations
 
 import functools
+import re
 import logging
 import os
 import signal
-import sys
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
@@ -24,10 +24,27 @@ from pitstop.data.dataset import ShardedDataset
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
-from pitstop.loader import plan
+from pitstop.loader import plan, server
 from pitstop.seed import derive_seed
 
 log = logging.getLogger("pitstop.loader")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: Any, what: str = "loader.cache_limit", off: str = "null") -> int | None:
+    """``null`` (no limit), a number of bytes, or a string like ``"20GB"`` / ``"512MiB"``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{what}={value!r} is not a size; use bytes or e.g. 500MB, 20GB, 1.5TiB, or {off}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
 
 
 class _Failure:
@@ -153,7 +170,7 @@ class ShardLoader(ABC):
                  world_size: int = 1, train: bool = True, num_workers: int = 2, partitions: int | None = None,
                  shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
                  prefetch_factor: int = 4, timeout: float = 0, retries: int = 3, backoff: float = 0.5,
-                 read_timeout: float = 60.0, allow_pipe: bool = False, **_: Any):
+                 read_timeout: float = 60.0, allow_pipe: bool = False, eval_in_memory: Any = "256MB", **_: Any):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
@@ -161,6 +178,8 @@ class ShardLoader(ABC):
         self.num_workers, self.pin_memory, self.prefetch_factor = int(num_workers), pin_memory, prefetch_factor
         self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
         self.streams = max(1, self.num_workers)
+        self.eval_in_memory = _memory_budget(eval_in_memory)
+        self._kept: tuple[int, list[tuple[Any, bool]]] | None = None  # (passes' length, the pass) kept in memory
         shards = dataset.index.shards(split)
         self.refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in shards]
         self.urls = [r.url for r in self.refs]
@@ -171,8 +190,8 @@ class ShardLoader(ABC):
             raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
                               f"commands; set loader.allow_pipe=true only if you trust it")
         self.partitions = int(partitions or len(shards))
-        if self.num_workers:  # the workers' fork server imports torch while the trainer sets up
-            _worker_context({"torch", __name__, type(self).__module__, type(dataset).__module__})
+        if self.num_workers:  # (the runner started it before its threads; else a fresh interpreter)
+            server.start({__name__, type(self).__module__, type(dataset).__module__})
         if train and self.streams * world_size > self.partitions:  # (evaluation tolerates idle readers)
             if self.partitions < world_size:
                 raise ConfigError(
@@ -279,8 +298,8 @@ class ShardLoader(ABC):
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
         return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
-                               multiprocessing_context=_worker_context(),
-                               worker_init_fn=functools.partial(_worker_init, parent=_workers_parent(),
+                               multiprocessing_context=server.context(),
+                               worker_init_fn=functools.partial(_worker_init, parent=server.parent(),
                                                                 trainer=os.getpid())))
 
     def __iter__(self) -> Iterator[Any]:
@@ -331,28 +350,71 @@ class ShardLoader(ABC):
         steps = max(counts, default=0)
         if max_batches is not None:
             steps = min(steps, int(max_batches))
+        if self._kept is not None and self._kept[0] == steps:
+            yield from self._kept[1]  # the same batches as the first pass, without starting a worker
+            return
         mine = min(counts[self.rank], steps)
         it = self._reader(0) if mine else iter(())
         first = self._checked(next(it)) if mine else None
-        if steps and min(counts) == 0 and self.world_size > 1:
+        shared = bool(steps and min(counts) == 0 and self.world_size > 1)
+        if shared:
             if share is None:
                 raise ValueError("a rank has no evaluation data: iterate_once needs share= to stay in lockstep")
             src = counts.index(max(counts))
             pad = share(first_sample(first) if self.rank == src else None, src)
         else:
             pad = first_sample(first) if first is not None else None
+        # Kept in memory for later passes if it fits loader.eval_in_memory (each rank decides alone: a kept
+        # pass runs no collective, so it is never kept when its padding came from a peer by a broadcast).
+        keep: list[tuple[Any, bool]] | None = [] if self.eval_in_memory and not shared else None
+        size = 0
         for i in range(mine):
-            yield (first if i == 0 else self._checked(next(it))), True
+            pair = (first if i == 0 else self._checked(next(it))), True
             first = None
+            if keep is not None:
+                size += nbytes(pair[0])
+                if size <= self.eval_in_memory:
+                    keep.append(pair)
+                else:
+                    keep = None
+            yield pair
         del it  # stop this pass's workers now, not when the generator is collected
         for _ in range(steps - mine):
+            if keep is not None:
+                keep.append((pad, False))
             yield pad, False
+        if keep is not None:
+            self._kept = (steps, keep)
+            log.info("%s split: this rank's %d evaluation batches (%s bytes) are kept in memory for later passes "
+                     "(loader.eval_in_memory=%s bytes)", self.split, len(keep), f"{size:,}", f"{self.eval_in_memory:,}")
 
     @staticmethod
     def _checked(item: dict | _Failure) -> Any:
         if isinstance(item, _Failure):
             raise DataError(item.message)
         return item["data"]
+
+
+def nbytes(batch: Any) -> int:
+    """The bytes of a batch's tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, (list, tuple)):
+        return sum(nbytes(b) for b in batch)
+    if isinstance(batch, dict):
+        return sum(nbytes(b) for b in batch.values())
+    return 0
+
+
+def _memory_budget(value: Any) -> int:
+    """``loader.eval_in_memory``: a size (bytes, "256MB"), or 0 / false for none."""
+    if value is False or value == 0 or str(value).strip().lower() in ("0", "false", "off"):
+        return 0
+    size = parse_size(value, "loader.eval_in_memory", off="0")
+    if size is None:
+        raise ConfigError("loader.eval_in_memory=null: give a size such as 256MB, or 0 to read the evaluation "
+                          "data at every evaluation")
+    return size
 
 
 def first_sample(batch: Any) -> Any:
@@ -440,47 +502,3 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def _worker_context(preload: set[str] | None = None) -> Any:
-    """Data workers are forks of a fork server, never of the trainer.
-
-    The trainer has threads (gloo's, the hang watchdog, queue feeders) and CPython 3.11 deadlocks a forked
-    child if one of them held the interpreter's thread-state lock at that instant (``PyGILState_Ensure`` in a
-    C++ thread takes it without the GIL; the child waits for it in ``PyOS_AfterFork_Child`` forever): a worker
-    that never starts, an epoch that never begins. The fork server is a clean single-threaded process,
-    started once per trainer process (early: it imports torch and the loader's modules while the trainer sets
-    up); each worker is a fork of it, as cheap as a fork of the trainer. Where there is none: spawn.
-    """
-    import multiprocessing as mp
-    from multiprocessing import forkserver
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    if preload is not None and forkserver._forkserver._forkserver_pid is None:  # (not started yet)
-        quiet_resource_tracker()
-        # Each worker runs the entry point's module again as __mp_main__ (multiprocessing does, so that what
-        # it defines can be unpickled): preloaded, that costs no imports per worker.
-        main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-        if main and not main.endswith("__main__"):
-            preload = {*preload, main}
-        ctx.set_forkserver_preload(sorted(m for m in preload if m))
-        forkserver.ensure_running()
-    return ctx
-
-
-def _workers_parent() -> int:
-    """The pid of the data workers' parent: the fork server's, or this process's (spawn)."""
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None) or os.getpid()
-
-
-def quiet_resource_tracker() -> None:
-    """The resource tracker that a fork server brings (started next with this process's warning options) does
-    not warn about the semaphores of workers whose trainer was killed: it removes them, and its warning would
-    be the last line on stderr after the job's own one-line error."""
-    option = "ignore:resource_tracker:UserWarning"
-    if option not in sys.warnoptions:
-        sys.warnoptions.append(option)

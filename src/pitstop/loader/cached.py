@@ -11,30 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
-from pitstop.loader.base import ShardLoader, ShardSource
+from pitstop.loader.base import ShardLoader, ShardSource, parse_size
 from pitstop.loader.cache import ShardCache
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(value: Any, what: str = "loader.cache_limit") -> int | None:
-    """``null`` (no limit), a number of bytes, or a string like ``"20GB"`` / ``"512MiB"``."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"{what}={value!r} is not a size; use bytes or e.g. 500MB, 20GB, 1.5TiB, or null")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 class CachedSource(ShardSource):
     def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int):

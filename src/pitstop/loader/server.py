@@ -1,0 +1,159 @@
+"""Where data workers come from: a fork server of each trainer process, never a fork of the trainer itself.
+
+The trainer has threads (gloo's, the hang watchdog, queue feeders) and CPython 3.11 deadlocks a forked child
+if one of them held the interpreter's thread-state lock at that instant (``PyGILState_Ensure`` in a C++ thread
+takes it without the GIL; the child waits for it in ``PyOS_AfterFork_Child`` forever): a worker that never
+starts, an epoch that never begins. So workers are forks of a fork server (multiprocessing's ``forkserver``
+start method), a process with no Python threads.
+
+Two ways to get that server, both started once per trainer process, early (:func:`start`):
+
+- **forked** (the fast way): while the trainer is still single-threaded (before its process groups, the
+  watchdog and any loader exist) it forks a copy of itself that serves forks. The copy has everything the
+  trainer imported so far — torch, the entry point, the configured components — so it is ready at once and
+  costs no CPU. A warm restart (an attempt forked from the supervisor's pre-imported server) gets its data
+  workers without a single import.
+- **spawned** (multiprocessing's own): a fresh interpreter that imports torch and the loader's modules
+  (~2.7 s of CPU here, overlapping the trainer's setup). Used where the trainer already has threads when it
+  asks (an in-process run inside a threaded host such as a test runner), or where this Python's fork server
+  differs from the one this module knows (it checks the attributes it sets).
+
+No CUDA context may exist in the parent of a fork: the forked way is refused once CUDA is initialised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import Any, Iterable
+
+log = logging.getLogger("pitstop.loader")
+
+_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+
+
+def context() -> Any:
+    """The multiprocessing context for data workers (spawn where there is no fork server)."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def start(modules: Iterable[str] = ()) -> str:
+    """Make sure this process's workers' fork server runs; start it now if it does not.  ``modules`` are
+    imported first (the components' modules, which every worker would otherwise import on its own).
+    Returns how: ``forked``, ``spawned``, ``running`` (already) or ``none`` (no fork server on this OS)."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return "none"
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        forkserver.ensure_running()  # (starts a new one if it died)
+        return "running"
+    quiet_resource_tracker()
+    wanted = sorted({"torch", *modules, *entry_point_imports()})
+    for name in wanted:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # (a worker that needs it reports it; the config's own checks name the option)
+            pass
+    why = _cannot_fork(server)
+    if why is None:
+        _fork(server)
+        return "forked"
+    log.debug("data workers' fork server: a fresh interpreter (%s)", why)
+    mp.get_context("forkserver").set_forkserver_preload(wanted)
+    forkserver.ensure_running()
+    return "spawned"
+
+
+def entry_point_imports() -> set[str]:
+    """The modules that the entry point's module (``__main__``, e.g. recipe.train) refers to.
+
+    A child of a fork server runs the entry point's module again, as ``__mp_main__`` (so that what it
+    defines can be unpickled); with these imported in the server, that costs nothing. The entry point itself
+    is not imported there: runpy warns when the module it runs is already in ``sys.modules``."""
+    import types
+
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    found = set()
+    for value in vars(main).values() if main is not None else ():
+        module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(module, str) and not module.startswith("_") and module not in ("builtins", name):
+            found.add(module)
+    return found
+
+
+def parent() -> int:
+    """The pid of the data workers' parent: the fork server's, or this process's (spawn)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) or os.getpid()
+
+
+def _cannot_fork(server: Any) -> str | None:
+    """Why this process must not fork its workers' server now (None: it may)."""
+    import torch
+
+    if sys.version_info >= (3, 13) or not all(hasattr(server, a) for a in (*_STATE, "_lock")):
+        return "this Python's fork server is not the one pitstop knows"
+    if threading.active_count() > 1:
+        return f"{threading.active_count()} threads already"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "process groups exist"
+    if torch.cuda.is_initialized():
+        return "a CUDA context exists"
+    return None
+
+
+def _fork(server: Any) -> None:
+    """Fork this (single-threaded) process into multiprocessing's fork server loop and register it as this
+    process's fork server: the state ``ForkServer.ensure_running`` would have set after spawning one."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    resource_tracker.ensure_running()  # (before the fork: the server and its workers share this tracker)
+    with server._lock:
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client (this process and each worker) holds the write end of the "alive" pipe; the server
+        # exits when the last one has gone.
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server: serve forks until every client has gone, then leave without cleanup
+            code = 0
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:
+                pass
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        listener.close()
+        os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def quiet_resource_tracker() -> None:
+    """The resource tracker that a fork server brings (started next with this process's warning options) does
+    not warn about the semaphores of workers whose trainer was killed: it removes them, and its warning would
+    be the last line on stderr after the job's own one-line error."""
+    option = "ignore:resource_tracker:UserWarning"
+    if option not in sys.warnoptions:
+        sys.warnoptions.append(option)
