@@ -2,7 +2,8 @@
 
     python bench/goodput.py [--mtbf 25] [--work 80] [--intervals 1 4 16] [--throttle-mbps 2] [--seed 7]
     python bench/goodput.py --restarts [--seed 7]   # restart cost R (cold vs warm restarts) and its parts,
-                                                    # and the local checkpoint tier (ckpt.local) on top
+                                                    # the local checkpoint tier (ckpt.local) on top, and
+                                                    # a ddp restart through the elastic agent, cold vs warm
 
 Every configuration trains the same job (small CNN on digits; ``--work`` seconds of compute) with
 ``fault=random fault.mtbf_seconds=MTBF`` (the same seeded failure times for every configuration) and
@@ -113,7 +114,16 @@ def restarts(seed: int) -> None:
             gaps = doc["totals"]["recovery_gap"] / max(len(auto), 1)
             parts = {k: sum(a["buckets"].get(k, 0.0) for a in auto) / max(len(auto), 1) for k in PARTS[1:]}
             first = doc["attempts"][0]["buckets"]
-            rows[name] = {"rc": rc, "goodput": doc["goodput"], "R": doc.get("restart_seconds") or 0.0,
+            # The model's figure for this row, from this run's own measurements (the durable tier's interval
+            # of 7 steps = 7 x the measured compute per step; the local tier's own interval is not modelled).
+            m = measured(run_dir)
+            model = None
+            if "local" not in name:  # wall = the first start + U / (e0 g), g with R = the restart cost
+                g = m["e0"] * exact_goodput(7 * m["U"] / 600, m["mtbf_seen"], m["C"], doc.get("restart_seconds") or 0.0,
+                                            m["W"])
+                start = sum(first.get(k, 0.0) for k in PARTS[1:])
+                model = m["U"] / (start + m["U"] / g) if g > 0 else 0.0
+            rows[name] = {"rc": rc, "goodput": doc["goodput"], "R": doc.get("restart_seconds") or 0.0, "model": model,
                           "restarts": len(auto), "gap": gaps, **parts, "wall": wall,
                           "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:]),
                           "lost": doc["totals"]["lost"] / max(len(auto), 1)}
@@ -122,14 +132,46 @@ def restarts(seed: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     print(f"\n{'restarts':11} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
-          f"{'1st start s':>11} {'lost/fail s':>11} {'goodput':>8} {'wall s':>7}")
+          f"{'1st start s':>11} {'lost/fail s':>11} {'goodput':>8} {'model':>6} {'wall s':>7}")
     for name, r in rows.items():
+        model = f"{r['model'] * 100:5.1f}%" if r["model"] is not None else "   n/a"
         print(f"{name:11} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
-              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['lost']:>11.2f} {r['goodput'] * 100:>7.1f}% {r['wall']:>7.1f}")
+              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['lost']:>11.2f} {r['goodput'] * 100:>7.1f}% {model:>6} "
+              f"{r['wall']:>7.1f}")
     c, w, wl = rows["cold"], rows["warm"], rows["warm+local"]
     print(f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); goodput "
           f"{c['goodput'] * 100:.1f}% cold -> {w['goodput'] * 100:.1f}% warm -> {wl['goodput'] * 100:.1f}% warm + local "
           f"tier (target >= 60%)")
+    elastic()
+
+
+ELASTIC_JOB = ["logger=none", "trainer.progress_bar=false", "strategy=ddp", "trainer.max_steps=60", "ckpt=sync_save",
+               "ckpt.interval_steps=10", "fault=crash_at_step", "fault.step=25", "trainer.max_restarts=1"]
+
+
+def elastic() -> None:
+    """ddp (2 ranks through torch's elastic agent), rank 0 killed at step 25 once: the agent's restart of
+    both ranks, cold (spawn: fresh interpreters) vs warm (forkserver: forks of a pre-imported server)."""
+    tmp = tempfile.mkdtemp(prefix="pitstop-bench-elastic-")
+    rows = {}
+    try:
+        for name, warm in (("cold", "false"), ("warm", "true")):
+            run_dir = os.path.join(tmp, name)
+            rc, wall = train(run_dir, [*ELASTIC_JOB, f"trainer.warm_restarts={warm}"], 900)
+            doc = json.load(open(os.path.join(run_dir, "goodput.json")))
+            first, second = doc["attempts"][0]["buckets"], doc["attempts"][-1]["buckets"]
+            rows[name] = {"rc": rc, "R": doc.get("restart_seconds") or 0.0, "gap": doc["totals"]["recovery_gap"],
+                          **{k: second.get(k, 0.0) for k in PARTS[1:]}, "wall": wall,
+                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:])}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{'ddp restart':11} {'rc':>3} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
+          f"{'1st start s':>11} {'wall s':>7}")
+    for name, r in rows.items():
+        print(f"{name:11} {r['rc']:>3} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
+              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['wall']:>7.1f}")
+    print(f"ddp: warm R / cold R = {rows['warm']['R'] / max(rows['cold']['R'], 1e-9):.2f} (the gap is the agent's: "
+          f"it notices the failure, stops the other rank, rendezvouses again)")
 
 
 def main() -> None:

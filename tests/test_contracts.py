@@ -12,7 +12,7 @@ from conftest import CONF
 from pitstop.build import build
 from pitstop.ckpt.base import Checkpointer, SaveResult
 from pitstop.fault import Fault
-from pitstop.launch import LaunchMode, launch_mode
+from pitstop.launch import LaunchMode, _root_failure, launch_mode
 from pitstop.loader.base import ShardLoader
 from pitstop.logger.base import Logger
 from pitstop.strategy.base import Strategy
@@ -66,6 +66,20 @@ def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
 ])
 def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restarts, env, mode):
     assert launch_mode(nproc, restarts, env) == mode
+
+
+def test_the_launcher_names_the_rank_that_failed_first_of_all_not_the_peer_that_lost_it():
+    # A SIGKILLed rank's exit can be noticed after its peer's "Connection closed by peer": the earliest
+    # failure alone named the wrong rank (seen in the suite once ranks were forks of a fork server).
+    from types import SimpleNamespace as F
+
+    lost = F(exitcode=1, timestamp=10.0, message={"message": "RuntimeError: [pair.cc:561] Connection closed by peer"})
+    assert _root_failure({0: lost, 1: F(exitcode=-9, timestamp=11.0, message="")})[0] == 1
+    assert _root_failure({0: F(exitcode=1, timestamp=12.0, message="ValueError: bad"),
+                          1: F(exitcode=1, timestamp=11.0, message="KeyError: k")})[0] == 1  # else the earliest
+    assert _root_failure({0: lost, 1: F(exitcode=75, timestamp=13.0, message="")})[0] == 1  # preempted
+    assert _root_failure({0: F(exitcode=-9, timestamp=11.0, message=""), 1: F(exitcode=124, timestamp=14.0,
+                                                                          message="")})[0] == 1  # hung
 
 
 # ---- the schedule and the layout: pure pieces of checkpointing ------------------------------------------

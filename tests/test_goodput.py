@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -287,15 +288,21 @@ def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_pat
 
 # ---- preemption notices (a real SIGTERM) --------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["single", "ddp"])
+@pytest.mark.parametrize("strategy", ["single", "ddp", "ddp-rank1-restarts"])
 def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(strategy, data_root, tmp_path,
                                                                               reference):
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", f"strategy={strategy}", "ckpt=async_dcp", "ckpt.interval_steps=10",
-            "fault=preempt", "fault.step=13"]
+    args = [*RUN, f"run_dir={run_dir}", f"strategy={strategy.split('-')[0]}", "ckpt=async_dcp",
+            "ckpt.interval_steps=10", "fault=preempt", "fault.step=13"]
+    if strategy == "ddp-rank1-restarts":
+        # A notice to one rank, with restarts to spare: the job stops for a requeue (the rank hands the notice
+        # to the launching process, whose agent gives it to every rank); it is not restarted in place.
+        args += ["fault.rank=1", "fault.signal=SIGUSR1", "trainer.max_restarts=3"]  # (SLURM's --signal=USR1@90)
     first = cli(args, data_root, tmp_path)
     assert first.returncode == 75, first.stderr[-3000:]  # EX_TEMPFAIL: requeue, not failure
-    assert "preempted (SIGTERM) at step 13: saved it" in (run_dir / "train.log").read_text()
+    # (rank 0 of the rank-1 case may agree before the agent's signal reaches it: "a peer's notice")
+    assert re.search(r"preempted \((SIGTERM|SIGUSR1|a peer's notice)\) at step 13: saved it",
+                     (run_dir / "train.log").read_text())
     assert (run_dir / "checkpoints" / "step_00000013" / ".metadata").is_file()
     second = cli(args, data_root, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -304,6 +311,42 @@ def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(s
     assert doc["totals"]["lost"] == 0.0  # no step computed twice
     if strategy == "single":
         assert s["params_sha256"] == reference[40]  # the same model as an uninterrupted run
+    check_account(doc)
+
+
+@pytest.mark.slow
+def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_its_save(data_root, tmp_path):
+    # Kubernetes' SIGTERM reaches the launching process (torch's elastic agent runs in it) as well as the ranks;
+    # the agent must not kill the ranks in the middle of their save: it hands the notice on and waits for them.
+    import os
+    import signal as sig
+    import time
+
+    from conftest import cli_cmd
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "strategy=ddp", "ckpt=async_dcp", "ckpt.interval_steps=10",
+            "trainer.max_steps=400", "trainer.max_restarts=2"]
+    p = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and p.poll() is None:
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+        if any(s >= 15 for s in steps):
+            break
+        time.sleep(0.2)
+    os.kill(p.pid, sig.SIGTERM)  # the launching process only (the ranks get it from the agent)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 75, err[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "preemption notice (SIGTERM): every rank saves and stops" in log
+    stopped = json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]
+    assert stopped["status"] == "preempted" and re.search(
+        rf"preempted \(SIGTERM\) at step {stopped['step']}: (saved it|the save of this step is already under way)", log)
+    second = cli(args, data_root, tmp_path)  # the same command
+    assert second.returncode == 0, second.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["resumed_from"] == stopped["step"] and doc["totals"]["lost"] == 0.0
     check_account(doc)
 
 

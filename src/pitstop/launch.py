@@ -84,27 +84,42 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     validate(cfg)
     _check_capacity(cfg, n)
     port = _port(cfg)
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from pitstop.preempt import JobNotice, parse_signals
 
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     method = warm_context(cfg).get_start_method() if warm else "spawn"
     job_start = _job_start()
+    # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
+    # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.
+    notices = parse_signals(OmegaConf.select(cfg, "trainer.preempt_signals", default=["SIGTERM"]))
+    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
+    torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"pitstop-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": 120},
         max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
-        monitor_interval=0.2, start_method=method,
+        monitor_interval=0.2, start_method=method, shutdown_timeout=int(grace) + 30,
+        signals_to_handle=",".join(torch_handles),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
     )
     log.info("launching %d ranks (rendezvous 127.0.0.1:%d, max_restarts=%d)", n, port, config.max_restarts)
+    notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig)).install()
     try:
-        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start)
+        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start,
+                                                 os.getpid())
+    except SignalException as e:
+        if e.sigval not in notices:
+            raise
+        raise Preempted(f"preempted after a notice ({e.sigval.name}); run the same command again to resume "
+                        f"({run_dir})") from None
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _root_failure(e.failures)
         if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
         if getattr(failure, "exitcode", None) == HUNG_EXIT:
@@ -113,13 +128,21 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         why = _first_line(failure)
         if "timeout" in why.lower() or "timed out" in why.lower():
             why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
+        silent = _silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
+        if silent and any(p in why.lower() for p in _LOST_PEER):  # the agent saw the peer's error first
+            raise PitstopError(f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
+                               f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
+                               f"{run_dir}/train.log and rank*.log") from None
         raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
+    finally:
+        notice.close()
     return results[0]
 
 
-def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None) -> dict:
+def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None,
+           agent: int | None = None) -> dict:
     """The entry point of each rank: a fork of the agent's pre-imported server (``method`` forkserver: warm)
-    or a fresh interpreter (spawn)."""
+    or a fresh interpreter (spawn). ``agent``: the launching process, told of a preemption notice."""
     import torch
 
     from pitstop.runner import Runner
@@ -132,6 +155,8 @@ def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float 
     elif method == "forkserver":
         os.environ["PITSTOP_PROGRAM_START"] = repr(time.time())
     os.environ["PITSTOP_START_METHOD"] = method
+    if agent is not None:
+        os.environ["PITSTOP_AGENT_PID"] = str(agent)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _log_to(run_dir, rank)
@@ -326,6 +351,38 @@ def _port(cfg: DictConfig) -> int:
         except OSError as e:
             raise ConfigError(f"strategy.master_port={want} is not free ({e.strerror}); pick another or leave it null") from None
         return s.getsockname()[1]
+
+
+# A rank that failed only because a peer went away: what it says explains nothing.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe",
+              "communicator was aborted")
+
+
+def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that explains the others: a preempted or hung rank, else one killed or failing on its own,
+    before ranks that then lost their peer (the earliest of a kind; a killed rank's exit may be noticed after
+    its peer's error, so the earliest failure alone can name the wrong rank)."""
+    def rank_of(item: tuple[int, Any]) -> tuple[int, float]:
+        failure = item[1]
+        code = getattr(failure, "exitcode", None)
+        kind = 0 if code in (PREEMPTED_EXIT, HUNG_EXIT) else 2 if any(
+            p in _first_line(failure).lower() for p in _LOST_PEER) else 1
+        return kind, float(getattr(failure, "timestamp", 0) or 0)
+
+    return min(failures.items(), key=rank_of)
+
+
+def _silent_ranks(log_dir: str, run_id: str, n: int, reported: int) -> list[int]:
+    """The ranks of this launch's last attempt that left no error file (the agent's logs under ``log_dir``):
+    ranks that did not raise but died, by a signal. The agent reports one failure, the first it noticed; a
+    SIGKILLed rank's exit may be noticed after the error of the peer that lost it."""
+    import glob
+
+    attempts = glob.glob(os.path.join(glob.escape(log_dir), f"{glob.escape(run_id)}_*", "attempt_*"))
+    if not attempts:
+        return []
+    last = max(attempts, key=lambda d: int(d.rsplit("_", 1)[1]) if d.rsplit("_", 1)[1].isdigit() else -1)
+    return [r for r in range(n) if r != reported and not os.path.exists(os.path.join(last, str(r), "error.json"))]
 
 
 def _first_line(failure: Any) -> str:

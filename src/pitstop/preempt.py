@@ -13,6 +13,7 @@ the job as it would have, and the requeued job resumes from that save.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any, Callable
@@ -50,9 +51,14 @@ class PreemptionNotice:
             raise ConfigError(f"trainer.preempt_grace_seconds must be a number of seconds >= 0, got {grace_seconds!r}")
         self.signals, self.grace = parse_signals(signals), float(grace_seconds)
         self.received: signal.Signals | None = None
+        self._agent: int | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> Callable[[], None]:
+        # A rank of pitstop's elastic launch tells the launching process of a notice that may have reached it
+        # alone (SLURM's --signal USR1/USR2): the notice becomes the whole job's (the agent hands it to every
+        # rank and waits for their saves), not one rank's exit 75 that the agent would restart in place.
+        self._agent = int(os.environ.get("PITSTOP_AGENT_PID") or 0) or None
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -62,6 +68,14 @@ class PreemptionNotice:
         if self.received is None:
             self.received = signal.Signals(signum)
             log.warning("preemption notice (%s): finishing this step, then saving and exiting", self.received.name)
+            # (Not SIGTERM or SIGINT: with those the agent itself stops ranks, e.g. the peers of a failed rank;
+            # a scheduler's SIGTERM reaches every process of the job, the agent's too.)
+            if self._agent is not None and self._agent != os.getpid() and \
+                    self.received not in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    os.kill(self._agent, signum)
+                except OSError:  # (gone, or not ours to signal: the ranks still save and exit 75)
+                    pass
         else:
             log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
 
@@ -76,6 +90,37 @@ class PreemptionNotice:
             log.warning("handing the %s notice on to the handler installed before pitstop's (%s)",
                         self.received.name, getattr(previous, "__qualname__", previous))
             previous(int(self.received), None)
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class JobNotice:
+    """The launching process of an elastic job (torch's elastic agent runs in it): the first preemption notice
+    it gets — from the scheduler, or handed on by a rank — stops the agent, which gives every rank the same
+    signal (a notice: they save and exit 75) and waits ``trainer.preempt_grace_seconds`` + 30 s for them.
+    Later notices are only logged (another would cut that wait short)."""
+
+    def __init__(self, signals: list[signal.Signals], exception: Callable[[str, signal.Signals], BaseException]):
+        self.signals, self.exception = signals, exception
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> "JobNotice":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            log.warning("another %s: the ranks are already saving for a preemption notice", signal.Signals(signum).name)
+            return
+        self.received = signal.Signals(signum)
+        log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
+        raise self.exception(f"preemption notice ({self.received.name})", self.received)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

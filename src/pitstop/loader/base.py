@@ -10,9 +10,9 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 from __future__ import annotations
 
 import functools
-import re
 import logging
 import os
+import re
 import signal
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
@@ -44,7 +44,6 @@ def parse_size(value: Any, what: str = "loader.cache_limit", off: str = "null") 
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError(f"{what}={value!r} is not a size; use bytes or e.g. 500MB, 20GB, 1.5TiB, or {off}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 
 class _Failure:
@@ -467,6 +466,7 @@ def _exit_with(pid: int) -> None:
     """Exit this process (at once, status 1) when process ``pid`` ends; now if it already has."""
     import select
     import threading
+    import time
 
     try:
         fd = os.pidfd_open(pid)
@@ -486,7 +486,7 @@ def _exit_with(pid: int) -> None:
                     break
                 except PermissionError:
                     pass
-                threading.Event().wait(1.0)
+                time.sleep(1.0)
         os._exit(1)
 
     threading.Thread(target=watch, name="pitstop-exit-with-trainer", daemon=True).start()
