@@ -129,7 +129,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         if "timeout" in why.lower() or "timed out" in why.lower():
             why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
         silent = _silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
-        if silent and any(p in why.lower() for p in _LOST_PEER):  # the agent saw the peer's error first
+        if silent and _lost_peer(why):  # the agent saw the peer's error first
             raise PitstopError(f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
                                f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
                                f"{run_dir}/train.log and rank*.log") from None
@@ -358,6 +358,10 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "remote w
               "communicator was aborted")
 
 
+def _lost_peer(message: str) -> bool:
+    return any(p in message.lower() for p in _LOST_PEER)
+
+
 def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that explains the others: a preempted or hung rank, else one killed or failing on its own,
     before ranks that then lost their peer (the earliest of a kind; a killed rank's exit may be noticed after
@@ -365,8 +369,7 @@ def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     def rank_of(item: tuple[int, Any]) -> tuple[int, float]:
         failure = item[1]
         code = getattr(failure, "exitcode", None)
-        kind = 0 if code in (PREEMPTED_EXIT, HUNG_EXIT) else 2 if any(
-            p in _first_line(failure).lower() for p in _LOST_PEER) else 1
+        kind = 0 if code in (PREEMPTED_EXIT, HUNG_EXIT) else 2 if _lost_peer(_first_line(failure)) else 1
         return kind, float(getattr(failure, "timestamp", 0) or 0)
 
     return min(failures.items(), key=rank_of)

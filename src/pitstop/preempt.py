@@ -43,7 +43,28 @@ def parse_signals(names: Any) -> list[signal.Signals]:
     return out
 
 
-class PreemptionNotice:
+class _Handlers:
+    """Signal handlers for ``self.signals`` (main thread only), ``_on_signal`` each; ``close()`` restores the
+    ones they replaced."""
+
+    signals: list[signal.Signals]
+    _previous: dict[signal.Signals, Any]
+
+    def _install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class PreemptionNotice(_Handlers):
     """Installs the handlers (main thread only) and remembers the first notice; ``close()`` restores them."""
 
     def __init__(self, signals: Any, grace_seconds: float):
@@ -59,9 +80,7 @@ class PreemptionNotice:
         # alone (SLURM's --signal USR1/USR2): the notice becomes the whole job's (the agent hands it to every
         # rank and waits for their saves), not one rank's exit 75 that the agent would restart in place.
         self._agent = int(os.environ.get("PITSTOP_AGENT_PID") or 0) or None
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._install()
         return self.close
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -91,13 +110,8 @@ class PreemptionNotice:
                         self.received.name, getattr(previous, "__qualname__", previous))
             previous(int(self.received), None)
 
-    def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
-
-class JobNotice:
+class JobNotice(_Handlers):
     """The launching process of an elastic job (torch's elastic agent runs in it): the first preemption notice
     it gets — from the scheduler, or handed on by a rank — stops the agent, which gives every rank the same
     signal (a notice: they save and exit 75) and waits ``trainer.preempt_grace_seconds`` + 30 s for them.
@@ -109,9 +123,7 @@ class JobNotice:
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> "JobNotice":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._install()
         return self
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -121,8 +133,3 @@ class JobNotice:
         self.received = signal.Signals(signum)
         log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
         raise self.exception(f"preemption notice ({self.received.name})", self.received)
-
-    def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
