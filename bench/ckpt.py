@@ -1,16 +1,25 @@
-"""Checkpoint cost per backend, side by side: how long the training loop is blocked per save.
+"""What a checkpoint costs the training loop, per backend, side by side in one run.
 
-    python bench/ckpt.py [--repeats 3] [--rss-saves 60]
+    python bench/ckpt.py [--repeats 3] [--rss-saves 50] [--steps 6]
 
-Model: torchvision ResNet-50 + Adam (~25.6 M params -> ~307 MB of training state). For each backend and
-two storage targets — local disk with fsync, and the same disk behind a 200 MB/s throttle (pitstop's
-``ckpt.throttle_mbps``: every checkpoint file write is paced by a token bucket, a stand-in for a network
-volume) — one save is started right after a training step and the loop's blocking time is measured the
-way the runner accounts it (time inside ``maybe_save`` + waiting for staging before the next
-``optimizer.step()``); then the bench waits until the save is durable (``total``). Backends alternate
-within each repeat; medians are printed with the ratio to ``sync_save`` and the memory-copy lower bound
-(one in-memory copy of the state's bytes). Then steps/s with a save every step vs no saves, and RSS over
-many saves (host memory must stay flat).
+Models: torchvision ResNet-50 + AdamW (BatchNorm; ~283 MB of model + optimizer state) and a ViT of similar
+size without BatchNorm (torchvision ``VisionTransformer``, 8 layers x 512, patch 4 on 32x32 images).
+Rows, each driven through the runner's own loop on the same state:
+
+- pitstop's backends; the async ones with the thread and with the process checkpointer;
+- peer, torchtitan's ``async_with_pinned_mem`` mode, as its ``components/checkpoint.py`` makes the calls:
+  ``gc.collect(1)``, its model state dict made once and cached, the optimizer's each save,
+  ``dcp.async_save`` with ``DefaultStager(StagingOptions(pinned, shared, async staging, non-blocking))`` and
+  a checkpoint process, and a wait for staging right before ``optimizer.step()`` (pinned memory and
+  non-blocking copies need CUDA, so they are off on CPU, as torchtitan's stager also turns them off);
+- peer, a plain ``torch.save`` of the same state into one file, with fsync.
+
+Per row: ``block`` is the loop's blocking time per save (inside ``maybe_save`` plus waiting for staging
+before ``optimizer.step()``, as the runner accounts it), median of steady-state saves; ``extra`` is the loop
+time from the save until it is durable minus the same number of steps without saving (blocking + slowed
+steps); ``first`` is the first save's blocking time; ``durable`` is seconds until the save is committed.
+The memory-copy bound (one copy of the state's bytes) is measured in the same run.  Then: the same on a
+200 MB/s throttled target (ResNet-50), steps/s with a save after every step, and RSS over many saves.
 """
 
 from __future__ import annotations
@@ -19,16 +28,249 @@ import argparse
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
 from common import compose, ensure_data, median
 
-BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
-MODEL = ["model=resnet18", "model._target_=torchvision.models.resnet50", "~model.in_channels", "data.channels=3",
-         "data.image_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]", "optim=adamw"]
+DATA = ["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]", "optim=adamw"]
+MODELS = {
+    "ResNet-50 (BatchNorm)": ["model=resnet18", "model._target_=torchvision.models.resnet50", "~model.in_channels", *DATA],
+    "ViT-25M (no BatchNorm)": ["model=resnet18", "model._target_=torchvision.models.VisionTransformer",
+                               "~model.in_channels", "+model.image_size=32", "+model.patch_size=4", "+model.num_layers=8",
+                               "+model.num_heads=8", "+model.hidden_dim=512", "+model.mlp_dim=2048", *DATA],
+}
 BASE = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=8", "loader.num_workers=1",
         "trainer.eval_every_steps=100000", "trainer.eval_max_batches=1"]
+ROWS = {  # label -> ckpt overrides, or a peer
+    "sync_save": ["ckpt=sync_save"],
+    "sync_dcp": ["ckpt=sync_dcp"],
+    "async_dcp (thread)": ["ckpt=async_dcp", "ckpt.checkpointer=thread"],
+    "async_dcp (process)": ["ckpt=async_dcp", "ckpt.checkpointer=process"],
+    "async_dcp_pinned (process)": ["ckpt=async_dcp_pinned", "ckpt.checkpointer=process"],
+    "peer: torchtitan pinned": "titan",
+    "peer: torch.save": "torch.save",
+}
+WARM_STEPS = 3  # steps before the first save (a run saves after ckpt.interval_steps, never at its first step)
+
+
+# ---- peers ----------------------------------------------------------------------------------------------
+def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
+    """A peer's save path as a CheckpointManager, so the runner's loop drives and accounts it like ours."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from pitstop.ckpt.base import CheckpointManager, Pending
+    from pitstop.ckpt.formats import encode_json
+    from pitstop.ckpt.storage import open_write
+    from pitstop.ckpt.sync_dcp import dcp_writer
+
+    class TitanPinned(CheckpointManager):
+        name, is_async = "torchtitan async_with_pinned_mem", True
+
+        def _setup_backend(self):
+            if not dist.is_initialized():
+                self.strategy.init_local_group(os.path.join(tempfile.gettempdir(), f"bench-pg-{os.getpid()}"))
+                self.group = self.strategy.ckpt_group()
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(cuda, True, True, cuda))
+            self.model_sd = None
+
+        def _app_state(self, target):
+            if self.model_sd is None:  # torchtitan's ModelWrapper: made once, kept
+                self.model_sd = get_model_state_dict(target.model)
+            return {"model": self.model_sd, "optim": get_optimizer_state_dict(target.model, target.optimizer),
+                    f"train.rank{self.rank}": encode_json(target.state.state_dict())}
+
+        def _write(self, app_state, record):
+            gc.collect(1)
+            out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
+                                 process_group=self.group, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                 async_stager=self.stager)
+            return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
+
+        def _shutdown(self):
+            self.stager.close()
+
+    class TorchSave(CheckpointManager):
+        name = "torch.save"
+
+        def _write(self, app_state, record):
+            os.makedirs(record.path, exist_ok=True)
+            with open_write(os.path.join(record.path, "state.pt"), record.throttle_mbps) as f:
+                torch.save(app_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            return None
+
+    cls = TitanPinned if kind == "titan" else TorchSave
+    return cls(dir=ckpt_dir, interval_steps=1, keep_last_k=2, throttle_mbps=throttle_mbps)
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------
+def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps: int = 100000):
+    from pitstop.runner import Runner
+
+    spec = ROWS.get(row, row)
+    ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + ["ckpt.interval_steps=1", "ckpt.keep_last_k=2"]
+    if row == "none":
+        ckpt = ["ckpt=none"]
+    cfg = compose([*BASE, *MODELS[model], *ckpt, f"trainer.max_steps={steps}", f"run_dir={run_dir}", *extra])
+    r = Runner(cfg, run_dir)
+    r.setup()
+    if isinstance(spec, str) and row != "none":
+        r.ckpt.close()
+        throttle = next((float(x.split("=")[1]) for x in extra if x.startswith("ckpt.throttle_mbps=")), None)
+        r.ckpt = peer(spec, os.path.join(run_dir, "checkpoints"), throttle)
+        r.ckpt.setup(r.strategy, lambda *_: None)
+    r.restore()
+    r.batches = iter(r.loader)
+    for _ in range(WARM_STEPS):  # also initialises AdamW's state, so the saved state is complete
+        step(r)
+    return r
+
+
+def step(r) -> None:
+    batch = r.data.on_device(r.strategy.to_device(next(r.batches)))
+    r.train_step(batch)
+    r.progress.step += 1
+
+
+def state_bytes(r) -> int:
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(r.model, r.optimizer)
+    tensors = list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memcpy_bound(r, repeats: int = 7) -> float:
+    """One copy of the state's tensors into preallocated memory (the best a snapshot can do)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(r.model, r.optimizer)
+    tensors = list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    dst = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, tensors)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def measure_save(r) -> dict:
+    """One save: its blocking time, the loop time of the window until it is durable (steps go on meanwhile:
+    background staging overlaps their forward/backward and is waited for before their optimizer step), the
+    number of steps in that window, and seconds until durable; then as many steps again without a save,
+    timed one by one (the baseline for the extra loop time, see :func:`extra_loop_time`)."""
+    before = r.ledger.seconds["checkpoint"]
+    t0 = time.perf_counter()
+    block = r.ckpt.maybe_save(r.target, r.step).blocked  # interval_steps=1: every call saves
+    n = 0
+    while True:
+        step(r)
+        n += 1
+        p = r.ckpt.pending
+        if p is None or p.upload.done():
+            break
+    r.ckpt.wait()
+    window = time.perf_counter() - t0
+    block += r.ledger.seconds["checkpoint"] - before
+    rec = r.ckpt._done[-1] if r.ckpt._done else None
+    durable = rec.total_seconds if rec is not None and rec.total_seconds else window
+    r.ckpt._report_finished()
+    plain = []
+    for _ in range(max(n, 2)):
+        t1 = time.perf_counter()
+        step(r)
+        plain.append(time.perf_counter() - t1)
+    return {"block": block, "window": window, "n": n, "durable": durable, "plain": plain}
+
+
+def extra_loop_time(saves: list[dict]) -> float:
+    """Median over saves of (window - n x the median step time without a save, over all of this row's plain
+    steps): a step time of ~0.5 s varies by ~10% from step to step here, so a per-save baseline of a few
+    steps would be noisier than the quantity measured."""
+    plain = median([t for s in saves for t in s["plain"]])
+    return median([s["window"] - s["n"] * plain for s in saves])
+
+
+def table(model: str, rows: list[str], extra: list[str], repeats: int, tmp: str, throttled: bool) -> None:
+    tag = f"{list(MODELS).index(model)}{'t' if throttled else ''}"
+    runners = {row: make_runner(model, row, os.path.join(tmp, f"{tag}-{i}"), extra) for i, row in enumerate(rows)}
+    any_r = next(iter(runners.values()))
+    nbytes, bound = state_bytes(any_r), memcpy_bound(any_r)
+    first = {row: measure_save(r) for row, r in runners.items()}
+    results: dict[str, list] = {row: [] for row in rows}
+    for _ in range(repeats):  # rows alternate within each repeat
+        for row, r in runners.items():
+            results[row].append(measure_save(r))
+    where = "200 MB/s throttled target" if throttled else "local disk + fsync"
+    print(f"\n## {model}: {nbytes / 1e6:.0f} MB of model+optimizer state, {where}; memory-copy bound "
+          f"{bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.1f} GB/s); {repeats} steady saves per row", flush=True)
+    base = median([x["block"] for x in results["sync_save"]]) if "sync_save" in results else None
+    print(f"{'row':<28}{'block':>9}{'x memcpy':>9}{'x sync_save':>12}{'extra':>9}{'x memcpy':>9}"
+          f"{'first':>9}{'first/steady':>13}{'durable':>9}{'step':>8}")
+    for row in rows:
+        block = median([x["block"] for x in results[row]])
+        extra_t = extra_loop_time(results[row])
+        durable = median([x["durable"] for x in results[row]])
+        step_t = median([t for x in results[row] for t in x["plain"]])
+        vs = f"{block / base:.3f}" if base else "-"
+        print(f"{row:<28}{block * 1e3:>7.1f}ms{block / bound:>8.2f}x{vs:>11}x{extra_t * 1e3:>7.0f}ms"
+              f"{extra_t / bound:>8.1f}x{first[row]['block'] * 1e3:>7.0f}ms"
+              f"{first[row]['block'] / max(block, 1e-9):>12.1f}x{durable:>8.2f}s{step_t:>7.2f}s", flush=True)
+    for r in runners.values():
+        r.ckpt.close()
+        r.close()
+    runners.clear()
+    gc.collect()
+
+
+def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
+    print(f"\n## {model}: steps/s with a save after every step ({steps} steps) vs no saves, local disk")
+    none_sps = None
+    for row in ["none", *rows]:
+        d = tempfile.mkdtemp(dir=tmp)
+        r = make_runner(model, row, d)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(r)
+            r.ckpt.maybe_save(r.target, r.step)
+        r.ckpt.close()
+        sps = steps / (time.perf_counter() - t0)
+        none_sps = none_sps or sps
+        print(f"{row:<28}{sps:8.3f} steps/s  ({sps / none_sps:.2f}x of no saves)", flush=True)
+        r.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def rss_over_saves(model: str, row: str, saves: int) -> None:
+    d = tempfile.mkdtemp(prefix="pitstop-bench-rss-", dir=os.environ.get("BENCH_DIR"))
+    r = make_runner(model, row, d)
+    marks = {}
+    for i in range(1, saves + 1):
+        r.ckpt.maybe_save(r.target, r.step)
+        step(r)
+        if i in (1, 10, saves // 2, saves):
+            r.ckpt.wait()
+            gc.collect()
+            marks[i] = tree_rss_mb()
+    r.ckpt.close()
+    growth = marks[saves] - marks[10]
+    print(f"RSS {row:<28}" + "  ".join(f"save {k}: {v:6.0f} MB" for k, v in sorted(marks.items()))
+          + f"   growth save 10->{saves}: {growth:+.0f} MB ({100 * growth / marks[10]:+.1f}%)", flush=True)
+    r.close()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def rss_mb(pid: int | None = None) -> float:
@@ -40,7 +282,7 @@ def rss_mb(pid: int | None = None) -> float:
 
 
 def tree_rss_mb() -> float:
-    """RSS of this process plus its child processes (e.g. a process-based checkpoint writer)."""
+    """RSS of this process plus its child processes (e.g. a checkpoint process)."""
     total = rss_mb()
     for task in os.listdir("/proc/self/task"):
         try:
@@ -52,156 +294,39 @@ def tree_rss_mb() -> float:
     return total
 
 
-def make_runner(backend: str, run_dir: str, extra: list[str], steps: int = 100000):
-    from pitstop.runner import Runner
-
-    ckpt = [f"ckpt={backend}", "ckpt.interval_steps=1", "ckpt.keep_last_k=2"] if backend != "none" else ["ckpt=none"]
-    cfg = compose([*BASE, *MODEL, *ckpt, f"trainer.max_steps={steps}", f"run_dir={run_dir}", *extra])
-    r = Runner(cfg, run_dir)
-    r.setup()
-    r.restore()
-    r.batches = iter(r.loader)
-    step(r)  # initialises Adam's state, so the saved state is complete
-    return r
-
-
-def step(r) -> None:
-    batch = r.data.on_device(r.strategy.to_device(next(r.batches)))
-    r.train_step(batch)
-    r.progress.step += 1
-
-
-def state_bytes(r) -> int:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(r.model, r.optimizer)
-    total = sum(t.numel() * t.element_size() for t in msd.values())
-    for s in osd["state"].values():
-        total += sum(t.numel() * t.element_size() for t in s.values() if hasattr(t, "numel"))
-    return total
-
-
-def memcpy_bound(r, repeats: int = 5) -> float:
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(r.model, r.optimizer)
-    tensors = list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
-    dst = [torch.empty_like(t) for t in tensors]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for d, t in zip(dst, tensors):
-            d.copy_(t)
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
-def measure_save(r) -> tuple[float, float]:
-    """(blocking seconds, seconds until durable) of one save, measured as the runner accounts it.
-
-    The save starts after a step; the next training step runs (so background staging can overlap its
-    forward/backward) and waits for staging before its optimizer step; both waits are blocking time.
-    """
-    before = r.ledger.seconds["checkpoint"]
-    t0 = time.perf_counter()
-    block = r.ckpt.maybe_save(r.target, r.step).blocked  # interval_steps=1: every call saves
-    step(r)                                      # adds the staging wait to the ledger's checkpoint bucket
-    block += r.ledger.seconds["checkpoint"] - before
-    r.ckpt.wait()
-    total = time.perf_counter() - t0
-    r.ckpt._report_finished()
-    return block, total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--throttle-mbps", type=float, default=200.0)
-    ap.add_argument("--rss-saves", type=int, default=60)
-    ap.add_argument("--steps", type=int, default=6, help="steps for the save-every-step throughput runs")
-    ap.add_argument("--rss-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-saves", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=6, help="steps for the save-every-step runs")
+    ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss")
+    ap.add_argument("--rss-only", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     ensure_data()
     if args.rss_only:
-        return rss_over_saves(args.rss_only, args.rss_saves)
+        return rss_over_saves(*args.rss_only, args.rss_saves)
+    parts = set((args.only or "tables,throttled,every,rss").split(","))
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
-    targets = {"local disk + fsync": [], f"throttled {args.throttle_mbps:.0f} MB/s": [f"ckpt.throttle_mbps={args.throttle_mbps}"]}
-    runners = {(t, b): make_runner(b, os.path.join(tmp, f"{i}-{b}"), extra)
-               for i, (t, extra) in enumerate(targets.items()) for b in BACKENDS}
-    any_r = next(iter(runners.values()))
-    nbytes = state_bytes(any_r)
-    bound = memcpy_bound(any_r)
-    for r in runners.values():  # warm-up save: process checkpointer start-up, stager allocation
-        measure_save(r)
-    results = {k: [] for k in runners}
-    for _ in range(args.repeats):
-        for key, r in runners.items():
-            results[key].append(measure_save(r))
-    print(f"# ckpt: ResNet-50 + AdamW, {nbytes / 1e6:.0f} MB of model+optimizer state, {args.repeats} saves per cell "
-          f"(after one warm-up save), backends alternating")
-    print(f"memory-copy lower bound: {bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.2f} GB/s, one copy of the state)")
-    for target in targets:
-        base = median([b for b, _ in results[(target, "sync_save")]])
-        print(f"\n[{target}]")
-        print(f"{'backend':<18}{'block/save':>12}{'vs sync_save':>14}{'vs memcpy':>11}{'durable after':>15}")
-        for b in BACKENDS:
-            block = median([x for x, _ in results[(target, b)]])
-            total = median([y for _, y in results[(target, b)]])
-            print(f"{b:<18}{block * 1e3:>10.1f}ms{block / base:>13.3f}x{block / bound:>10.2f}x{total:>14.2f}s")
-    for r in runners.values():
-        r.ckpt.close()
-        r.close()
-    del runners
-    gc.collect()
+    print("# bench/ckpt.py: what a save costs the loop (medians; rows alternate within each repeat)", flush=True)
+    resnet = next(iter(MODELS))
+    if "tables" in parts:
+        for model in MODELS:
+            table(model, list(ROWS), [], args.repeats, tmp, throttled=False)
+    if "throttled" in parts:
+        rows = ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)", "peer: torchtitan pinned"]
+        table(resnet, rows, [f"ckpt.throttle_mbps={args.throttle_mbps}"], args.repeats, tmp, throttled=True)
+    if "every" in parts:
+        every_step(resnet, list(ROWS), args.steps, tmp)
+    if "rss" in parts:
+        print(f"\n## {resnet}: RSS of the trainer and its checkpoint processes over {args.rss_saves} saves", flush=True)
+        for row in ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)"]:
+            out = subprocess.run([sys.executable, __file__, "--rss-only", resnet, row, "--rss-saves", str(args.rss_saves)],
+                                 capture_output=True, text=True)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RSS")]
+            print(lines[-1] if lines else f"{row}: failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
-    # ---- training throughput with a save every step -----------------------------------------------------
-    print(f"\n# steps/s, {args.steps} steps with a save after every step vs no saves (local disk)")
-    for b in ["none", *BACKENDS]:
-        d = tempfile.mkdtemp(dir=tmp if os.path.isdir(tmp) else None)
-        r = make_runner(b, d, [])
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step(r)
-            r.ckpt.maybe_save(r.target, r.step)
-        r.ckpt.close()
-        sps = args.steps / (time.perf_counter() - t0)
-        if b == "none":
-            none_sps = sps
-        print(f"{b:<18}{sps:8.3f} steps/s  ({sps / none_sps:.2f}x of no saves)")
-        r.close()
-        shutil.rmtree(d, ignore_errors=True)
-
-    # ---- host memory over many saves (each backend in a fresh process) --------------------------------
-    print(f"\n# RSS (trainer process + checkpoint child processes) over {args.rss_saves} saves, ResNet-50 + AdamW")
-    import subprocess
-    import sys
-
-    for b in ["async_dcp", "async_dcp_pinned", "sync_dcp", "sync_save"]:
-        out = subprocess.run([sys.executable, __file__, "--rss-only", b, "--rss-saves", str(args.rss_saves)],
-                             capture_output=True, text=True)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(b)]
-        print(lines[-1] if lines else f"{b}: failed: {out.stderr.strip().splitlines()[-1:]}")
-
-
-def rss_over_saves(backend: str, saves: int) -> None:
-    d = tempfile.mkdtemp(prefix="pitstop-bench-rss-", dir=os.environ.get("BENCH_DIR"))
-    r = make_runner(backend, d, [])
-    marks = {}
-    for i in range(1, saves + 1):
-        r.ckpt.maybe_save(r.target, r.step)
-        step(r)
-        if i in (1, 10, saves // 2, saves):
-            r.ckpt.wait()
-            gc.collect()
-            marks[i] = tree_rss_mb()
-    r.ckpt.close()
-    growth = marks[saves] - marks[10]
-    print(f"{backend:<18}" + "  ".join(f"save {k}: {v:6.0f} MB" for k, v in sorted(marks.items()))
-          + f"   growth save 10->{saves}: {growth:+.0f} MB ({100 * growth / marks[10]:+.1f}%)", flush=True)
-    r.close()
-    shutil.rmtree(d, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, cli_cmd, read_jsonl
+from conftest import PY, ROOT, cli, cli_cmd, read_jsonl, train
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
@@ -76,6 +76,118 @@ def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_pat
     s = summary(run_dir)
     assert s["resumed_from"] == 25
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    """Every entry of a DCP checkpoint, flattened: path -> bytes of a tensor, or the value itself."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out_file = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out_file))
+    flat: dict = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}/{i}", v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = (obj.dtype, tuple(obj.shape), obj.contiguous().numpy().tobytes())
+        else:
+            flat[prefix] = obj
+
+    walk("", torch.load(out_file, weights_only=True))
+    return flat
+
+
+def runner_at_step_one(cfg):
+    from pitstop.runner import Runner
+
+    r = Runner(cfg, cfg.run_dir)
+    r.setup()
+    r.restore()
+    r.batches = iter(r.loader)
+    one_step(r)
+    return r
+
+
+def one_step(r) -> None:
+    r.train_step(r.data.on_device(r.strategy.to_device(next(r.batches))))
+    r.progress.step += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
+def test_a_background_staged_checkpoint_of_a_batchnorm_model_is_the_synchronous_one_bitwise(backend, make_cfg, tmp_path):
+    """ResNet-18's BatchNorm statistics change in the next step's forward while its parameters and AdamW state
+    are still being copied in the background: every saved tensor must still be the saved step's, so each
+    checkpoint equals, tensor by tensor and bit for bit, the synchronous save of the same step.
+
+    The background copy is held back until the next forward has run (a task queued ahead of it on the
+    stager's thread, released by a forward hook), so the test does not depend on which thread wins."""
+    import threading
+
+    overrides = ("model=resnet18", "optim=adamw", "ckpt.interval_steps=1", "ckpt.keep_last_k=0", "trainer.max_steps=50")
+    ref = runner_at_step_one(make_cfg(*overrides, "ckpt=sync_dcp", f"run_dir={tmp_path / 'sync'}"))
+    r = runner_at_step_one(make_cfg(*overrides, f"ckpt={backend}", f"run_dir={tmp_path / 'staged'}"))
+    forward_done = threading.Event()
+    r.model.register_forward_hook(lambda *_: forward_done.set())
+    for _ in range(3):
+        assert ref.ckpt.maybe_save(ref.target, ref.step).started == ref.step
+        one_step(ref)
+        forward_done.clear()
+        r.ckpt.stager._pool.submit(forward_done.wait, 60)  # the copy starts only after the next forward
+        assert r.ckpt.maybe_save(r.target, r.step).started == r.step
+        one_step(r)
+    for x in (ref, r):
+        x.ckpt.close()
+        x.close()
+    for step in (1, 2, 3):
+        name = f"checkpoints/step_{step:08d}"
+        sync, staged = checkpoint_tensors(tmp_path / "sync" / name), checkpoint_tensors(tmp_path / "staged" / name)
+        assert sorted(staged) == sorted(sync)
+        assert any("running_mean" in k for k in sync) and any("exp_avg_sq" in k for k in sync)
+        differ = [k for k in sync if staged[k] != sync[k]]
+        assert not differ, f"step {step}: {len(differ)} entries differ from the synchronous save, e.g. {differ[:3]}"
+
+
+@pytest.mark.slow
+def test_a_killed_checkpoint_process_fails_only_its_save_and_the_next_save_works(make_cfg, tmp_path):
+    """SIGKILL to the checkpoint process while it writes (throttled to 20 MB/s): that save is counted as failed
+    and never committed, and the next save starts a new checkpoint process and commits."""
+    import os
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    from pitstop.ckpt import layout
+
+    r = runner_at_step_one(make_cfg("model=resnet18", "optim=adamw", "ckpt=async_dcp_pinned", "ckpt.interval_steps=1",
+                                    "ckpt.keep_last_k=0", "ckpt.on_error=warn", "ckpt.throttle_mbps=20",
+                                    "trainer.max_steps=50"))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    try:
+        r.ckpt._warmup[0].result(timeout=120)  # the checkpoint process is up (a save before is a thread's)
+        assert r.ckpt.maybe_save(r.target, r.step).started == 1
+        writer = executor._CHECKPOINT_PROCESS._save_process
+        deadline = time.time() + 60
+        while not partial_write_in_progress(ckpt_dir) and time.time() < deadline:
+            time.sleep(0.05)
+        assert partial_write_in_progress(ckpt_dir), "the write never started"
+        os.kill(writer.pid, signal.SIGKILL)
+        r.ckpt.wait()
+        assert r.ckpt.failures == 1 and not layout.is_complete(str(ckpt_dir / "step_00000001"))
+        one_step(r)
+        assert r.ckpt.maybe_save(r.target, r.step).started == 2
+        r.ckpt.wait()
+        assert executor._CHECKPOINT_PROCESS._save_process.pid != writer.pid
+        assert r.ckpt.failures == 1
+        assert [p for p in sorted(ckpt_dir.iterdir()) if layout.is_complete(str(p))] == [ckpt_dir / "step_00000002"]
+    finally:
+        r.ckpt.close()
+        r.close()
 
 
 def wait_for(pred, timeout: float, proc) -> bool:
@@ -225,6 +337,36 @@ def test_full_disk_mid_save_never_commits_and_keeps_older(on_error, data_root, t
             assert p.returncode == 2 and "checkpoint at step 12 failed" in p.stderr.strip().splitlines()[-1]
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointer", ["process", "auto"])
+def test_a_checkpoint_process_without_enough_shared_memory(checkpointer, data_root, tmp_path):
+    """The trainer runs with a 16 MiB /dev/shm (its own mount namespace): the checkpoint process's host buffers
+    for ResNet-18 + AdamW (~135 MB) do not fit, and writing to them would kill the trainer with SIGBUS.
+    ckpt.checkpointer=process stops with one line naming the size needed and what to do; auto says so and
+    writes from a thread instead."""
+    import shlex
+
+    run_dir = tmp_path / "run"
+    cmd = cli_cmd(["debug=tiny", "model=resnet18", "optim=adamw", "trainer.max_steps=4", f"run_dir={run_dir}",
+                   "ckpt=async_dcp_pinned", "ckpt.interval_steps=2", f"ckpt.checkpointer={checkpointer}"],
+                  data_root, tmp_path)
+    script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {shlex.join(cmd)}"
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    if p.returncode != 0 and "mount" in (p.stderr.splitlines() or [""])[0]:
+        pytest.skip(f"cannot mount a small /dev/shm here: {p.stderr.strip()[:200]}")
+    needs = "ckpt.checkpointer=process needs 128 MiB of shared memory for its host buffers, but /dev/shm has 16 MiB free"
+    if checkpointer == "process":
+        assert p.returncode == 2, p.stderr[-3000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert needs in last and "ckpt.checkpointer=thread" in last
+        assert not any((run_dir / "checkpoints").glob("step_*/.metadata"))
+    else:
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert f"{needs}; writing from a thread of this process instead" in (run_dir / "train.log").read_text()
+        assert summary(run_dir)["checkpoint"]["saves"] == 2 and summary(run_dir)["checkpoint"]["failures"] == 0
 
 
 @pytest.mark.slow

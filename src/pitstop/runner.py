@@ -165,9 +165,6 @@ class Runner:
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
             self.state = TrainState(self.progress, self.loader, self.scheduler, self.fingerprint())
             self.target = Target(self.model, self.optimizer, self.state)
-            # Buffers (BatchNorm running stats) change in forward, so an async save's staging must finish
-            # before the next forward; without buffers it may overlap forward/backward until optimizer.step().
-            self.forward_mutates_state = any(True for _ in self.model.buffers())
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
             hold.callback(self.metrics_file.close)
             self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
@@ -335,8 +332,6 @@ class Runner:
 
     def train_step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.forward_mutates_state:  # e.g. BatchNorm statistics: background staging must be done first
-            self.ledger.add("checkpoint", self.ckpt.wait_staging())
         loss = self.task.loss(self.model, batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
@@ -344,6 +339,7 @@ class Runner:
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.ledger.add("checkpoint", self.ckpt.wait_staging())  # staging must finish before params change
+        # (what forward changes, BatchNorm statistics, was copied when the save started)
         self.optimizer.step()
         self.scheduler.step()
         return loss.item()

@@ -1,9 +1,13 @@
-"""``ckpt=async_dcp`` / ``ckpt=async_dcp_pinned``: ``dcp.async_save`` — the loop pays only for staging.
+"""``ckpt=async_dcp`` / ``ckpt=async_dcp_pinned``: ``dcp.async_save`` — the loop pays only for a snapshot.
 
-- ``async_dcp``: staging (a host copy of the state) happens in the call; a thread writes it.
-- ``async_dcp_pinned``: one reusable stager (pinned memory on CUDA, shared memory on CPU) staging in the
-  background, written by a separate checkpoint process; the loop waits for staging only right before the
-  optimizer changes the parameters, so the copy overlaps forward/backward.
+Both stage with :class:`~pitstop.ckpt.staging.HostStager`: buffers that forward changes (BatchNorm
+statistics) are copied in the call; parameters and optimizer state are copied in the background into host
+buffers allocated once, and the loop waits for that copy only right before ``optimizer.step()``, so it
+overlaps the next step's forward and backward.  Then a writer (``ckpt.checkpointer``: a thread of this
+process, or a checkpoint process reading the host buffers from shared memory) writes the checkpoint.
+
+- ``async_dcp``: plain host memory (pinned on CUDA).
+- ``async_dcp_pinned``: pinned and shared host memory for a checkpoint process (shared memory on CPU).
 
 The lifecycle (one save in flight, waiting for staging before the state changes, commit, failure handling
 per ``ckpt.on_error``, waiting for the last save at close) is :class:`~pitstop.ckpt.base.CheckpointManager`'s;
@@ -14,18 +18,21 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
-from pitstop.errors import ConfigError
-from pitstop.ckpt.sync_dcp import dcp_writer
+from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, Target, one_line
+from pitstop.ckpt.staging import STAGED, HostStager, Layout, layout_bytes
+from pitstop.ckpt.sync_dcp import dcp_writer, planner
+from pitstop.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -54,28 +61,142 @@ class AsyncDCP(CheckpointManager):
             # A one-rank group for the checkpoint process; its file store is private to this process.
             self.strategy.init_local_group(os.path.join(tempfile.gettempdir(), f"pitstop-pg-{os.getpid()}-{id(self)}"))
             self.group = self.strategy.ckpt_group()
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # One stager for the whole run: its host buffers are allocated on the first save and reused.
+        self.stager = HostStager(self.strategy.device, shared=self.kind == AsyncCheckpointerType.PROCESS,
+                                 pinned=self.pinned)
+        log.info("%s: %s checkpointer; staging: %s", self.name, kind, self.stager.describe())
+        self._warmup: tuple[Future, str] | None = None
+        if self.kind == AsyncCheckpointerType.PROCESS:
+            self._start_checkpoint_process()
 
-        cuda = self.strategy.device.type == "cuda"
-        # One stager for the whole run: it keeps its host buffers (keyed by the source storages), so each
-        # save is a copy into memory allocated once, and host memory stays flat across saves.
-        opts = StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.pinned, use_async_staging=self.pinned,
-                              use_non_blocking_copy=cuda)
-        self.stager = DefaultStager(opts)
-        where = "pinned host memory, non-blocking copies" if cuda else (
-            "reusable shared memory (no accelerator: pinned memory unavailable)" if self.pinned else "reusable host memory")
-        log.info("%s: %s checkpointer, staging %s into %s", self.name, kind,
-                 "in the background" if self.pinned else "in the loop", where)
+    def _start_checkpoint_process(self) -> None:
+        """Start the checkpoint process now, while the rest of setup runs, not at the first save: a tiny save
+        into a scratch dir spawns it (an interpreter importing torch and joining a process group: seconds).
+        The first real save waits for it only if it is still starting."""
+        scratch = tempfile.mkdtemp(prefix="pitstop-ckpt-warmup-")
+        try:
+            out = dcp.async_save({"warmup": torch.zeros(1)}, storage_writer=dcp_writer(scratch, None),
+                                 process_group=self.group, async_checkpointer_type=self.kind)
+        except ERRORS as e:  # the first real save will report what is wrong
+            log.warning("could not start the checkpoint process ahead of the first save: %s", one_line(e))
+            shutil.rmtree(scratch, ignore_errors=True)
+            return
+        self._warmup = (out if isinstance(out, Future) else out.upload_completion, scratch)
+
+    def _wait_warmup(self) -> None:
+        if self._warmup is None:
+            return
+        (future, scratch), self._warmup = self._warmup, None
+        try:
+            future.result()
+        except ERRORS as e:
+            log.warning("checkpoint process warm-up save failed: %s", one_line(e))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        _lower_priority()
+
+    def _app_state(self, target: Target) -> dict:
+        state = super()._app_state(target)
+        self.stager.snapshot_in_call(target.model.buffers())
+        return state
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
+        kind = self.kind
+        if kind == AsyncCheckpointerType.PROCESS and self._warmup is not None and self.strategy.any(
+                not self._warmup[0].done()):
+            # The checkpoint process is still starting (seconds after setup): rather than wait for it, this
+            # save is written by a thread, from the same host buffers; the process takes the next one.
+            kind = AsyncCheckpointerType.THREAD
+            log.info("checkpoint process still starting: the save at step %d is written from a thread", record.step)
+        else:
+            self._wait_warmup()  # (DCP keeps one checkpoint process per trainer: never start a second one)
+        if kind == AsyncCheckpointerType.PROCESS:
+            self._replace_dead_checkpoint_process()
+            _lower_priority()
+        if self.stager.shared:
+            problem = _shared_memory_problem(app_state, self.stager)
+            if problem and self.checkpointer == "auto":  # fall back to a thread, and say so once
+                log.warning("%s; writing from a thread of this process instead", problem)
+                self.stager.close()
+                self.kind = kind = AsyncCheckpointerType.THREAD
+                self.stager = HostStager(self.strategy.device, shared=False, pinned=self.pinned)
+            elif problem:
+                raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir with "
+                                      f"medium: Memory) or use ckpt.checkpointer=thread")
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
-                             process_group=self.group, async_checkpointer_type=self.kind, async_stager=self.stager)
+                             planner=planner(), process_group=self.group, async_checkpointer_type=kind,
+                             async_stager=self.stager)
         if isinstance(out, Future):
             return Pending(record, upload=out)
         # AsyncSaveResponse: staging continues in the background
         return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
 
+    def _replace_dead_checkpoint_process(self) -> None:
+        """A checkpoint process that died (killed, out of memory) fails the save it was writing; DCP would then
+        send every later save to the dead process.  Every rank drops its checkpoint process when any rank's
+        died (they form one process group), and the next save starts new ones."""
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
+        current = getattr(executor, "_CHECKPOINT_PROCESS", None)
+        proc = getattr(current, "_save_process", None)
+        dead = proc is not None and not proc.is_alive()
+        if not self.strategy.any(dead):
+            return
+        if dead:
+            log.warning("the checkpoint process (pid %s) died (exit code %s); starting a new one for this save",
+                        proc.pid, proc.exitcode)
+        elif proc is not None:  # alive, but its peers on other ranks are gone: stop it
+            proc.terminate()
+            proc.join(timeout=10)
+        executor._CHECKPOINT_PROCESS = None
+
     def _shutdown(self) -> None:
+        self._wait_warmup()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+SHM = "/dev/shm"
+
+
+WRITER_NICE = 10
+
+
+def _lower_priority() -> None:
+    """The checkpoint process only has to finish before the next save; the training loop is what the job pays
+    for.  With fewer free cores than busy threads (a CPU-only box, or a data loader using every core), the
+    writer at nice 10 takes the cores the loop leaves idle instead of slowing its steps."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = getattr(getattr(executor, "_CHECKPOINT_PROCESS", None), "_save_process", None)
+    if proc is None or not proc.is_alive():
+        return
+    try:
+        if os.getpriority(os.PRIO_PROCESS, proc.pid) < WRITER_NICE:
+            os.setpriority(os.PRIO_PROCESS, proc.pid, WRITER_NICE)
+    except OSError:
+        pass
+
+
+def _shared_memory_problem(app_state: dict, stager: HostStager) -> str | None:
+    """A checkpoint process reads the host buffers from shared memory; where it is too small, a write to them
+    would kill the trainer with SIGBUS.  Say so before allocating, with the size needed."""
+    from pitstop.ckpt.staging import _leaves
+
+    leaves: list = []
+    for top in STAGED:
+        if top in app_state:
+            _leaves(app_state[top], (top,), leaves)
+    if stager.layout is not None and stager.layout.key == Layout.key_of(leaves):
+        return None
+    need = layout_bytes([t for _, t in leaves])
+    try:
+        st = os.statvfs(SHM)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return None
+    return (f"ckpt.checkpointer=process needs {need / 2**20:.0f} MiB of shared memory for its host buffers, but "
+            f"{SHM} has {free / 2**20:.0f} MiB free")

@@ -99,7 +99,8 @@ class Checkpointer(ABC):
 
     @abstractmethod
     def wait_staging(self) -> float:
-        """Called before the model state changes; a background copy of it finishes here. Returns seconds waited."""
+        """Called before ``optimizer.step()`` changes parameters and optimizer state: a background copy of them
+        finishes here (what forward changes was copied when the save started). Returns seconds waited."""
 
     @abstractmethod
     def wait(self) -> float:
@@ -246,6 +247,7 @@ class CheckpointManager(Checkpointer):
         self._lock = threading.Lock()
         self._purger: ThreadPoolExecutor | None = None
         self._closed = False
+        self._sd_info: tuple | None = None  # DCP's per-run state-dict analysis (see _state_dicts)
         self.last_started = None
 
     # ---- wiring -------------------------------------------------------------------------------------
@@ -296,6 +298,7 @@ class CheckpointManager(Checkpointer):
 
     # ---- restore ------------------------------------------------------------------------------------
     def restore(self, target: Target) -> int | None:
+        self._state_dict_info(target)  # per-run analysis for saves, done during setup rather than at the first save
         spec = self.load_spec
         if spec in (None, "none", False):
             return None
@@ -428,9 +431,42 @@ class CheckpointManager(Checkpointer):
 
     def _app_state(self, target: Target) -> dict:
         self.strategy.sync_buffers(target.model)
-        opts = StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
-        model_sd, optim_sd = get_state_dict(target.model, target.optimizer, options=opts)
+        model_sd, optim_sd = self._state_dicts(target)
         return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(target.state.state_dict())}
+
+    def _state_dicts(self, target: Target) -> tuple[dict, dict]:
+        """DCP's ``get_state_dict``, without redoing per save what is per run: it works out every parameter's
+        fully qualified name and the wrapper kind again on each call (~20 ms of the ~30 for ResNet-50 +
+        AdamW, all of it loop time).  That analysis is kept for the (model, optimizer) pair and its options;
+        the state dicts themselves are made fresh each save.  Where this torch lacks the pieces, the public
+        call is used."""
+        try:
+            from torch.distributed.checkpoint import state_dict as sd
+
+            info = self._state_dict_info(target)
+            with sd._gc_context():
+                model_sd = sd._get_model_state_dict(target.model, info)
+                optim_sd = sd._get_optim_state_dict(target.model, (target.optimizer,), info)
+                sd._verify_state_dict(model_sd, optim_sd, info)
+            return model_sd, optim_sd
+        except (AttributeError, TypeError):
+            self._sd_info = None
+            opts = StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
+            return get_state_dict(target.model, target.optimizer, options=opts)
+
+    def _state_dict_info(self, target: Target) -> Any:
+        """DCP's analysis of the (model, optimizer) pair for ``get_state_dict``, made once per pair (None where
+        this torch lacks ``_verify_options``)."""
+        key = (id(target.model), id(target.optimizer))
+        if self._sd_info is None or self._sd_info[0] != key:
+            from torch.distributed.checkpoint import state_dict as sd
+
+            verify = getattr(sd, "_verify_options", None)
+            if verify is None:
+                return None
+            opts = StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
+            self._sd_info = (key, verify(target.model, (target.optimizer,), optim_only=False, options=opts))
+        return self._sd_info[1]
 
     def wait_staging(self) -> float:
         p = self.pending

@@ -1,0 +1,253 @@
+"""Staging for async saves: a host copy of the state, made into buffers allocated once, mostly in the background.
+
+Why not DCP's ``DefaultStager``: it deep-copies the state dict in Python, tensor by tensor (~0.6 s for
+ResNet-50 + AdamW's 800 tensors on 2 CPU cores, 10x the copy itself), holding the GIL that the training
+loop needs, and gives every tensor its own shared-memory segment, so handing a staged state to a
+checkpoint process costs one file descriptor per tensor.  :class:`HostStager` instead:
+
+- keeps one flat host buffer per dtype (pinned on CUDA; shared memory when a checkpoint process writes)
+  and a view of it per tensor, allocated on the first save of a layout and reused by every later one;
+- copies with one ``torch._foreach_copy_`` (the GIL is released for the whole copy);
+- splits the copy in two, so that it overlaps the next step's forward and backward even for models with
+  BatchNorm: tensors that change in *forward* (buffers such as running statistics, named by
+  :meth:`snapshot_in_call`) are copied in the call, which costs a few KB-MB; parameters and optimizer
+  state, which change only in ``optimizer.step()``, are copied in the background, and the loop waits for
+  that copy (:meth:`wait`) just before ``optimizer.step()``.  Everything saved belongs to the same step.
+- on CUDA issues the device-to-host copies non-blocking on a side stream that first waits for an event
+  recorded on the compute stream at save time (so it never reads a tensor the compute stream is still
+  writing), and the background copy is done when the copies' own event has completed.
+
+Entries other than ``model`` and ``optim`` (each rank's ``train.rank{R}`` bytes) are made fresh for every
+save and never change afterwards: they are passed through as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+log = logging.getLogger("pitstop.ckpt")
+
+STAGED = ("model", "optim")  # the top-level entries whose tensors are staged
+_ALIGN = 64  # bytes: every view starts on a 64-byte boundary of its flat buffer
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    _DTensor = None
+
+
+def _dtensor():
+    return _DTensor
+
+
+def _leaves(obj: Any, path: tuple, out: list) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _leaves(v, (*path, k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _leaves(v, (*path, i), out)
+    elif isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+
+
+def _skeleton(obj: Any, path: tuple, slots: list) -> Any:
+    """A copy of the containers of ``obj`` (scalars copied now: the optimizer's param_groups are live dicts
+    that the scheduler changes after the save), with a slot ``(container, key, path)`` per tensor for its host
+    copy, filled later."""
+    if isinstance(obj, dict):
+        out: dict = {}
+        for k, v in obj.items():
+            out[k] = _skeleton(v, (*path, k), slots)
+            if isinstance(v, torch.Tensor):
+                slots.append((out, k, (*path, k)))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out_l: list = _Tuple() if isinstance(obj, tuple) else []
+        for i, v in enumerate(obj):
+            out_l.append(_skeleton(v, (*path, i), slots))
+            if isinstance(v, torch.Tensor):
+                slots.append((out_l, i, (*path, i)))
+        return out_l
+    return obj
+
+
+class _Tuple(list):
+    """A tuple being filled in (made a tuple again once its tensors are in place)."""
+
+
+def _freeze(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _freeze(v)
+        return obj
+    if isinstance(obj, list):
+        items = [_freeze(v) for v in obj]
+        return tuple(items) if isinstance(obj, _Tuple) else items
+    return obj
+
+
+def _shared_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared(max(n, 1) * torch.empty(0, dtype=dtype).element_size(), device="cpu")
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (max(n, 1),), (1,))
+
+
+def layout_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of host buffers :class:`Layout` allocates for these tensors."""
+    total = 0
+    for t in tensors:
+        local = _local(t)
+        per = max(_ALIGN // local.element_size(), 1)
+        total += (local.numel() + per - 1) // per * per * local.element_size()
+    return total
+
+
+class Layout:
+    """Host buffers for one state layout: one flat buffer per dtype, a view per tensor."""
+
+    def __init__(self, leaves: list[tuple[tuple, torch.Tensor]], *, pinned: bool, shared: bool):
+        self.key = Layout.key_of(leaves)
+        sizes: dict[torch.dtype, int] = {}
+        places = []
+        for path, t in leaves:
+            local = _local(t)
+            per = max(_ALIGN // local.element_size(), 1)
+            off = sizes.get(local.dtype, 0)
+            places.append((path, local.dtype, off, local.numel(), tuple(local.shape)))
+            sizes[local.dtype] = off + (local.numel() + per - 1) // per * per
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        self.registered = False
+        for dtype, n in sizes.items():
+            if shared:
+                buf = _shared_empty(n, dtype)
+                if pinned:  # shared and pinned: register the shared pages with the driver
+                    torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+                    self.registered = True
+            else:
+                buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=pinned)
+            self.flat[dtype] = buf
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.flat.values())
+        self.views = {path: self.flat[dtype][off:off + n].view(shape) for path, dtype, off, n, shape in places}
+
+    @staticmethod
+    def key_of(leaves: list[tuple[tuple, torch.Tensor]]) -> tuple:
+        return tuple((path, _local(t).dtype, tuple(_local(t).shape)) for path, t in leaves)
+
+    def release(self) -> None:
+        if self.registered:
+            for buf in self.flat.values():
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self.flat.clear()
+        self.views.clear()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    DTensor = _dtensor()
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+class HostStager(AsyncStager):
+    """An ``AsyncStager`` for ``dcp.async_save``: see the module docstring.
+
+    ``device``: where the training state lives; ``shared``: host buffers in shared memory (a checkpoint
+    process reads them); ``pinned``: page-locked host buffers (CUDA only).
+    """
+
+    _synchronize_after_execute = False  # the loop decides when to wait (before optimizer.step())
+
+    def __init__(self, device: torch.device, *, shared: bool, pinned: bool = True):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.shared, self.pinned = shared, pinned and self.cuda
+        self.layout: Layout | None = None
+        self._in_call: set[int] = set()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-stage")
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._future: Future | None = None
+        self.allocations = 0
+
+    def describe(self) -> str:
+        memory = ("pinned shared" if self.shared else "pinned") if self.pinned else (
+            "shared" if self.shared else "plain")
+        copy = "non-blocking on a side stream" if self.cuda else "in a background thread"
+        return f"{memory} host buffers allocated once, copied {copy}"
+
+    def snapshot_in_call(self, tensors: Any) -> None:
+        """Tensors that change in forward (BatchNorm statistics): copied in :meth:`stage`, not in the background."""
+        self._in_call = {t.data_ptr() for t in tensors if t.numel()}
+
+    # ---- AsyncStager ----------------------------------------------------------------------------------
+    def stage(self, state_dict: dict, **_: Any) -> Future:
+        if self._pool is None:
+            raise RuntimeError("the checkpoint stager is closed")
+        self.synchronize_staging()  # one staging at a time (the manager allows one save in flight anyway)
+        leaves: list = []
+        for top in STAGED:
+            if top in state_dict:
+                _leaves(state_dict[top], (top,), leaves)
+        # What forward changes is copied now, on its own device (a few KB-MB); the rest later.
+        sources = {}
+        for path, t in leaves:
+            local = _local(t)
+            if local.numel():
+                sources[path] = local.clone() if local.data_ptr() in self._in_call else local
+        slots: list = []
+        staged = {k: (_skeleton(v, (k,), slots) if k in STAGED else v) for k, v in state_dict.items()}
+        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+        self._future = self._pool.submit(self._stage, leaves, sources, slots, staged, ready)
+        return self._future
+
+    def _stage(self, leaves: list, sources: dict, slots: list, staged: dict, ready: Any) -> dict:
+        layout = self._layout_for(leaves)
+        dst = [layout.views[p] for p in sources]
+        src = list(sources.values())
+        if src and self._stream is None:
+            torch._foreach_copy_(dst, src)
+        elif src:  # the side stream must not read what the compute stream is still writing
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                torch._foreach_copy_(dst, src, non_blocking=True)
+                done = self._stream.record_event()
+            done.synchronize()
+        DTensor = _dtensor()
+        host = {}
+        for path, t in leaves:
+            view = layout.views[path]
+            host[path] = (DTensor(view, t._spec, requires_grad=t.requires_grad)
+                          if DTensor is not None and isinstance(t, DTensor) else view)
+        for container, key, path in slots:
+            container[key] = host[path]
+        return _freeze(staged)
+
+    def synchronize_staging(self) -> None:
+        if self._future is not None:
+            try:
+                self._future.result()
+            except Exception:  # reported through the save's own future
+                pass
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.layout is not None:
+            self.layout.release()
+            self.layout = None
+
+    # ---- buffers --------------------------------------------------------------------------------------
+    def _layout_for(self, leaves: list) -> Layout:
+        key = Layout.key_of(leaves)
+        if self.layout is None or self.layout.key != key:
+            if self.layout is not None:
+                log.info("checkpoint staging: the state's layout changed; host buffers allocated again")
+                self.layout.release()
+                self.layout = None
+            self.layout = Layout(leaves, pinned=self.pinned, shared=self.shared)
+            self.allocations += 1
+        return self.layout
