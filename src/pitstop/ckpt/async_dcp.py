@@ -66,6 +66,7 @@ class AsyncDCP(CheckpointManager):
                                  pinned=self.pinned)
         log.info("%s: %s checkpointer; staging: %s", self.name, kind, self.stager.describe())
         self._warmup: tuple[Future, str] | None = None
+        self._shm_checked = False
         if self.kind == AsyncCheckpointerType.PROCESS:
             self._start_checkpoint_process()
 
@@ -113,16 +114,19 @@ class AsyncDCP(CheckpointManager):
         if kind == AsyncCheckpointerType.PROCESS:
             self._replace_dead_checkpoint_process()
             _lower_priority()
-        if self.stager.shared:
+        if self.stager.shared and not self._shm_checked:  # (every rank decides the same: one collective, once)
             problem = _shared_memory_problem(app_state, self.stager)
-            if problem and self.checkpointer == "auto":  # fall back to a thread, and say so once
+            if self.strategy.any(problem is not None):
+                problem = problem or "ckpt.checkpointer=process: shared memory is too small on another rank"
+                if self.checkpointer != "auto":
+                    raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir "
+                                          f"with medium: Memory) or use ckpt.checkpointer=thread")
                 log.warning("%s; writing from a thread of this process instead", problem)
-                self.stager.close()
+                snapshot, self.stager = self.stager, HostStager(self.strategy.device, shared=False, pinned=self.pinned)
+                self.stager._in_call = snapshot._in_call  # (set for this save by _app_state)
+                snapshot.close()
                 self.kind = kind = AsyncCheckpointerType.THREAD
-                self.stager = HostStager(self.strategy.device, shared=False, pinned=self.pinned)
-            elif problem:
-                raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir with "
-                                      f"medium: Memory) or use ckpt.checkpointer=thread")
+            self._shm_checked = True
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
                              planner=planner(), process_group=self.group, async_checkpointer_type=kind,
                              async_stager=self.stager)
