@@ -16,6 +16,8 @@ this module only starts the write and says where staging happens.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -130,6 +132,9 @@ class AsyncDCP(CheckpointManager):
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
                              planner=planner(), process_group=self.group, async_checkpointer_type=kind,
                              async_stager=self.stager)
+        upload = out if isinstance(out, Future) else out.upload_completion
+        if kind == AsyncCheckpointerType.THREAD:
+            upload.add_done_callback(_release_freed_memory)
         if isinstance(out, Future):
             return Pending(record, upload=out)
         # AsyncSaveResponse: staging continues in the background
@@ -164,6 +169,22 @@ class AsyncDCP(CheckpointManager):
 SHM = "/dev/shm"
 
 
+def _release_freed_memory(_: Any = None) -> None:
+    """DCP writes each save from a new thread, and glibc gives new threads their own malloc arenas; memory a
+    write frees stays in them, so a thread-written run's RSS grew by ~350 MB over 50 ResNet-50 saves
+    (bench/ckpt.py).  Handing freed arena memory back after each write (on the writer's own thread, off the
+    loop) keeps it flat.  A no-op where the C library has no ``malloc_trim``."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 WRITER_NICE = 10
 
 
