@@ -111,3 +111,19 @@ def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]
             if epoch.get(step) == 0:
                 keys.extend(ks)
     return keys
+
+
+def flatten(obj, tensor=lambda t: t, prefix: str = "") -> dict:
+    """A nested state dict as {"/a/b/0": leaf}, each tensor leaf passed through ``tensor``."""
+    import torch
+
+    out: dict = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, tensor, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten(v, tensor, f"{prefix}/{i}"))
+    else:
+        out[prefix] = tensor(obj) if isinstance(obj, torch.Tensor) else obj
+    return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, cli_cmd, read_jsonl, train
+from conftest import PY, ROOT, cli, cli_cmd, flatten, read_jsonl
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
@@ -85,22 +85,8 @@ def checkpoint_tensors(path: Path) -> dict:
 
     out_file = path.parent / f"{path.name}.pt"
     dcp_to_torch_save(str(path), str(out_file))
-    flat: dict = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}/{k}", v)
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(f"{prefix}/{i}", v)
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix] = (obj.dtype, tuple(obj.shape), obj.contiguous().numpy().tobytes())
-        else:
-            flat[prefix] = obj
-
-    walk("", torch.load(out_file, weights_only=True))
-    return flat
+    return flatten(torch.load(out_file, weights_only=True),
+                   lambda t: (t.dtype, tuple(t.shape), t.contiguous().numpy().tobytes()))
 
 
 def runner_at_step_one(cfg):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import flatten
 from pitstop.ckpt.staging import HostStager
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -40,22 +41,7 @@ def app_state(model, opt) -> dict:
 
 
 def flat(state: dict) -> dict:
-    out = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}/{k}", v)
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(f"{prefix}/{i}", v)
-        elif isinstance(obj, torch.Tensor):
-            out[prefix] = obj.detach().cpu().clone()
-        else:
-            out[prefix] = obj
-
-    walk("", state)
-    return out
+    return flatten(state, lambda t: t.detach().cpu().clone())
 
 
 @pytest.mark.parametrize("shared", [False, True])

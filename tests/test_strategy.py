@@ -169,3 +169,19 @@ def test_time_based_async_saves_under_ddp_do_not_deadlock(ckpt, data_root, tmp_p
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["final_step"] == 60 and s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
+
+
+@pytest.mark.slow
+def test_fsdp_saves_through_a_checkpoint_process_from_shared_host_buffers(data_root, tmp_path):
+    """FSDP's sharded parameters are DTensors; handing a DTensor whose host copy is a view into a shared flat
+    buffer to the checkpoint process crashed the trainer (SIGSEGV while pickling it). Every save after the
+    checkpoint process is up goes through it here (ResNet-18: many DTensors, BatchNorm buffers)."""
+    run_dir = tmp_path / "run"
+    p = cli(["debug=tiny", "model=resnet18", "trainer.max_steps=16", "strategy=fsdp", "ckpt=async_dcp_pinned",
+             "ckpt.checkpointer=process", "ckpt.interval_steps=2", f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["checkpoint"]["saves"] == 8 and s["checkpoint"]["failures"] == 0
+    log = (run_dir / "train.log").read_text()
+    written_by_thread = log.count("is written from a thread")
+    assert written_by_thread < 8 * 2, "no save went through the checkpoint process"

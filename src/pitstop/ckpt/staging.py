@@ -109,31 +109,44 @@ def layout_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 class Layout:
-    """Host buffers for one state layout: one flat buffer per dtype, a view per tensor."""
+    """Host buffers for one state layout: one flat buffer per dtype, a view per tensor.
+
+    Exception: a DTensor (FSDP) bound for a checkpoint process gets a shared buffer of its own.  Pickling a
+    DTensor for another process shares the storage its wrapper aliases, and for a view that does not start
+    its storage that crashes the trainer (SIGSEGV in ``_share_fd_cpu_``, torch 2.14)."""
 
     def __init__(self, leaves: list[tuple[tuple, torch.Tensor]], *, pinned: bool, shared: bool):
         self.key = Layout.key_of(leaves)
         sizes: dict[torch.dtype, int] = {}
         places = []
+        own: list[tuple[tuple, torch.dtype, int, tuple]] = []
         for path, t in leaves:
             local = _local(t)
+            if shared and _DTensor is not None and isinstance(t, _DTensor):
+                own.append((path, local.dtype, local.numel(), tuple(local.shape)))
+                continue
             per = max(_ALIGN // local.element_size(), 1)
             off = sizes.get(local.dtype, 0)
             places.append((path, local.dtype, off, local.numel(), tuple(local.shape)))
             sizes[local.dtype] = off + (local.numel() + per - 1) // per * per
-        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor] = []
         self.registered = False
-        for dtype, n in sizes.items():
-            if shared:
-                buf = _shared_empty(n, dtype)
-                if pinned:  # shared and pinned: register the shared pages with the driver
-                    torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
-                    self.registered = True
-            else:
-                buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=pinned)
-            self.flat[dtype] = buf
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.flat.values())
-        self.views = {path: self.flat[dtype][off:off + n].view(shape) for path, dtype, off, n, shape in places}
+        flat = {dtype: self._alloc(n, dtype, pinned, shared) for dtype, n in sizes.items()}
+        self.views = {path: flat[dtype][off:off + n].view(shape) for path, dtype, off, n, shape in places}
+        for path, dtype, n, shape in own:
+            self.views[path] = self._alloc(n, dtype, pinned, shared)[:n].view(shape)
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def _alloc(self, n: int, dtype: torch.dtype, pinned: bool, shared: bool) -> torch.Tensor:
+        if shared:
+            buf = _shared_empty(n, dtype)
+            if pinned:  # shared and pinned: register the shared pages with the driver
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+                self.registered = True
+        else:
+            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=pinned)
+        self.buffers.append(buf)
+        return buf
 
     @staticmethod
     def key_of(leaves: list[tuple[tuple, torch.Tensor]]) -> tuple:
@@ -141,9 +154,9 @@ class Layout:
 
     def release(self) -> None:
         if self.registered:
-            for buf in self.flat.values():
+            for buf in self.buffers:
                 torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        self.flat.clear()
+        self.buffers.clear()
         self.views.clear()
 
 
