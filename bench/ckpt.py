@@ -142,22 +142,24 @@ def step(r) -> None:
     r.progress.step += 1
 
 
-def state_bytes(r) -> int:
+def state_tensors(r) -> list:
+    """The tensors of the model and optimizer state (what a save copies)."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(r.model, r.optimizer)
-    tensors = list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def state_bytes(r) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(r))
 
 
 def memcpy_bound(r, repeats: int = 7) -> float:
     """One copy of the state's tensors into preallocated memory (the best a snapshot can do)."""
     import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(r.model, r.optimizer)
-    tensors = list(msd.values()) + [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tensors = state_tensors(r)
     dst = [torch.empty_like(t) for t in tensors]
     times = []
     for _ in range(repeats):

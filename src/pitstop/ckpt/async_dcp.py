@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, Target, one_line
-from pitstop.ckpt.staging import STAGED, HostStager, Layout, layout_bytes
+from pitstop.ckpt.staging import HostStager, Layout, layout_bytes, staged_leaves
 from pitstop.ckpt.sync_dcp import dcp_writer, planner
 from pitstop.errors import CheckpointError, ConfigError
 
@@ -207,12 +207,7 @@ def _lower_priority() -> None:
 def _shared_memory_problem(app_state: dict, stager: HostStager) -> str | None:
     """A checkpoint process reads the host buffers from shared memory; where it is too small, a write to them
     would kill the trainer with SIGBUS.  Say so before allocating, with the size needed."""
-    from pitstop.ckpt.staging import _leaves
-
-    leaves: list = []
-    for top in STAGED:
-        if top in app_state:
-            _leaves(app_state[top], (top,), leaves)
+    leaves = staged_leaves(app_state)
     if stager.layout is not None and stager.layout.key == Layout.key_of(leaves):
         return None
     need = layout_bytes([t for _, t in leaves])

@@ -12,7 +12,7 @@ checkpoint process costs one file descriptor per tensor.  :class:`HostStager` in
   BatchNorm: tensors that change in *forward* (buffers such as running statistics, named by
   :meth:`snapshot_in_call`) are copied in the call, which costs a few KB-MB; parameters and optimizer
   state, which change only in ``optimizer.step()``, are copied in the background, and the loop waits for
-  that copy (:meth:`wait`) just before ``optimizer.step()``.  Everything saved belongs to the same step.
+  that copy (:meth:`synchronize_staging`) just before ``optimizer.step()``.  Everything saved belongs to the same step.
 - on CUDA issues the device-to-host copies non-blocking on a side stream that first waits for an event
   recorded on the compute stream at save time (so it never reads a tensor the compute stream is still
   writing), and the background copy is done when the copies' own event has completed.
@@ -42,8 +42,13 @@ except ImportError:  # pragma: no cover - torch without DTensor
     _DTensor = None
 
 
-def _dtensor():
-    return _DTensor
+def staged_leaves(state_dict: dict) -> list[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) for every tensor under the staged entries (``model``, ``optim``), in a fixed order."""
+    leaves: list = []
+    for top in STAGED:
+        if top in state_dict:
+            _leaves(state_dict[top], (top,), leaves)
+    return leaves
 
 
 def _leaves(obj: Any, path: tuple, out: list) -> None:
@@ -98,14 +103,15 @@ def _shared_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, (max(n, 1),), (1,))
 
 
+def _padded(local: torch.Tensor) -> int:
+    """Elements ``local`` takes in a flat buffer: rounded up so that the next view starts 64-byte aligned."""
+    per = max(_ALIGN // local.element_size(), 1)
+    return (local.numel() + per - 1) // per * per
+
+
 def layout_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of host buffers :class:`Layout` allocates for these tensors."""
-    total = 0
-    for t in tensors:
-        local = _local(t)
-        per = max(_ALIGN // local.element_size(), 1)
-        total += (local.numel() + per - 1) // per * per * local.element_size()
-    return total
+    return sum(_padded(_local(t)) * _local(t).element_size() for t in tensors)
 
 
 class Layout:
@@ -125,17 +131,15 @@ class Layout:
             if shared and _DTensor is not None and isinstance(t, _DTensor):
                 own.append((path, local.dtype, local.numel(), tuple(local.shape)))
                 continue
-            per = max(_ALIGN // local.element_size(), 1)
             off = sizes.get(local.dtype, 0)
             places.append((path, local.dtype, off, local.numel(), tuple(local.shape)))
-            sizes[local.dtype] = off + (local.numel() + per - 1) // per * per
+            sizes[local.dtype] = off + _padded(local)
         self.buffers: list[torch.Tensor] = []
         self.registered = False
         flat = {dtype: self._alloc(n, dtype, pinned, shared) for dtype, n in sizes.items()}
         self.views = {path: flat[dtype][off:off + n].view(shape) for path, dtype, off, n, shape in places}
         for path, dtype, n, shape in own:
             self.views[path] = self._alloc(n, dtype, pinned, shared)[:n].view(shape)
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
 
     def _alloc(self, n: int, dtype: torch.dtype, pinned: bool, shared: bool) -> torch.Tensor:
         if shared:
@@ -161,8 +165,7 @@ class Layout:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    DTensor = _dtensor()
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 class HostStager(AsyncStager):
@@ -200,10 +203,7 @@ class HostStager(AsyncStager):
         if self._pool is None:
             raise RuntimeError("the checkpoint stager is closed")
         self.synchronize_staging()  # one staging at a time (the manager allows one save in flight anyway)
-        leaves: list = []
-        for top in STAGED:
-            if top in state_dict:
-                _leaves(state_dict[top], (top,), leaves)
+        leaves = staged_leaves(state_dict)
         # What forward changes is copied now, on its own device (a few KB-MB); the rest later.
         sources = {}
         for path, t in leaves:
@@ -228,12 +228,11 @@ class HostStager(AsyncStager):
                 torch._foreach_copy_(dst, src, non_blocking=True)
                 done = self._stream.record_event()
             done.synchronize()
-        DTensor = _dtensor()
         host = {}
         for path, t in leaves:
             view = layout.views[path]
-            host[path] = (DTensor(view, t._spec, requires_grad=t.requires_grad)
-                          if DTensor is not None and isinstance(t, DTensor) else view)
+            host[path] = (_DTensor(view, t._spec, requires_grad=t.requires_grad)
+                          if _DTensor is not None and isinstance(t, _DTensor) else view)
         for container, key, path in slots:
             container[key] = host[path]
         return _freeze(staged)
