@@ -10,6 +10,7 @@ from PIL import Image
 from torch import nn
 
 from pitstop.data.dataset import ShardedDataset
+from pitstop.errors import ConfigError
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm")
 
@@ -91,6 +92,52 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
     return model
 
 
+def torchvision_model(name: str, num_classes: int = 10, in_channels: int = 3, image_size: int | None = None,
+                      **kwargs) -> nn.Module:
+    """Any torchvision classification model by name (``resnet50``, ``vit_b_16``, ``convnext_tiny``,
+    ``efficientnet_b0``, ...), from scratch (never downloads weights), with ``num_classes`` outputs and its
+    first convolution adapted to ``in_channels``; ``kwargs`` go to the model's builder."""
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)  # the classifiers only
+    if name not in names:
+        import difflib
+
+        near = difflib.get_close_matches(str(name), names, n=4, cutoff=0.5) or \
+            ["resnet50", "vit_b_16", "convnext_tiny", "efficientnet_b0"]
+        raise ConfigError(f"model.name={name!r} is not a torchvision classification model; e.g. {', '.join(near[:6])} "
+                          f"(all {len(names)}: torchvision.models.list_models(module=torchvision.models))")
+    kw = {"weights": None, "num_classes": int(num_classes), **kwargs}
+    if name.startswith("vit_"):  # a ViT's positional embedding is sized for one input size
+        patch = int(name.rsplit("_", 1)[1])
+        if not image_size or image_size % patch:
+            raise ConfigError(f"model.name={name} needs data.image_size divisible by its patch size {patch} "
+                              f"(got {image_size}); e.g. data=synthetic data.image_size=224")
+        kw["image_size"] = int(image_size)
+    model = torchvision.models.get_model(name, **kw)
+    if in_channels != 3:
+        _adapt_stem(model, int(in_channels), name)
+    return model
+
+
+def _adapt_stem(model: nn.Module, in_channels: int, name: str) -> None:
+    """Replace the first convolution (the one that reads the image) by one with ``in_channels`` inputs."""
+    path, conv = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), (None, None))
+    if conv is None or conv.in_channels != 3 or conv.groups != 1:
+        raise ConfigError(f"model.name={name}: found no 3-channel input convolution to adapt to "
+                          f"in_channels={in_channels}; use 3-channel data (data.channels=3)")
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                                    conv.dilation, 1, conv.bias is not None, conv.padding_mode))
+
+
 def top1_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Number of samples whose arg-max class is the target (summed by the evaluator into accuracy)."""
     return (outputs.argmax(dim=1) == targets).sum()
+
+
+def topk_correct(outputs: torch.Tensor, targets: torch.Tensor, k: int = 5) -> torch.Tensor:
+    """Number of samples whose target is among the ``k`` highest scores (all of them when there are <= k classes)."""
+    k = min(int(k), outputs.shape[1])
+    return (outputs.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1).sum()

@@ -103,9 +103,9 @@ def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]
     for path in sorted(run_dir.glob("samples.rank*.jsonl")):
         rank = int(path.name[len("samples.rank"):-len(".jsonl")])
         last = {}
-        for r in read_jsonl(path):
-            last[r["step"]] = r["keys"]
-        for step, ks in last.items():
+        for r in read_jsonl(path):  # (a step redone by a later attempt: its last record counts)
+            last[(r["step"], r.get("micro", 1))] = r["keys"]
+        for (step, _), ks in last.items():
             if rank >= world_after and step > resumed_from:
                 continue  # a rank that did not come back: its steps after the checkpoint were redone by others
             if epoch.get(step) == 0:

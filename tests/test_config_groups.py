@@ -17,7 +17,7 @@ def options(group: str) -> list[str]:
 
 def test_every_group_has_its_documented_options():
     assert options("data") == ["digits", "imagefolder", "synthetic"]
-    assert options("model") == ["cnn", "resnet18"]
+    assert options("model") == ["cnn", "resnet18", "torchvision"]
     assert options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
     assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]

@@ -32,7 +32,7 @@ def positive_number(cfg: DictConfig, key: str, optional: bool = False) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Validate the parts of the config every run relies on (components validate their own)."""
-    for key in ("trainer.batch_size", "trainer.log_every_steps"):
+    for key in ("trainer.batch_size", "trainer.log_every_steps", "trainer.grad_accum_steps"):
         positive_int(cfg, key)
     for key in ("trainer.max_steps", "trainer.epochs", "trainer.eval_every_steps", "trainer.eval_max_batches"):
         positive_int(cfg, key, optional=True)

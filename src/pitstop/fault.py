@@ -47,6 +47,7 @@ class FaultContext:
     max_restarts: int
     start_wall: float          # when this process started (time.time())
     checkpointer: Any          # pitstop.ckpt.base.Checkpointer: its root and the step of the newest save started
+    grad_accum_steps: int = 1  # micro-batches per step
 
 
 class Fault(ABC):
@@ -62,6 +63,10 @@ class Fault(ABC):
     @abstractmethod
     def after_step(self, step: int) -> None:
         """Called on every rank after each step (and its save, if one was started)."""
+
+    def after_micro_batch(self, step: int, micro_batch: int) -> None:
+        """Called inside step ``step`` after the backward of micro-batch ``micro_batch`` (1-based) when that is
+        not the step's last (``trainer.grad_accum_steps`` > 1): a kill in the middle of an accumulation window."""
 
     @abstractmethod
     def close(self) -> None:
@@ -92,29 +97,40 @@ class CrashAtStep(NoFault):
     """SIGKILL this process at the end of step ``step`` (after that step's save, if any, was started).
 
     With an async checkpoint backend this lands while the save is staging or being written in the
-    background; with a sync backend, between saves.
+    background; with a sync backend, between saves.  ``micro_batch=K`` (with ``trainer.grad_accum_steps`` >
+    K): inside step ``step`` instead, after its K-th micro-batch's backward (gradients half accumulated).
     """
 
     name = "crash_at_step"
 
-    def __init__(self, step: int, rank: int = 0, **_: Any):
+    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None, **_: Any):
         self.step, self.rank = _positive_int("fault.step", step), rank
+        self.micro_batch = None if micro_batch is None else _positive_int("fault.micro_batch", micro_batch)
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
         if self.step > ctx.total_steps:
             raise ConfigError(f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
                               f"would never fire; lower fault.step")
+        if self.micro_batch is not None and self.micro_batch >= ctx.grad_accum_steps:
+            raise ConfigError(f"fault.micro_batch={self.micro_batch} needs trainer.grad_accum_steps > "
+                              f"{self.micro_batch} (it is {ctx.grad_accum_steps}): the fault would never fire")
 
     def after_step(self, step: int) -> None:
-        if step == self.step and self.ctx.rank == self.rank and _first_time(self.ctx.run_dir, self.key()):
+        if self.micro_batch is None and step == self.step and self.ctx.rank == self.rank \
+                and _first_time(self.ctx.run_dir, self.key()):
+            self.fire()
+
+    def after_micro_batch(self, step: int, micro_batch: int) -> None:
+        if micro_batch == self.micro_batch and step == self.step and self.ctx.rank == self.rank \
+                and _first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def key(self) -> str:
-        return f"{self.name}@{self.step}"
+        return f"{self.name}@{self.step}" + (f".{self.micro_batch}" if self.micro_batch is not None else "")
 
     def fire(self) -> None:
-        _kill(f"at step {self.step}")
+        _kill(f"at step {self.step}" + (f", after micro-batch {self.micro_batch}" if self.micro_batch else ""))
 
 
 class StallAtStep(CrashAtStep):

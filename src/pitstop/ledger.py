@@ -17,12 +17,14 @@ where they match:
 - ``program_start``  process start → the runner exists: interpreter and imports (program startup);
 - ``init``           process groups, model, optimizer, data index, loaders, checkpointer (training preparation);
 - ``restore``        reading the checkpoint it resumes from (checkpoint restore);
+- ``compile``        ``torch.compile`` compiling the model at its first steps and evaluation (``trainer.compile``;
+                     every attempt pays it again: part of the restart cost);
 - ``recovery_gap``   for an automatic restart, the previous attempt's last record → this process's start
                      (infrastructure recovery from disruption);
 - ``lost``           compute, data wait, evaluation and logging of steps computed again (wasted progress);
 - ``other``          logging and whatever the loop did outside those (e.g. the final close).
 
-Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore of
+Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore + compile of
 the attempts a supervisor or the elastic agent started after a failure.
 
 In-process ``-m`` sweeps: jobs after the first in one process import nothing; each is charged the
@@ -39,7 +41,7 @@ from typing import Any
 
 from pitstop.metrics import write_json_atomic
 
-STARTUP = ("program_start", "init", "restore")
+STARTUP = ("program_start", "init", "restore", "compile")
 BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging")
 JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", "other")
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone

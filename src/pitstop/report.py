@@ -29,7 +29,7 @@ log = logging.getLogger("pitstop.report")
 BUCKETS = JOB_BUCKETS
 COLORS = {"productive": "#2e7d32", "data_wait": "#f9a825", "checkpoint": "#1565c0", "eval": "#7b1fa2",
           "program_start": "#4e342e", "init": "#795548", "restore": "#a1887f", "recovery_gap": "#ff7043",
-          "lost": "#c62828", "other": "#9e9e9e"}
+          "compile": "#bcaaa4", "lost": "#c62828", "other": "#9e9e9e"}
 
 
 def _read_json(path: str) -> dict | None:
@@ -84,7 +84,10 @@ def collect(sweep_dir: str) -> list[dict[str, Any]]:
                 restart_s=g.get("restart_seconds"),
                 data_wait=(totals.get("data_wait", 0.0) / total) if total else None,
                 samples_per_s=(s.get("samples_seen", 0) / total) if total else None,
-                accuracy=(s.get("metrics") or {}).get("val_accuracy"))
+                accuracy=(s.get("metrics") or {}).get("val_accuracy"),
+                per_device=(s.get("throughput") or {}).get("samples_per_s_per_device"),
+                step_p50_ms=_ms((s.get("throughput") or {}).get("step_seconds_p50")),
+                mfu=(s.get("throughput") or {}).get("mfu"))
         rows.append(row)
     varying = _varying_keys(rows)
     for row in rows:
@@ -103,9 +106,15 @@ def _varying_keys(rows: list[dict]) -> set[str]:
     return varying or set(values)
 
 
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1e3 if seconds is not None else None
+
+
 def _fmt(v: Any, kind: str) -> str:
     if v is None:
-        return "–"
+        return "n/a" if kind == "mfu" else "–"
+    if kind == "mfu":
+        return f"{v * 100:.1f}%"
     if kind == "pct":
         return f"{v * 100:.1f}%"
     if kind == "f1":
@@ -119,7 +128,9 @@ def _fmt(v: Any, kind: str) -> str:
 
 COLUMNS = [("configuration", "label", "str"), ("status", "status", "str"), ("goodput", "goodput", "pct"),
            ("ckpt stall s", "checkpoint_s", "f2"), ("data wait", "data_wait", "pct"),
-           ("samples/s", "samples_per_s", "f1"), ("val acc", "accuracy", "acc"), ("restarts", "restarts", "str"),
+           ("samples/s", "samples_per_s", "f1"), ("samples/s/device (steps)", "per_device", "f1"),
+           ("step p50 ms", "step_p50_ms", "f1"), ("MFU", "mfu", "mfu"),
+           ("val acc", "accuracy", "acc"), ("restarts", "restarts", "str"),
            ("R s/restart", "restart_s", "f2"),
            ("wall s", "total_s", "f1")]
 
@@ -138,7 +149,9 @@ def write_report(sweep_dir: str) -> list[dict]:
             cells[1] = f"FAILED: {r['error']}".replace("|", "/")
         md.write("| " + " | ".join(cells) + " |\n")
     md.write("\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json). "
-             "R = restart cost per automatic restart: recovery gap + program start + init + restore. Every job is "
+             "samples/s/device (steps) = samples per second of training steps on one device (fetch + compute; MFU "
+             "against the device's peak, n/a on CPU). "
+             "R = restart cost per automatic restart: recovery gap + program start + init + restore + compile. Every job is "
              "charged a program start (interpreter + imports): jobs that ran after the first in one process "
              "(in-process sweeps) are charged the one their process measured, as if started alone. "
              "![breakdown](report.png)\n")
@@ -148,12 +161,14 @@ def write_report(sweep_dir: str) -> list[dict]:
     w = csv.writer(buf)
     w.writerow(["job", "configuration", "status", "error", "goodput", "checkpoint_s", "data_wait_fraction",
                 "samples_per_s", "val_accuracy", "restarts", "failures", "restart_seconds", "wall_s",
+                "samples_per_s_per_device", "step_p50_ms", "mfu",
                 *[f"{b}_s" for b in BUCKETS]])
     for r in rows:
         t = r.get("totals") or {}
         w.writerow([r["job"], r["label"], r["status"], r.get("error", ""), r.get("goodput"), r.get("checkpoint_s"),
                     r.get("data_wait"), r.get("samples_per_s"), r.get("accuracy"), r.get("restarts"),
-                    r.get("failures"), r.get("restart_s"), r.get("total_s"), *[t.get(b) for b in BUCKETS]])
+                    r.get("failures"), r.get("restart_s"), r.get("total_s"), r.get("per_device"), r.get("step_p50_ms"),
+                    r.get("mfu"), *[t.get(b) for b in BUCKETS]])
     write_text_atomic(os.path.join(sweep_dir, "report.csv"), buf.getvalue(), fsync=False)
     _plot(rows, os.path.join(sweep_dir, "report.png"))
     return rows

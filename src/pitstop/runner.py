@@ -3,7 +3,7 @@
     Runner(cfg, run_dir).run()
       setup()    strategy -> seed -> data -> model -> optimizer/schedule -> loaders -> checkpointer -> logger -> fault
       restore()  the checkpointer loads the newest complete checkpoint (if any) into the train state
-      fit()      fetch -> step -> record -> (eval) -> (save), until total_steps
+      fit()      step (fetch -> forward/backward, per micro-batch -> optimizer) -> record -> (eval) -> (save)
       finish()   final eval and save, wait for in-flight saves, summary.json
 
 Every component is built with ``hydra.utils.instantiate`` from its config group, so a new model, data
@@ -19,13 +19,14 @@ import logging
 import os
 import sys
 import time
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop import compiler
 from pitstop.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
@@ -36,8 +37,11 @@ from pitstop.launch import record_error, started_by_launcher
 from pitstop.loader import server as worker_server
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
+from pitstop.precision import DTYPES, Precision
 from pitstop.preempt import Preempted, PreemptionNotice
+from pitstop.profiler import StepProfiler
 from pitstop.seed import rng_state, seed_everything, set_rng_state
+from pitstop.throughput import Throughput, count_step_flops
 from pitstop.watchdog import DataStall, Hung, Watchdog
 
 log = logging.getLogger("pitstop")
@@ -52,8 +56,9 @@ class Progress:
 class TrainState:
     """Everything besides model and optimizer tensors that a checkpoint must restore (``Stateful``)."""
 
-    def __init__(self, progress: Progress, loader: Any, scheduler: Any, fingerprint: dict):
+    def __init__(self, progress: Progress, loader: Any, scheduler: Any, fingerprint: dict, precision: Precision):
         self.progress, self.loader, self.scheduler, self._fingerprint = progress, loader, scheduler, fingerprint
+        self.precision = precision
 
     @property
     def step(self) -> int:
@@ -64,16 +69,31 @@ class TrainState:
         return self._fingerprint
 
     def state_dict(self) -> dict:
-        return {"step": self.progress.step, "samples_seen": self.progress.samples_seen,
-                "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-                "fingerprint": self._fingerprint}
+        state = {"step": self.progress.step, "samples_seen": self.progress.samples_seen,
+                 "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                 "fingerprint": self._fingerprint}
+        scaler = self.precision.state_dict()
+        if scaler:  # fp16: the loss scale and its growth tracker
+            state["scaler"] = scaler
+        return state
 
     def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
         """``peers``: every saved rank's state (needed when the number of ranks changed)."""
         self.progress.step, self.progress.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
         self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state.get("scaler"))
         set_rng_state(state["rng"])
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: its mean loss, this rank's samples, and where its seconds went besides compute."""
+
+    loss: float
+    samples: int
+    data_wait: float
+    staging: float
 
 
 class Batches:
@@ -152,9 +172,20 @@ class Runner:
             os.makedirs(self.run_dir, exist_ok=True)
             self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main)
             hold.push(self._record_failure)
+            t = cfg.trainer
+            self.precision = Precision(t.precision, self.strategy.device, strategy_casts=self._strategy_casts())
+            if t.compile:
+                compiler.check(t.compile_backend, t.compile_mode)
+            self.accum = int(t.grad_accum_steps)
             self.data = build(cfg.data, _convert_="partial")
             self.task = build(cfg.task)
-            self.model = self.strategy.wrap(build(cfg.model))
+            model = build(cfg.model)
+            if t.channels_last and self.strategy.channels_last_params:  # (else the inputs alone are NHWC)
+                model = model.to(memory_format=torch.channels_last)
+            self.model = self.strategy.wrap(model)
+            if t.compile:  # in place, after wrapping (torch's advice for DDP and FSDP2); parameter names unchanged
+                compiler.compile_model(self.model, t.compile_backend, t.compile_mode)
+            self.compile_clock = compiler.CompileClock() if t.compile else None
             self.optimizer = build(cfg.optim.optimizer)(self.model.parameters())
             common = dict(dataset=self.data, batch_size=cfg.trainer.batch_size, seed=cfg.seed,
                           rank=self.strategy.rank, world_size=self.strategy.world_size,
@@ -163,7 +194,7 @@ class Runner:
             self.eval_loader = build(cfg.loader, split=cfg.trainer.eval_split, train=False, **common)
             self.total_steps = self._total_steps()
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
-            self.state = TrainState(self.progress, self.loader, self.scheduler, self.fingerprint())
+            self.state = TrainState(self.progress, self.loader, self.scheduler, self.fingerprint(), self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
             hold.callback(self.metrics_file.close)
@@ -180,8 +211,20 @@ class Runner:
             self.fault.bind(FaultContext(
                 run_dir=self.run_dir, rank=self.strategy.rank, world_size=self.strategy.world_size,
                 total_steps=self.total_steps, max_restarts=int(cfg.trainer.get("max_restarts") or 0),
-                start_wall=self.ledger.start_wall, checkpointer=self.ckpt))
+                start_wall=self.ledger.start_wall, checkpointer=self.ckpt, grad_accum_steps=self.accum))
+            self.profiler = StepProfiler(t.profile.steps, t.profile.memory, self.run_dir, self.strategy.rank,
+                                         self.strategy.device, self.total_steps)
+            hold.callback(self.profiler.close)
+            self.throughput = Throughput(self.strategy.device, t.precision)
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
+
+    def _strategy_casts(self) -> bool:
+        """The strategy applies ``trainer.precision`` itself (FSDP's mixed-precision policy): it must agree."""
+        casts = self.strategy.compute_dtype
+        if casts is not None and casts != DTYPES.get(self.cfg.trainer.precision):
+            raise ConfigError(f"strategy.mixed_precision casts to {str(casts).replace('torch.', '')} but "
+                              f"trainer.precision={self.cfg.trainer.precision}; set only trainer.precision")
+        return casts is not None
 
     def _on_hang(self, message: str) -> None:
         """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
@@ -217,13 +260,17 @@ class Runner:
         t = self.cfg.trainer
         if t.max_steps is not None:
             return int(t.max_steps)
-        return sum(self.loader.steps_per_epoch(e) for e in range(int(t.epochs)))
+        # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
+        return sum(self.loader.steps_per_epoch(e) for e in range(int(t.epochs))) // self.accum
 
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
         cfg = self.cfg
-        return {**self.data.fingerprint(), "seed": int(cfg.seed),
-                "model": OmegaConf.to_yaml(cfg.model, resolve=True), "batch_size": int(cfg.trainer.batch_size)}
+        fp = {**self.data.fingerprint(), "seed": int(cfg.seed),
+              "model": OmegaConf.to_yaml(cfg.model, resolve=True), "batch_size": int(cfg.trainer.batch_size)}
+        if self.accum != 1:  # (absent when 1: checkpoints from before the option still resume)
+            fp["grad_accum_steps"] = self.accum
+        return fp
 
     _sample_file = None
 
@@ -232,7 +279,11 @@ class Runner:
         f = open(path, "a", buffering=1 << 16)
         self._sample_file = f
         self._resources.callback(f.close)
-        self.loader.sample_log = lambda keys: f.write(f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"'))
+        if self.accum == 1:
+            self.loader.sample_log = lambda keys: f.write(f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"'))
+        else:  # which micro-batch of the step
+            self.loader.sample_log = lambda keys: f.write(
+                f'{{"step":{self.step + 1},"micro":{self._micro},"keys":{keys!r}}}\n'.replace("'", '"'))
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -245,6 +296,8 @@ class Runner:
     def restore(self) -> None:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
+        self.resumed_step = self.step
+        self._evaluated_epochs = self._epochs_ended()
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
         if self.resumed_from is not None:
@@ -270,28 +323,34 @@ class Runner:
         with closing(batches), watch.phase("step", timed=False):  # each iteration is timed by beat()
             while self.step < self.total_steps:
                 watch.beat()                                            # 0. a step has ended (hang detection)
+                self.profiler.before_step(self.step + 1)
                 t0 = time.perf_counter()
-                batch = batches.next()                                  # 1. fetch
-                batch = self.data.on_device(self.strategy.to_device(batch))
-                t1 = time.perf_counter()
-                loss = self.train_step(batch)                           # 2. step (syncs on loss.item())
-                t2 = time.perf_counter()
-                ledger.add("data_wait", t1 - t0)
-                ledger.add("compute", t2 - t1)
+                out = self.train_step(batches)                          # 1. fetch + step (syncs on loss.item())
+                took = time.perf_counter() - t0
+                compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
+                compute = took - out.data_wait - out.staging - compiling
+                ledger.add("data_wait", out.data_wait)
+                ledger.add("compute", compute)
+                ledger.add("compile", compiling)
                 self.progress.step += 1
-                n = len(batch[-1]) if isinstance(batch, (list, tuple)) else cfg.batch_size
-                self.progress.samples_seen += n * self.strategy.world_size
-                window["samples"] += n
-                window["fetch"] += t1 - t0
-                window["compute"] += t2 - t1
+                self.progress.samples_seen += out.samples * self.strategy.world_size
+                if not compiling:  # (a step that compiled is no measure of throughput)
+                    self.throughput.add(out.data_wait + compute, out.samples)
+                if self.throughput.flops_per_step is None and self.step == self.resumed_step + 1:
+                    with ledger.measure("init"):
+                        self._count_flops()
+                window["samples"] += out.samples
+                window["fetch"] += out.data_wait
+                window["compute"] += compute
                 window["n"] += 1
-                with ledger.measure("logging"):                         # 3. record
-                    self.record(loss, t1 - t0, t2 - t1, window, bar)
-                if self._eval_due():                                    # 4. evaluate
+                self.profiler.after_step(self.step)
+                with ledger.measure("logging"):                         # 2. record
+                    self.record(out.loss, out.data_wait, compute, window, bar)
+                if self._eval_due():                                    # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps
                 with watch.phase("checkpoint"):
-                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 5. save
+                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 4. save
                 ledger.add("checkpoint", saved.blocked)
                 if saved.started == self.step:
                     self._flush_logs()  # what a resume would not redo is on disk
@@ -300,7 +359,7 @@ class Runner:
                 self.fault.after_step(self.step)
                 for cb in self.callbacks:
                     cb.on_step_end(self)
-                if self.strategy.agree(self.preempt.received is not None):  # 6. a preemption notice on any rank
+                if self.strategy.agree(self.preempt.received is not None):  # 5. a preemption notice on any rank
                     self._stop_for_preemption()
         if bar is not None:
             bar.close()
@@ -330,19 +389,57 @@ class Runner:
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
-    def train_step(self, batch: Any) -> float:
+    def train_step(self, batches: Batches) -> StepResult:
+        """One optimizer step over ``trainer.grad_accum_steps`` micro-batches (gradients reduced across ranks on
+        the last one only), in ``trainer.precision``."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss(self.model, batch)
+        losses, samples, wait = [], 0, 0.0
+        for micro in range(1, self.accum + 1):
+            self._micro = micro
+            t = time.perf_counter()
+            batch = self._device_batch(batches.next())
+            wait += time.perf_counter() - t
+            samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.cfg.trainer.batch_size
+            if micro == 1 and self._first_batch is None:
+                self._first_batch = batch  # its shapes, for counting a step's FLOPs once
+            with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
+                with self.precision.autocast():
+                    loss = self.task.loss(self.model, batch)
+                self.precision.backward(loss / self.accum if self.accum > 1 else loss)
+            losses.append(loss.detach())
+            if micro < self.accum:
+                self.fault.after_micro_batch(self.step + 1, micro)
+        loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
-        loss.backward()
+        self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        self.ledger.add("checkpoint", self.ckpt.wait_staging())  # staging must finish before params change
+        staging = self.ckpt.wait_staging()  # staging must finish before params change
+        self.ledger.add("checkpoint", staging)
         # (what forward changes, BatchNorm statistics, was copied when the save started)
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.scheduler.step()
-        return loss.item()
+        return StepResult(loss.item(), samples, wait, staging)
+
+    _first_batch: Any = None
+    _micro = 1
+
+    def _device_batch(self, batch: Any) -> Any:
+        batch = self.data.on_device(self.strategy.to_device(batch))
+        if self.cfg.trainer.channels_last:  # every 4-D floating input (images) in NHWC, as the model's weights
+            batch = _to_channels_last(batch)
+        return batch
+
+    def _count_flops(self) -> None:
+        """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
+        batch, self._first_batch = self._first_batch, None
+        if batch is None:
+            return
+        flops = count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch)
+        self.throughput.flops_per_step = flops * self.accum if flops is not None else 0
+        if flops:
+            log.info("one step: %.3g GFLOP per rank (%s)", flops * self.accum / 1e9, self.throughput.peak_note)
 
     def record(self, loss: float, fetch: float, compute: float, window: dict, bar: Any) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -354,12 +451,17 @@ class Runner:
         if self.step % self.cfg.trainer.log_every_steps == 0 or self.step == self.total_steps:
             now = time.perf_counter()
             elapsed = max(now - window["t"], 1e-9)
+            speed = {"samples_per_s": window["samples"] * self.strategy.world_size / elapsed,
+                     "samples_per_s_per_device": window["samples"] / elapsed}
+            mfu = self.throughput.mfu(window["n"] / elapsed)
+            if mfu is not None:
+                speed["mfu"] = mfu
             self.logger.log_metrics({
-                "loss": loss, "lr": lr, "epoch": self.loader.epoch,
-                "samples_per_s": window["samples"] * self.strategy.world_size / elapsed,
+                "loss": loss, "lr": lr, "epoch": self.loader.epoch, **speed,
                 "fetch_seconds": window["fetch"] / window["n"], "compute_seconds": window["compute"] / window["n"],
                 "data_wait_fraction": window["fetch"] / elapsed,
             }, self.step)
+            self.metrics_file.write({"step": self.step, **{k: round(v, 6) for k, v in speed.items()}})
             io = self.data_stats()  # cumulative: cache hits/misses, bytes from the source, retries
             changed = {k: v for k, v in io.items() if self._last_io.get(k) != v}
             if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
@@ -387,14 +489,27 @@ class Runner:
         every = self.cfg.trainer.eval_every_steps
         if every:
             return self.step % every == 0 or self.step == self.total_steps
-        return self.loader.batches >= self.loader.steps_per_epoch() or self.step == self.total_steps
+        ended = self._epochs_ended()  # (with accumulation an epoch can end inside a step)
+        due = ended > self._evaluated_epochs or self.step == self.total_steps
+        self._evaluated_epochs = ended
+        return due
+
+    _evaluated_epochs = 0
+
+    def _epochs_ended(self) -> int:
+        return self.loader.epoch + int(self.loader.batches >= self.loader.steps_per_epoch())
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
             # Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see iterate_once.
             passes = self.eval_loader.iterate_once(self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object)
-            batches = ((self.data.on_device(self.strategy.to_device(b)), counted) for b, counted in passes)
-            out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device)
+            batches = ((self._device_batch(b), counted) for b, counted in passes)
+            with self.precision.autocast():
+                out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device)
+        if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
+            compiling = self.compile_clock.take()
+            self.ledger.add("eval", -compiling)
+            self.ledger.add("compile", compiling)
         self.last_eval = out
         self.logger.log_metrics(out, self.step)
         self.metrics_file.write({"step": self.step, **out})
@@ -419,6 +534,7 @@ class Runner:
             "metrics": self.last_eval, "params_sha256": digest,
             "data": {**self.loader.stats, "data_wait_fraction": self._data_wait_fraction()},
             "checkpoint": self.ckpt.stats(), "strategy": self.strategy.name, "world_size": self.strategy.world_size,
+            "throughput": self.throughput.summary(), "precision": self.precision.name,
             "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
         }
         for cb in self.callbacks:
@@ -460,3 +576,13 @@ class Runner:
         from tqdm import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+
+
+def _to_channels_last(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 and batch.is_floating_point() else batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_channels_last(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_channels_last(v) for k, v in batch.items()}
+    return batch

@@ -102,7 +102,7 @@ class DDP(Single):
 class FSDP(DDP):
     shard: Any = MISSING                       # auto | [module names]
     reshard_after_forward: bool = MISSING
-    mixed_precision: Optional[str] = MISSING     # null | bfloat16 | float16
+    mixed_precision: Optional[str] = MISSING     # ${trainer.precision} | null | bfloat16 | float16
 
 
 # ---- fault ---------------------------------------------------------------------------------------------
@@ -117,6 +117,11 @@ class NoFault:
 class AtStep(NoFault):
     step: int = MISSING
     rank: int = MISSING
+
+
+@dataclass
+class Crash(AtStep):
+    micro_batch: Optional[int] = MISSING
 
 
 @dataclass
@@ -166,6 +171,12 @@ class Hang:
 
 
 @dataclass
+class Profile:
+    steps: Optional[Any] = MISSING               # null | [start, end]
+    memory: bool = MISSING
+
+
+@dataclass
 class Trainer:
     epochs: Optional[int] = MISSING
     max_steps: Optional[int] = MISSING
@@ -182,13 +193,20 @@ class Trainer:
     preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1, SIGUSR2]
     preempt_grace_seconds: float = MISSING
     hang: Hang = field(default_factory=Hang)
+    precision: str = MISSING                     # fp32 | bf16 | fp16
+    compile: bool = MISSING
+    compile_backend: str = MISSING
+    compile_mode: Optional[str] = MISSING
+    channels_last: bool = MISSING
+    grad_accum_steps: int = MISSING
+    profile: Profile = field(default_factory=Profile)
 
 
 SCHEMAS = {
     "ckpt": {"sync": Ckpt, "async": AsyncCkpt},
     "loader": {"plain": Loader, "cached": CachedLoader},
     "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
-    "fault": {"none": NoFault, "at_step": AtStep, "preempt": Preempt, "stall": Stall, "random": RandomFault},
+    "fault": {"none": NoFault, "at_step": AtStep, "crash": Crash, "preempt": Preempt, "stall": Stall, "random": RandomFault},
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},
 }

@@ -11,11 +11,24 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from pitstop.errors import ConfigError
+
 
 class Supervised:
-    def __init__(self, loss: nn.Module, metrics: dict[str, Callable[..., torch.Tensor]] | None = None):
+    """``label_smoothing`` (``task.label_smoothing``): passed to a loss that has the option (cross-entropy)."""
+
+    def __init__(self, loss: nn.Module, metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
+                 label_smoothing: float = 0.0):
         self.loss_fn = loss
         self.metrics = dict(metrics or {})
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+                or not 0.0 <= label_smoothing < 1.0:
+            raise ConfigError(f"task.label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
+        if label_smoothing:
+            if not hasattr(loss, "label_smoothing"):
+                raise ConfigError(f"task.label_smoothing={label_smoothing}: the loss {type(loss).__name__} has no "
+                                  f"label smoothing; use torch.nn.CrossEntropyLoss or set it to 0")
+            loss.label_smoothing = float(label_smoothing)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch

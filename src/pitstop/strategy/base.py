@@ -4,7 +4,7 @@ that checkpointing and evaluation use (on a dedicated gloo group when there are 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -16,6 +16,8 @@ class Strategy(ABC):
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
+    channels_last_params: bool = True         # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
 
     @property
     def is_main(self) -> bool:
@@ -32,6 +34,11 @@ class Strategy(ABC):
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
         """Place (and replicate or shard) the model."""
+
+    @abstractmethod
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Around the backward of a gradient-accumulation micro-batch that is not the last of its step: the
+        gradients stay local (no all-reduce / reduce-scatter); the last micro-batch's backward reduces them all."""
 
     @abstractmethod
     def to_device(self, batch: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ class DDP(Single):
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()  # DDP's own: gradients accumulate locally, the next synced backward reduces them
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Give every rank rank 0's buffers (e.g. BatchNorm statistics) before they are saved.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ class Single(Strategy):
 
     def sync_buffers(self, model: nn.Module) -> None:
         pass
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return nullcontext()  # nothing to reduce
 
     def to_device(self, batch: Any) -> Any:
         return move(batch, self.device, non_blocking=self.pin_memory)

@@ -1,0 +1,78 @@
+"""``trainer.profile``: a torch.profiler trace of a window of steps, written to ``RUN_DIR/profile/``.
+
+    python -m recipe.train trainer.profile.steps=[20,25]            # -> profile/trace.rank0.steps20-25.json
+    python -m recipe.train trainer.profile.steps=[20,25] trainer.profile.memory=true
+
+The trace is Chrome/Perfetto JSON (open it at ui.perfetto.dev or chrome://tracing). ``memory=true`` adds
+allocations to the trace and, on CUDA, writes a memory snapshot (``memory.rank{R}.pickle``, for
+pytorch.org/memory_viz).  Off by default: then nothing here runs in the loop beyond two integer compares.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pitstop.errors import ConfigError
+
+log = logging.getLogger("pitstop.profile")
+
+
+class StepProfiler:
+    def __init__(self, steps: Any, memory: bool, run_dir: str, rank: int, device: torch.device, total_steps: int):
+        self.window: tuple[int, int] | None = None
+        self.memory, self.rank, self.device = bool(memory), rank, device
+        self.dir = os.path.join(run_dir, "profile")
+        self._prof: Any = None
+        if steps is None:
+            return
+        if len(steps) != 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
+            raise ConfigError(f"trainer.profile.steps must be [start, end] (two step numbers), got {list(steps)}")
+        start, end = int(steps[0]), int(steps[1])
+        if not 1 <= start <= end:
+            raise ConfigError(f"trainer.profile.steps=[{start}, {end}]: need 1 <= start <= end")
+        if end > total_steps:
+            raise ConfigError(f"trainer.profile.steps=[{start}, {end}] ends past the last step ({total_steps}); "
+                              f"choose a window within 1..{total_steps}")
+        self.window = (start, end)
+
+    def before_step(self, step: int) -> None:
+        """``step``: the step about to run."""
+        if self.window is None or step != self.window[0]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        if self.memory and self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self._prof = profile(activities=activities, record_shapes=True, profile_memory=self.memory, with_stack=False)
+        self._prof.__enter__()
+        log.info("profiling steps %d-%d", *self.window)
+
+    def after_step(self, step: int) -> None:
+        if self._prof is not None and step >= self.window[1]:
+            self._stop()
+
+    def _stop(self) -> None:
+        prof, self._prof = self._prof, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prof.__exit__(None, None, None)
+        os.makedirs(self.dir, exist_ok=True)
+        start, end = self.window
+        path = os.path.join(self.dir, f"trace.rank{self.rank}.steps{start}-{end}.json")
+        prof.export_chrome_trace(path)
+        log.info("profiler trace: %s", path)
+        if self.memory and self.device.type == "cuda":
+            snap = os.path.join(self.dir, f"memory.rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snap)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            log.info("CUDA memory snapshot: %s", snap)
+
+    def close(self) -> None:
+        """The run ended inside the window (a failure): keep what was recorded."""
+        if self._prof is not None:
+            self._stop()

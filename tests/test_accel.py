@@ -1,0 +1,180 @@
+"""Accelerator readiness: trainer.precision, compile, channels_last, grad_accum_steps, profile, any torchvision
+model by name, top-5, label smoothing and throughput/MFU.  The options compose with every strategy and
+checkpoint backend; with all of them on, a kill in the middle of an accumulation window resumes bitwise; bad
+values are refused in one line before training starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cli, read_jsonl, train
+from pitstop.build import build
+from pitstop.config import validate
+from pitstop.errors import ConfigError
+
+STRATEGIES = ["single", "ddp", "fsdp"]
+CKPTS = ["none", "sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
+# Every new option on at once; aot_eager compiles through dynamo + AOT autograd like inductor does, without
+# inductor's C++ builds (30 s per process on 2 cores; one test below uses inductor itself).
+ALL_ON = ["trainer.precision=bf16", "trainer.compile=true", "trainer.compile_backend=aot_eager",
+          "trainer.channels_last=true", "trainer.grad_accum_steps=2"]
+
+
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ckpt", CKPTS)
+def test_every_option_composes_with_every_strategy_and_ckpt_backend(strategy, ckpt, make_cfg):
+    cfg = make_cfg(f"strategy={strategy}", f"ckpt={ckpt}", *ALL_ON)
+    validate(cfg)
+    s = build(cfg.strategy)
+    # one key sets the precision everywhere: FSDP's policy follows it (and then nothing autocasts on top)
+    assert s.compute_dtype == (torch.bfloat16 if strategy == "fsdp" else None)
+    assert build(cfg.ckpt).name
+    assert cfg.trainer.grad_accum_steps == 2 and cfg.trainer.compile is True
+
+
+# (strategy, ckpt): every backend once, every strategy at least once; killed after the first micro-batch of
+# step 7 (gradients half accumulated, a save of step 4 behind it), restarted by the launcher, bitwise equal.
+CASES = [("single", "sync_save"), ("single", "async_dcp_pinned"), ("ddp", "async_dcp"), ("fsdp", "sync_dcp")]
+RUN = ["debug=tiny", "ckpt.interval_steps=4", "trainer.eval_every_steps=6", *ALL_ON]
+
+
+@pytest.fixture(scope="module")
+def references(data_root, tmp_path_factory):
+    made: dict[str, dict] = {}
+
+    def get(strategy: str) -> dict:
+        if strategy not in made:
+            tmp = tmp_path_factory.mktemp(f"ref-{strategy}")
+            p = cli([*RUN, f"strategy={strategy}", "ckpt=sync_dcp", f"run_dir={tmp / 'run'}"], data_root, tmp)
+            assert p.returncode == 0, p.stderr[-3000:]
+            made[strategy] = summary(tmp / "run")
+        return made[strategy]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,ckpt", CASES)
+def test_all_options_on_killed_mid_accumulation_resume_bitwise(strategy, ckpt, data_root, tmp_path, references):
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"strategy={strategy}", f"ckpt={ckpt}", f"run_dir={run_dir}", "trainer.max_restarts=1",
+             "fault=crash_at_step", "fault.step=7", "fault.micro_batch=1", "data.record_sample_ids=true"],
+            data_root, tmp_path, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, ref = summary(run_dir), references(strategy)
+    assert s["resumed_from"] == 4 and s["goodput"]["restarts"] == 1 and s["final_step"] == 12
+    assert s["params_sha256"] == ref["params_sha256"]
+    assert s["samples_seen"] == ref["samples_seen"] == 12 * 2 * 16 * s["world_size"]
+    assert s["precision"] == "bf16" and s["goodput"]["totals"]["compile"] > 0  # compile: its own bucket
+    # every micro-batch of every step once in the sample log, the redone ones recorded again by the new attempt
+    rows = [r for path in run_dir.glob("samples.rank*.jsonl") for r in read_jsonl(path)]
+    assert {(r["step"], r["micro"]) for r in rows} == {(st, m) for st in range(1, 13) for m in (1, 2)}
+
+
+@pytest.mark.slow
+def test_compiled_run_resumes_an_eager_checkpoint_and_back(data_root, tmp_path):
+    # inductor itself (what trainer.compile=true uses): parameter names are the eager ones, so checkpoints move
+    # freely between the two; compile time is its own ledger bucket and part of the restart cost.
+    run_dir = tmp_path / "run"
+    base = ["debug=tiny", "ckpt=sync_dcp", "ckpt.interval_steps=4", f"run_dir={run_dir}"]
+    for steps, compiled in ((4, False), (8, True), (12, False)):
+        p = cli([*base, f"trainer.max_steps={steps}", f"trainer.compile={str(compiled).lower()}"], data_root,
+                tmp_path, timeout=400)
+        assert p.returncode == 0, p.stderr[-3000:]
+        s = summary(run_dir)
+        assert s["final_step"] == steps and s["resumed_from"] == (steps - 4 or None)
+        assert (s["goodput"]["totals"]["compile"] > 0) == compiled or steps == 12  # (totals span the attempts)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(run_dir / "checkpoints" / "step_00000008")).read_metadata().state_dict_metadata
+    assert keys and not [k for k in keys if "_orig_mod" in k]
+
+
+def test_model_by_name_top5_label_smoothing_throughput_and_profile(make_cfg, tmp_path):
+    cfg = make_cfg("model=torchvision", "model.name=mobilenet_v3_small", "task.label_smoothing=0.1",
+                   "trainer.profile.steps=[3,4]", "trainer.profile.memory=true", "logger=mlflow",
+                   f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    s = train(cfg)
+    assert s["final_step"] == 12 and 0 <= s["metrics"]["val_accuracy"] <= s["metrics"]["val_top5"] <= 1
+    t = s["throughput"]
+    assert t["samples_per_s_per_device"] > 0 and 0 < t["step_seconds_p50"] <= t["step_seconds_p90"] <= t["step_seconds_p99"]
+    assert t["flops_per_step"] > 0 and t["mfu"] is None and t["mfu_note"].startswith("n/a on cpu")
+    speeds = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "samples_per_s_per_device" in r]
+    assert [r["step"] for r in speeds] == [4, 8, 12]
+    trace = json.loads((Path(cfg.run_dir) / "profile" / "trace.rank0.steps3-4.json").read_text())
+    assert any("conv" in str(e.get("name", "")).lower() for e in trace["traceEvents"])
+    import mlflow
+
+    run = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(s["mlflow_run_id"])
+    assert "samples_per_s_per_device" in run.data.metrics and "val_top5" in run.data.metrics
+    # label smoothing reaches the loss: the same run without it has another loss at step 1
+    plain = make_cfg("model=torchvision", "model.name=mobilenet_v3_small", "trainer.max_steps=1",
+                     f"run_dir={tmp_path / 'plain'}")
+    train(plain)
+    first = [r["loss"] for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "loss" in r][0]
+    assert first != [r["loss"] for r in read_jsonl(tmp_path / "plain" / "metrics.jsonl") if "loss" in r][0]
+
+
+def test_no_gradient_all_reduce_on_accumulation_micro_batches(make_cfg):
+    # A real one-rank DDP (gloo): count the buckets DDP hands to its communication hook.
+    from pitstop.runner import Runner
+
+    cfg = make_cfg("strategy=ddp", "strategy.nproc_per_node=1", "trainer.grad_accum_steps=4", "trainer.max_steps=3")
+    r = Runner(cfg, cfg.run_dir)
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    try:
+        r.setup()
+        r.model.register_comm_hook(None, counting)
+        r.restore()
+        r.fit()
+    finally:
+        r.close()
+    buckets = len(set(calls))
+    assert r.step == 3 and len(calls) == 3 * buckets  # one reduction per step, not per micro-batch
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.precision=fp16"], "trainer.precision=fp16 needs a CUDA device (this run is on CPU)"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
+    (["trainer.compile=true", "trainer.compile_backend=nope"], "trainer.compile_backend='nope' is not a torch.compile backend"),
+    (["model=torchvision", "model.name=fasterrcnn_resnet50_fpn"], "is not a torchvision classification model"),
+    (["model=torchvision", "model.name=vit_b_16"], "needs data.image_size divisible by its patch size 16 (got 8)"),
+    (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps must be a positive integer, got 0"),
+    (["trainer.profile.steps=[10,13]"], "ends past the last step (12)"),
+    (["task.label_smoothing=1.5"], "task.label_smoothing must be a number in [0, 1)"),
+    (["strategy=fsdp", "strategy.mixed_precision=float16"], "strategy.mixed_precision casts to float16 but trainer.precision=fp32"),
+])
+def test_bad_accelerator_options_are_one_line_before_training(overrides, message, make_cfg):
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_grad_scaler_state_resumes_exactly_on_cuda(data_root, tmp_path):
+    args = ["debug=tiny", "trainer.precision=fp16", "trainer.deterministic=true", "ckpt=async_dcp_pinned",
+            "ckpt.interval_steps=4"]
+    ref = cli([*args, f"run_dir={tmp_path / 'ref'}"], data_root, tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    p = cli([*args, f"run_dir={tmp_path / 'run'}", "trainer.max_restarts=1", "fault=crash_at_step", "fault.step=6"],
+            data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert summary(tmp_path / "run")["params_sha256"] == summary(tmp_path / "ref")["params_sha256"]
