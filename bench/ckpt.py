@@ -18,7 +18,7 @@ Per row: ``block`` is the loop's blocking time per save (inside ``maybe_save`` p
 before ``optimizer.step()``, as the runner accounts it), median of steady-state saves; ``extra`` is the loop
 time from the save until it is durable minus the same number of steps without saving (blocking + slowed
 steps); ``first`` is the first save's blocking time; ``durable`` is seconds until the save is committed.
-The memory-copy bound (one copy of the state's bytes) is measured in the same run.  Then: the same on a
+The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same run.  Then: the same on a
 200 MB/s throttled target (ResNet-50), steps/s with a save after every step, and RSS over many saves.
 """
 
@@ -160,11 +160,15 @@ def memcpy_bound(r, repeats: int = 7) -> float:
     import torch
 
     tensors = state_tensors(r)
-    dst = [torch.empty_like(t) for t in tensors]
+    cuda = tensors[0].is_cuda
+    # on a GPU: device -> pinned host memory (what a snapshot of device state must move), synchronized
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if cuda else torch.empty_like(t) for t in tensors]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch._foreach_copy_(dst, tensors)
+        torch._foreach_copy_(dst, tensors, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return median(times)
 
@@ -304,6 +308,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps for the save-every-step runs")
     ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss")
     ap.add_argument("--rss-only", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--models", default=None, help="only the models whose label contains one of these (comma list)")
     args = ap.parse_args()
     ensure_data()
     if args.rss_only:
@@ -312,8 +317,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
     print("# bench/ckpt.py: what a save costs the loop (medians; rows alternate within each repeat)", flush=True)
     resnet = next(iter(MODELS))
+    wanted = [m for m in MODELS if not args.models or any(w in m for w in args.models.split(","))]
     if "tables" in parts:
-        for model in MODELS:
+        for model in wanted:
             table(model, list(ROWS), [], args.repeats, tmp, throttled=False)
     if "throttled" in parts:
         rows = ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)", "peer: torchtitan pinned"]

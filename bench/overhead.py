@@ -1,12 +1,17 @@
 """Framework overhead: steps/s of recipe.train vs a minimal hand-written PyTorch loop, side by side.
 
-    python bench/overhead.py [--steps 300] [--repeats 3]
+    python bench/overhead.py [--steps 300] [--repeats 3]                       # CPU: SmallCNN on digits
+    python bench/overhead.py --model resnet50 --data synthetic --precision bf16 --channels-last --compile \
+        --batch 128 --workers 8 --steps 200 --only settings                     # what bench/device_check.sh runs
 
-Both loops train the same SmallCNN on the same digits shards with the same batch size, optimizer,
-schedule, decode function and worker count; the hand-written one uses webdataset's own reader. Runs
-alternate (framework, hand, framework, hand, ...) and the medians are compared. Target: ratio >= 0.97.
-Then the MLflow cost: per-step time the loop spends handing metrics to the logger, as % of step time,
-and steps/s with logger=mlflow vs logger=none (target < 1%).
+Both loops train the same model on the same shards with the same batch size, optimizer, schedule, decode
+function, worker count, precision (autocast), memory format and compilation; the hand-written one uses
+webdataset's own reader and a plain ``DataLoader`` (pinned memory and non-blocking copies on CUDA). Runs
+alternate (framework, hand, framework, hand, ...) and the medians are compared, whole run and second half
+(steady state: after compilation). Targets: ratio >= 0.99 with every option off (CPU), >= 0.97 with bf16 +
+channels_last (+ compile) on a GPU. Then (default settings only) bf16 autocast on CPU, reported, and the
+MLflow cost: per-step time the loop spends handing metrics to the logger, as % of step time, and steps/s
+with logger=mlflow vs logger=none (target < 1%).
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ BASE = ["logger=none", "ckpt=none", "trainer.progress_bar=false", "trainer.log_e
 
 
 class Mark:
-    """A runner callback noting when step N ended (to time the steady state after start-up)."""
+    """A runner callback noting when steps ``step`` and ``until`` ended: the steady state after start-up (and
+    compilation), before the last step's evaluation (which compiles the model again in eval mode)."""
 
-    def __init__(self, step: int):
-        self.step, self.t = step, None
+    def __init__(self, step: int, until: int):
+        self.step, self.until, self.t, self.t_until = step, until, None, None
 
     def on_train_start(self, runner) -> None:
         pass
@@ -34,9 +40,26 @@ class Mark:
     def on_step_end(self, runner) -> None:
         if runner.step == self.step:
             self.t = time.perf_counter()
+        if runner.step == self.until:
+            self.t_until = time.perf_counter()
 
     def on_train_end(self, runner) -> None:
         pass
+
+
+def settings_overrides(opt: argparse.Namespace) -> list[str]:
+    """The same settings for both loops, as recipe.train overrides."""
+    out = [f"trainer.precision={opt.precision}", f"trainer.channels_last={str(opt.channels_last).lower()}",
+           f"trainer.compile={str(opt.compile).lower()}"]
+    if opt.model == "resnet50":
+        out += ["model=torchvision", "model.name=resnet50"]
+    if opt.data == "synthetic":
+        out += ["data=synthetic"]
+    if opt.batch:
+        out += [f"trainer.batch_size={opt.batch}"]
+    if opt.workers is not None:
+        out += [f"loader.num_workers={opt.workers}"]
+    return out
 
 
 def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
@@ -46,7 +69,7 @@ def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
     r = Runner(cfg, run_dir)
     r.setup()
     r.restore()
-    half = Mark(steps // 2)
+    half = Mark(steps // 2, steps - 1)
     r.callbacks.append(half)
     t0 = time.perf_counter()
     r.fit()
@@ -55,10 +78,13 @@ def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
     logging = r.ledger.seconds["logging"]
     enqueue = getattr(r.logger, "enqueue_seconds", 0.0)
     summary = r.finish()
-    return {"steps_per_s": steps / fit, "step_s": fit / steps, "steady_steps_per_s": (steps - half.step) / (t1 - half.t), "logging_s": logging, "enqueue_s": enqueue, "summary": summary}
+    return {"steps_per_s": steps / fit, "step_s": fit / steps, "steady_steps_per_s": (half.until - half.step) / (half.t_until - half.t),
+            "logging_s": logging, "enqueue_s": enqueue, "summary": summary}
 
 
-def hand_run(steps: int) -> dict:
+def hand_run(steps: int, extra: list[str] = ()) -> dict:
+    from contextlib import nullcontext
+
     import torch
     import webdataset as wds
     from torch.utils.data import DataLoader
@@ -67,8 +93,10 @@ def hand_run(steps: int) -> dict:
     from pitstop.seed import derive_seed
     from recipe.vision import ImageShards, SmallCNN
 
-    cfg = compose(BASE)
+    cfg = compose([*BASE, *extra])
+    t = cfg.trainer
     torch.manual_seed(cfg.seed)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ds = ImageShards(**{k: v for k, v in cfg.data.items() if k != "_target_"})
     urls = [ds.index.resolve(s) for s in ds.index.shards("train")]
 
@@ -78,26 +106,77 @@ def hand_run(steps: int) -> dict:
     def batches():
         for epoch in itertools.count():
             pipe = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False)
-                    .map(decode).batched(cfg.trainer.batch_size))
+                    .map(decode).batched(t.batch_size))
             yield from DataLoader(pipe, batch_size=None, num_workers=cfg.loader.num_workers,
-                                  prefetch_factor=cfg.loader.prefetch_factor)
+                                  prefetch_factor=cfg.loader.prefetch_factor, pin_memory=device.type == "cuda")
 
-    model = SmallCNN(in_channels=1, num_classes=10, width=cfg.model.width, dropout=cfg.model.dropout)
+    if cfg.model._target_.endswith("torchvision_model"):
+        import torchvision
+
+        model = torchvision.models.get_model(cfg.model.name, weights=None, num_classes=cfg.data.num_classes)
+    else:
+        model = SmallCNN(in_channels=cfg.data.channels, num_classes=cfg.data.num_classes, width=cfg.model.width,
+                         dropout=cfg.model.dropout)
+    model = model.to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if t.compile:
+        model.compile()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+    scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     sched = warmup_cosine(opt, steps, warmup_steps=20, min_lr_ratio=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
     it = batches()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        x, y = ds.on_device(next(it))
+    for i in range(steps):
+        if i == steps // 2:
+            t_half = time.perf_counter()
+        if i == steps - 1:
+            t_until = time.perf_counter()
+        x, y = next(it)
+        x, y = ds.on_device((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+        if t.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
+        with autocast():
+            loss = loss_fn(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         sched.step()
         loss.item()
-    fit = time.perf_counter() - t0
-    return {"steps_per_s": steps / fit}
+    t1 = time.perf_counter()
+    return {"steps_per_s": steps / (t1 - t0), "steady_steps_per_s": (steps - 1 - steps // 2) / (t_until - t_half)}
+
+
+def compare(label: str, steps: int, repeats: int, extra: list[str], tmp: str) -> float:
+    """Alternating framework and hand runs with the same settings; prints both and the ratio (steady state)."""
+    fw, hand, sums = [], [], []
+    hand_run(min(steps, 20), extra), framework_run(min(steps, 20), extra, os.path.join(tmp, "warm"))  # warm-up
+    for i in range(repeats):
+        r = framework_run(steps, extra, os.path.join(tmp, f"fw{i}"))
+        fw.append(r), sums.append(r["summary"])
+        hand.append(hand_run(steps, extra))
+    f, h = median([r["steps_per_s"] for r in fw]), median([r["steps_per_s"] for r in hand])
+    fs, hs = median([r["steady_steps_per_s"] for r in fw]), median([r["steady_steps_per_s"] for r in hand])
+    batch = sums[0]["samples_seen"] / max(sums[0]["final_step"], 1)
+    tp = sums[len(sums) // 2]["throughput"]
+    mfu = f"{tp['mfu'] * 100:.1f}%" if tp.get("mfu") is not None else tp.get("mfu_note", "n/a")
+    print(f"## {label}: {steps} steps x {repeats} alternating repeats, batch {batch:.0f}")
+    runs_fw = ", ".join(f"{r['steps_per_s']:.2f}" for r in fw)
+    runs_hand = ", ".join(f"{r['steps_per_s']:.2f}" for r in hand)
+    print(f"recipe.train        steps/s  whole {f:8.2f}  steady {fs:8.2f}   runs {runs_fw}")
+    print(f"hand-written loop   steps/s  whole {h:8.2f}  steady {hs:8.2f}   runs {runs_hand}")
+    print(f"ratio recipe/hand   whole {f / h:.3f}   steady {fs / hs:.3f}   "
+          f"samples/s/device {tp['samples_per_s_per_device']}   step p50 {tp.get('step_seconds_p50', 0) * 1e3:.1f} ms   "
+          f"MFU {mfu}   ({tp.get('flops_per_step') or 0:.3g} FLOP/step)", flush=True)
+    return fs / hs
 
 
 def main() -> None:
@@ -105,19 +184,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--log-every", type=int, default=10, help="trainer.log_every_steps for the MLflow comparison")
+    ap.add_argument("--model", choices=["cnn", "resnet50"], default="cnn")
+    ap.add_argument("--data", choices=["digits", "synthetic"], default="digits")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--only", default=None, help="settings: only the comparison at the given settings")
     args = ap.parse_args()
-    ensure_data()
+    ensure_data([] if args.data == "digits" else ["data=synthetic"])
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-")
-    fw, hand = [], []
-    hand_run(20), framework_run(20, [], os.path.join(tmp, "warm"))  # warm-up (imports, page cache)
-    for i in range(args.repeats):
-        fw.append(framework_run(args.steps, [], os.path.join(tmp, f"fw{i}"))["steps_per_s"])
-        hand.append(hand_run(args.steps)["steps_per_s"])
-    f, h = median(fw), median(hand)
-    print(f"# overhead: {args.steps} steps x {args.repeats} alternating repeats, digits, SmallCNN, batch 64, 2 workers")
-    print(f"recipe.train (no ckpt, no logger)   steps/s  median {f:8.2f}   runs {', '.join(f'{x:.2f}' for x in fw)}")
-    print(f"hand-written loop (webdataset)      steps/s  median {h:8.2f}   runs {', '.join(f'{x:.2f}' for x in hand)}")
-    print(f"ratio recipe/hand = {f / h:.3f}   (target >= 0.97)")
+    settings = settings_overrides(args)
+    label = " ".join(o for o in settings if not o.endswith("=false") and o != "trainer.precision=fp32") or "defaults"
+    print(f"# overhead: recipe.train vs a hand-written loop ({args.model}, {args.data})")
+    ratio = compare(label, args.steps, args.repeats, settings, tmp)
+    print(f"ratio (steady) = {ratio:.3f}   (target >= 0.99 with every option off on CPU; >= 0.97 on a GPU)")
+    if args.only == "settings":
+        return
+    if settings == settings_overrides(ap.parse_args([])):  # default settings: bf16 autocast on CPU, reported
+        compare("trainer.precision=bf16 (autocast)", args.steps, args.repeats, [*settings, "trainer.precision=bf16"], tmp)
 
     none, ml = [], []
     uri = f"sqlite:///{tmp}/mlflow.db"

@@ -167,14 +167,34 @@ def test_bad_accelerator_options_are_one_line_before_training(overrides, message
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ON_CUDA = ["debug=tiny", "trainer.deterministic=true", "ckpt.interval_steps=4"]
+CUDA_CASES = [(c, "fp32") for c in CKPTS[1:]] + [("async_dcp_pinned", "fp16"), ("async_dcp_pinned", "bf16-channels_last")]
+PRECISION = {"fp32": [], "fp16": ["trainer.precision=fp16"],
+             "bf16-channels_last": ["trainer.precision=bf16", "trainer.channels_last=true"]}
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp16_grad_scaler_state_resumes_exactly_on_cuda(data_root, tmp_path):
-    args = ["debug=tiny", "trainer.precision=fp16", "trainer.deterministic=true", "ckpt=async_dcp_pinned",
-            "ckpt.interval_steps=4"]
+@needs_cuda
+@pytest.mark.parametrize("ckpt,precision", CUDA_CASES)
+def test_kill_and_resume_on_cuda_is_bitwise(ckpt, precision, data_root, tmp_path):
+    # fp16: the GradScaler's scale and growth tracker come back with the train state, or the digests differ
+    args = [*ON_CUDA, f"ckpt={ckpt}", *PRECISION[precision]]
     ref = cli([*args, f"run_dir={tmp_path / 'ref'}"], data_root, tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
     p = cli([*args, f"run_dir={tmp_path / 'run'}", "trainer.max_restarts=1", "fault=crash_at_step", "fault.step=6"],
             data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert summary(tmp_path / "run")["params_sha256"] == summary(tmp_path / "ref")["params_sha256"]
+    s, r = summary(tmp_path / "run"), summary(tmp_path / "ref")
+    assert s["resumed_from"] == 4 and s["params_sha256"] == r["params_sha256"]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_nccl_with_one_process_per_device(strategy, data_root, tmp_path):
+    p = cli([*ON_CUDA, f"strategy={strategy}", "strategy.nproc_per_node=1", "ckpt=async_dcp_pinned",
+             f"run_dir={tmp_path / 'run'}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "backend cpu:gloo,cuda:nccl" in (tmp_path / "run" / "train.log").read_text()
+    assert summary(tmp_path / "run")["world_size"] == 1

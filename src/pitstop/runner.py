@@ -311,7 +311,7 @@ class Runner:
             self.logger.start(self.run_dir, flatten(self.cfg), tags=tags)
 
     def fit(self) -> None:
-        cfg, ledger = self.cfg.trainer, self.ledger
+        ledger = self.ledger
         batches = Batches(self.loader, self.watchdog)
         bar = self._progress_bar()
         window = {"t": time.perf_counter(), "samples": 0, "fetch": 0.0, "compute": 0.0, "n": 0}
