@@ -115,7 +115,7 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
 
 # ---- the loop ---------------------------------------------------------------------------------------------
 def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps: int = 100000):
-    from pitstop.runner import Runner
+    from pitstop.runner import Batches, Runner
 
     spec = ROWS.get(row, row)
     ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + ["ckpt.interval_steps=1", "ckpt.keep_last_k=2"]
@@ -130,15 +130,14 @@ def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps
         r.ckpt = peer(spec, os.path.join(run_dir, "checkpoints"), throttle)
         r.ckpt.setup(r.strategy, lambda *_: None)
     r.restore()
-    r.batches = iter(r.loader)
+    r.batches = Batches(r.loader, r.watchdog)
     for _ in range(WARM_STEPS):  # also initialises AdamW's state, so the saved state is complete
         step(r)
     return r
 
 
 def step(r) -> None:
-    batch = r.data.on_device(r.strategy.to_device(next(r.batches)))
-    r.train_step(batch)
+    r.train_step(r.batches)
     r.progress.step += 1
 
 

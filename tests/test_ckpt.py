@@ -90,18 +90,18 @@ def checkpoint_tensors(path: Path) -> dict:
 
 
 def runner_at_step_one(cfg):
-    from pitstop.runner import Runner
+    from pitstop.runner import Batches, Runner
 
     r = Runner(cfg, cfg.run_dir)
     r.setup()
     r.restore()
-    r.batches = iter(r.loader)
+    r.batches = Batches(r.loader, r.watchdog)
     one_step(r)
     return r
 
 
 def one_step(r) -> None:
-    r.train_step(r.data.on_device(r.strategy.to_device(next(r.batches))))
+    r.train_step(r.batches)
     r.progress.step += 1
 
 

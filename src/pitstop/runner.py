@@ -424,6 +424,7 @@ class Runner:
 
     _first_batch: Any = None
     _micro = 1
+    resumed_step = 0
 
     def _device_batch(self, batch: Any) -> Any:
         batch = self.data.on_device(self.strategy.to_device(batch))
