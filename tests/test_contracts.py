@@ -47,6 +47,27 @@ def test_every_option_implements_its_contract(group, option, make_cfg):
     assert isinstance(obj.name if group != "loader" else obj.kind, str)
 
 
+# Every accelerator option on at once (tests/test_accel.py trains with them, killed and resumed, per strategy).
+ALL_ON = ["trainer.precision=bf16", "trainer.compile=true", "trainer.compile_backend=aot_eager",
+          "trainer.channels_last=true", "trainer.grad_accum_steps=2"]
+
+
+@pytest.mark.parametrize("strategy", options("strategy"))
+@pytest.mark.parametrize("ckpt", options("ckpt"))
+def test_accelerator_options_compose_with_every_strategy_and_ckpt_backend(strategy, ckpt, make_cfg):
+    import torch
+
+    from pitstop.config import validate
+
+    cfg = make_cfg(f"strategy={strategy}", f"ckpt={ckpt}", *ALL_ON)
+    validate(cfg)
+    s = build(cfg.strategy)
+    # one key sets the precision everywhere: FSDP's policy follows it (and then nothing autocasts on top)
+    assert s.compute_dtype == (torch.bfloat16 if strategy == "fsdp" else None)
+    assert s.channels_last_params == (strategy != "fsdp")
+    assert isinstance(build(cfg.ckpt), Checkpointer) and cfg.trainer.grad_accum_steps == 2
+
+
 def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
     ckpt = build(make_cfg("ckpt=none").ckpt)
     assert ckpt.maybe_save(None, 5, last=True) == SaveResult(0.0, None)
