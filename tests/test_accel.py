@@ -141,6 +141,8 @@ def test_no_gradient_all_reduce_on_accumulation_micro_batches(make_cfg):
     (["model=torchvision", "model.name=vit_b_16"], "needs data.image_size divisible by its patch size 16 (got 8)"),
     (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps must be a positive integer, got 0"),
     (["trainer.profile.steps=[10,13]"], "ends past the last step (12)"),
+    (["trainer.profile.steps=10"], "trainer.profile.steps must be [start, end] (two step numbers), got 10"),
+    (["trainer.epochs=1", "trainer.max_steps=null", "trainer.grad_accum_steps=1000"], "not one step"),
     (["task.label_smoothing=1.5"], "task.label_smoothing must be a number in [0, 1)"),
     (["strategy=fsdp", "strategy.mixed_precision=float16"], "strategy.mixed_precision casts to float16 but trainer.precision=fp32"),
 ])
@@ -150,6 +152,31 @@ def test_bad_accelerator_options_are_one_line_before_training(overrides, message
         train(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+
+
+def test_the_grad_scaler_state_travels_with_the_train_state(make_cfg):
+    # fp16 itself needs CUDA (the cuda tests resume it end to end); the state's round trip through the train
+    # state (JSON, as every backend stores it) is the same code on any device.
+    from pitstop.precision import Precision
+    from pitstop.runner import Runner
+
+    cfg = make_cfg()
+    r = Runner(cfg, cfg.run_dir)
+    r.setup()
+    try:
+        saved = r.state.precision
+        saved.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
+        saved.scaler.scale(torch.ones(()))  # (the scale tensor exists once used)
+        saved.scaler.update(new_scale=48.0)
+        state = json.loads(json.dumps(r.state.state_dict()))
+        assert state["scaler"]["scale"] == 48.0 and state["scaler"]["growth_interval"] == 7
+        fresh = Precision("fp32", torch.device("cpu"))
+        fresh.scaler = torch.amp.GradScaler("cpu")
+        r.state.precision = fresh
+        r.state.load_state_dict(state)
+        assert fresh.scaler.get_scale() == 48.0 and fresh.scaler.state_dict() == saved.scaler.state_dict()
+    finally:
+        r.close()
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -183,3 +210,16 @@ def test_nccl_with_one_process_per_device(strategy, data_root, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "backend cpu:gloo,cuda:nccl" in (tmp_path / "run" / "train.log").read_text()
     assert summary(tmp_path / "run")["world_size"] == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs for real (minutes)")
+def test_the_device_check_script_says_what_it_skipped_and_passes_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(["bash", str(root / "bench" / "device_check.sh")], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith("| ") and "skipped" in ln]
+    assert len(rows) == 3 and all("no CUDA device here" in r for r in rows)

@@ -29,8 +29,10 @@ class StepProfiler:
         self._prof: Any = None
         if steps is None:
             return
-        if len(steps) != 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
-            raise ConfigError(f"trainer.profile.steps must be [start, end] (two step numbers), got {list(steps)}")
+        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__len__") or len(steps) != 2 \
+                or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
+            shown = list(steps) if hasattr(steps, "__iter__") and not isinstance(steps, str) else steps
+            raise ConfigError(f"trainer.profile.steps must be [start, end] (two step numbers), got {shown!r}")
         start, end = int(steps[0]), int(steps[1])
         if not 1 <= start <= end:
             raise ConfigError(f"trainer.profile.steps=[{start}, {end}]: need 1 <= start <= end")
@@ -41,7 +43,13 @@ class StepProfiler:
 
     def before_step(self, step: int) -> None:
         """``step``: the step about to run."""
-        if self.window is None or step != self.window[0]:
+        if self.window is None or step < self.window[0]:
+            return
+        if step > self.window[0]:  # resumed past the window's start: nothing to profile in this attempt
+            if step <= self.window[1] and self._prof is None and not getattr(self, "_told", False):
+                log.warning("trainer.profile.steps=[%d, %d]: this attempt starts at step %d, inside the window; "
+                            "no trace (profile a later window)", *self.window, step)
+                self._told = True
             return
         from torch.profiler import ProfilerActivity, profile
 

@@ -261,7 +261,11 @@ class Runner:
         if t.max_steps is not None:
             return int(t.max_steps)
         # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
-        return sum(self.loader.steps_per_epoch(e) for e in range(int(t.epochs))) // self.accum
+        batches = sum(self.loader.steps_per_epoch(e) for e in range(int(t.epochs)))
+        if batches < self.accum:
+            raise ConfigError(f"trainer.epochs={t.epochs} is {batches} batch(es) per rank, fewer than "
+                              f"trainer.grad_accum_steps={self.accum}: not one step; train longer or accumulate less")
+        return batches // self.accum
 
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
@@ -336,7 +340,7 @@ class Runner:
                 self.progress.samples_seen += out.samples * self.strategy.world_size
                 if not compiling:  # (a step that compiled is no measure of throughput)
                     self.throughput.add(out.data_wait + compute, out.samples)
-                if self.throughput.flops_per_step is None and self.step == self.resumed_step + 1:
+                if not self._flops_counted:
                     with ledger.measure("init"):
                         self._count_flops()
                 window["samples"] += out.samples
@@ -400,7 +404,7 @@ class Runner:
             batch = self._device_batch(batches.next())
             wait += time.perf_counter() - t
             samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.cfg.trainer.batch_size
-            if micro == 1 and self._first_batch is None:
+            if micro == 1 and not self._flops_counted:
                 self._first_batch = batch  # its shapes, for counting a step's FLOPs once
             with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
                 with self.precision.autocast():
@@ -423,6 +427,7 @@ class Runner:
         return StepResult(loss.item(), samples, wait, staging)
 
     _first_batch: Any = None
+    _flops_counted = False
     _micro = 1
     resumed_step = 0
 
@@ -434,11 +439,9 @@ class Runner:
 
     def _count_flops(self) -> None:
         """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
-        batch, self._first_batch = self._first_batch, None
-        if batch is None:
-            return
+        batch, self._first_batch, self._flops_counted = self._first_batch, None, True
         flops = count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch)
-        self.throughput.flops_per_step = flops * self.accum if flops is not None else 0
+        self.throughput.flops_per_step = flops * self.accum if flops is not None else None
         if flops:
             log.info("one step: %.3g GFLOP per rank (%s)", flops * self.accum / 1e9, self.throughput.peak_note)
 

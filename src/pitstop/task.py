@@ -32,7 +32,9 @@ class Supervised:
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
-        return self.loss_fn(model(inputs), targets)
+        # in fp32 whatever the model computes in (FSDP's bf16/fp16 policy hands back low-precision logits;
+        # an fp16 loss would also overflow under the GradScaler's scale); a no-op for fp32 outputs
+        return self.loss_fn(model(inputs).float(), targets)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable,
@@ -43,7 +45,7 @@ class Supervised:
         model.eval()
         sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64, device=device)  # count, loss, metrics...
         for (inputs, targets), counted in batches:
-            outputs = model(inputs)
+            outputs = model(inputs).float()
             if not counted:
                 continue
             n = targets.shape[0]

@@ -10,6 +10,7 @@ dense tensor-core numbers (no sparsity); a device not in :data:`PEAK_TFLOPS` (an
 from __future__ import annotations
 
 import logging
+import re
 from array import array
 from typing import Any, Callable
 
@@ -36,11 +37,13 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
         return None, f"n/a on {device.type} (no peak FLOPs table for CPUs)"
     name = torch.cuda.get_device_name(device)
     dtype = precision
-    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+    # fp32 convolutions run on TF32 tensor cores by default (cudnn.allow_tf32), matmuls when allowed
+    if precision == "fp32" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
         dtype = "tf32"
-    for fragment, peaks in PEAK_TFLOPS.items():  # (ordered: "H100 PCIe" before "H100")
-        if fragment in name and dtype in peaks:
-            return peaks[dtype] * 1e12, f"{fragment} {dtype} dense peak {peaks[dtype]:g} TFLOP/s"
+    if "NVL" not in name:  # (NVL parts have their own clocks: no figure rather than a wrong one)
+        for fragment, peaks in PEAK_TFLOPS.items():  # (ordered: "H100 PCIe" before "H100")
+            if re.search(rf"(?<![\w]){re.escape(fragment)}(?![\w])", name) and dtype in peaks:
+                return peaks[dtype] * 1e12, f"{fragment} {dtype} dense peak {peaks[dtype]:g} TFLOP/s"
     return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.throughput.PEAK_TFLOPS)"
 
 
