@@ -218,7 +218,7 @@ def main() -> None:
     log_none = median([r["logging_s"] / args.steps for r in none])
     log_ml = median([r["logging_s"] / args.steps for r in ml])
     sps_none, sps_ml = median([r["steps_per_s"] for r in none]), median([r["steps_per_s"] for r in ml])
-    print(f"# MLflow logging every {every} step(s) (default 10), 7 metrics per log step, sqlite store, {args.steps} steps")
+    print(f"# MLflow logging every {every} step(s) (default 10), 9 metrics per log step, sqlite store, {args.steps} steps")
     print(f"loop time handing metrics to MLflow: {enq * 1e6:.1f} us/step = {100 * enq / step:.3f}% of a {step * 1e3:.2f} ms step")
     print(f"record() incl. metrics.jsonl: none {log_none * 1e6:.1f} us/step, mlflow {log_ml * 1e6:.1f} us/step "
           f"({100 * (log_ml - log_none) / step:+.3f}% of step)")

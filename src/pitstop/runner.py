@@ -15,6 +15,7 @@ in reverse order however the run ends (``self._resources``), even when setup fai
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -41,7 +42,7 @@ from pitstop.precision import DTYPES, Precision
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.profiler import StepProfiler
 from pitstop.seed import rng_state, seed_everything, set_rng_state
-from pitstop.throughput import Throughput, count_step_flops
+from pitstop.throughput import Throughput, cached_count, count_step_flops
 from pitstop.watchdog import DataStall, Hung, Watchdog
 
 log = logging.getLogger("pitstop")
@@ -440,7 +441,11 @@ class Runner:
     def _count_flops(self) -> None:
         """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
         batch, self._first_batch, self._flops_counted = self._first_batch, None, True
-        flops = count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch)
+        # (the first meta-device pass loads torch's meta kernels, ~2 s: a restart reads the count back instead)
+        key = json.dumps([OmegaConf.to_yaml(self.cfg.model, resolve=True), str(self.cfg.task.loss),
+                          _shapes(batch)])
+        flops = cached_count(os.path.join(self.run_dir, "flops.json"), key, self.strategy.is_main,
+                             lambda: count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch))
         self.throughput.flops_per_step = flops * self.accum if flops is not None else None
         if flops:
             log.info("one step: %.3g GFLOP per rank (%s)", flops * self.accum / 1e9, self.throughput.peak_note)
@@ -590,3 +595,13 @@ def _to_channels_last(batch: Any) -> Any:
     if isinstance(batch, dict):
         return {k: _to_channels_last(v) for k, v in batch.items()}
     return batch
+
+
+def _shapes(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return [list(batch.shape), str(batch.dtype)]
+    if isinstance(batch, (list, tuple)):
+        return [_shapes(b) for b in batch]
+    if isinstance(batch, dict):
+        return {str(k): _shapes(v) for k, v in sorted(batch.items())}
+    return type(batch).__name__

@@ -72,6 +72,28 @@ def count_step_flops(build_model: Callable[[], torch.nn.Module], loss: Callable[
         return None
 
 
+def cached_count(path: str, key: str, write: bool, count: Callable[[], int | None]) -> int | None:
+    """``count()``, remembered in ``path`` (the run dir's ``flops.json``) under ``key``: later attempts of the
+    run read it back instead of counting again (counting is part of their start-up)."""
+    import hashlib
+    import json
+
+    from pitstop.metrics import write_json_atomic
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(digest), int):
+        return known[digest]
+    flops = count()
+    if flops is not None and write:
+        write_json_atomic(path, {**known, digest: flops}, fsync=False)
+    return flops
+
+
 class Throughput:
     """This attempt's step times and samples on this rank; the figures for logs and summary.json."""
 
