@@ -53,6 +53,17 @@ def train(cfg) -> dict:
     return Runner(cfg, cfg.run_dir).run()
 
 
+def refused(cfg) -> str:
+    """The one-line ConfigError that training ``cfg`` is refused with."""
+    from pitstop.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

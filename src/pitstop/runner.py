@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop import compiler
+from pitstop.batch import map_tensors
 from pitstop.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
@@ -301,7 +302,6 @@ class Runner:
     def restore(self) -> None:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
-        self.resumed_step = self.step
         self._evaluated_epochs = self._epochs_ended()
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
@@ -430,12 +430,11 @@ class Runner:
     _first_batch: Any = None
     _flops_counted = False
     _micro = 1
-    resumed_step = 0
 
     def _device_batch(self, batch: Any) -> Any:
         batch = self.data.on_device(self.strategy.to_device(batch))
         if self.cfg.trainer.channels_last:  # every 4-D floating input (images) in NHWC, as the model's weights
-            batch = _to_channels_last(batch)
+            batch = map_tensors(_channels_last, batch)
         return batch
 
     def _count_flops(self) -> None:
@@ -443,7 +442,8 @@ class Runner:
         batch, self._first_batch, self._flops_counted = self._first_batch, None, True
         # (the first meta-device pass loads torch's meta kernels, ~2 s: a restart reads the count back instead)
         key = json.dumps([OmegaConf.to_yaml(self.cfg.model, resolve=True), str(self.cfg.task.loss),
-                          _shapes(batch)])
+                          map_tensors(lambda t: [list(t.shape), str(t.dtype)], batch)],
+                         sort_keys=True, default=lambda leaf: type(leaf).__name__)
         flops = cached_count(os.path.join(self.run_dir, "flops.json"), key, self.strategy.is_main,
                              lambda: count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch))
         self.throughput.flops_per_step = flops * self.accum if flops is not None else None
@@ -587,21 +587,5 @@ class Runner:
         return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
 
 
-def _to_channels_last(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 and batch.is_floating_point() else batch
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_channels_last(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_channels_last(v) for k, v in batch.items()}
-    return batch
-
-
-def _shapes(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return [list(batch.shape), str(batch.dtype)]
-    if isinstance(batch, (list, tuple)):
-        return [_shapes(b) for b in batch]
-    if isinstance(batch, dict):
-        return {str(k): _shapes(v) for k, v in sorted(batch.items())}
-    return type(batch).__name__
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t

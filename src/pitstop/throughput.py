@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from pitstop.batch import map_tensors
+
 log = logging.getLogger("pitstop.throughput")
 
 # Dense peak TFLOP/s by device-name fragment and compute dtype ("tf32": fp32 matmuls on tensor cores, used
@@ -52,20 +54,11 @@ def count_step_flops(build_model: Callable[[], torch.nn.Module], loss: Callable[
     """FLOPs of forward + backward of one micro-batch shaped like ``batch``, on a meta-device model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    def meta(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return torch.empty_like(x, device="meta")
-        if isinstance(x, (list, tuple)):
-            return type(x)(meta(v) for v in x)
-        if isinstance(x, dict):
-            return {k: meta(v) for k, v in x.items()}
-        return x
-
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):  # builds touch no real memory or RNG
             model = build_model()
         with FlopCounterMode(display=False) as counter:
-            loss(model, meta(batch)).backward()
+            loss(model, map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)).backward()
         return int(counter.get_total_flops())
     except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors just has no MFU
         log.info("FLOPs not counted (the model does not run on meta tensors: %s); MFU n/a", e)

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from pitstop.errors import ConfigError
+from pitstop.precision import DTYPES
 from pitstop.strategy.ddp import DDP
 
-_DTYPES = {None: None, "fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+# trainer.precision's names, and torch's (the key's older spellings)
+_DTYPES = {**DTYPES, None: None, "float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class FSDP(DDP):

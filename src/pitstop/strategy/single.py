@@ -8,17 +8,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from pitstop.batch import map_tensors
 from pitstop.strategy.base import Strategy
-
-
-def move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move(v, device, non_blocking) for k, v in batch.items()}
-    return batch
 
 
 class Single(Strategy):
@@ -49,7 +40,7 @@ class Single(Strategy):
         return nullcontext()  # nothing to reduce
 
     def to_device(self, batch: Any) -> Any:
-        return move(batch, self.device, non_blocking=self.pin_memory)
+        return map_tensors(lambda t: t.to(self.device, non_blocking=self.pin_memory), batch)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -1,0 +1,18 @@
+"""``map_tensors``: one walk over a batch's nested lists, tuples and dicts, applying a function to each tensor."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with every tensor ``t`` replaced by ``fn(t)`` (same containers; other leaves unchanged)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    return batch
