@@ -115,7 +115,8 @@ def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]
         rank = int(path.name[len("samples.rank"):-len(".jsonl")])
         last = {}
         for r in read_jsonl(path):  # (a step redone by a later attempt: its last record counts)
-            last[(r["step"], r.get("micro", 1))] = r["keys"]
+            if "keys" in r:  # (not an attempt's header)
+                last[(r["step"], r.get("micro", 1))] = r["keys"]
         for (step, _), ks in last.items():
             if rank >= world_after and step > resumed_from:
                 continue  # a rank that did not come back: its steps after the checkpoint were redone by others

@@ -32,6 +32,20 @@ from pitstop.watchdog import HUNG_EXIT
 log = logging.getLogger("pitstop.launch")
 
 
+def nnodes(cfg: DictConfig) -> tuple[int, int]:
+    """``strategy.nnodes``: N or "MIN:MAX" (elastic: the job runs on any number of nodes in the range)."""
+    value = OmegaConf.select(cfg, "strategy.nnodes", default=1)
+    text = str(value)
+    try:
+        lo, _, hi = text.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        low = high = 0
+    if isinstance(value, bool) or low < 1 or high < low:
+        raise ConfigError(f"strategy.nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return low, high
+
+
 def nproc(cfg: DictConfig) -> int:
     n = OmegaConf.select(cfg, "strategy.nproc_per_node", default=1)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -52,11 +66,11 @@ def started_by_launcher(env: Mapping[str, str]) -> bool:
     return "RANK" in env or bool(env.get("PITSTOP_SUPERVISED"))
 
 
-def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str]) -> LaunchMode:
+def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str], max_nodes: int = 1) -> LaunchMode:
     """How ``recipe.train`` runs the job: a pure function of the config and the environment."""
     if started_by_launcher(env):
         return LaunchMode.CHILD
-    if nproc_per_node > 1:
+    if nproc_per_node > 1 or max_nodes > 1:
         return LaunchMode.ELASTIC
     return LaunchMode.SUPERVISED if max_restarts > 0 else LaunchMode.IN_PROCESS
 
@@ -73,19 +87,25 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
-    n, restarts = nproc(cfg), max_restarts(cfg)
-    mode = launch_mode(n, restarts, os.environ)
+    n, restarts, (min_nodes, max_nodes) = nproc(cfg), max_restarts(cfg), nnodes(cfg)
+    mode = launch_mode(n, restarts, os.environ, max_nodes)
     if mode == LaunchMode.SUPERVISED:
         return supervise(cfg, run_dir, restarts)
     if mode in (LaunchMode.IN_PROCESS, LaunchMode.CHILD):
         from pitstop.runner import Runner
 
+        if mode == LaunchMode.CHILD and "RANK" in os.environ:  # a rank torchrun/SLURM started: train.log or rankR.log
+            os.makedirs(run_dir, exist_ok=True)
+            _log_to(run_dir, int(os.environ["RANK"]))
+
         return Runner(cfg, run_dir).run()
     validate(cfg)
     _check_capacity(cfg, n)
-    port = _port(cfg)
+    endpoint, run_id = _rendezvous(cfg, run_dir, max_nodes)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                           RendezvousTimeoutError)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from pitstop.preempt import JobNotice, parse_signals
@@ -100,19 +120,38 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     notices = parse_signals(OmegaConf.select(cfg, "trainer.preempt_signals", default=["SIGTERM"]))
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
+    timeout = int(float(OmegaConf.select(cfg, "strategy.timeout", default=300)))
+    if max_nodes > 1:
+        # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
+        # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"pitstop-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": 120},
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=n, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": timeout, "read_timeout": timeout, "timeout": timeout,
+                      "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
+                      "keep_alive_interval": 1, "keep_alive_max_attempt": 5},
         max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
         monitor_interval=0.2, start_method=method, shutdown_timeout=int(grace) + 30,
         signals_to_handle=",".join(torch_handles),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
     )
-    log.info("launching %d ranks (rendezvous 127.0.0.1:%d, max_restarts=%d)", n, port, config.max_restarts)
+    nodes = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
+    log.info("launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)", n, nodes, endpoint,
+             config.max_restarts)
     notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig)).install()
     try:
         results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start,
                                                  os.getpid())
+    except RendezvousClosedError:
+        raise PitstopError(f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
+                           f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
+                           f"the same one resumes from its checkpoints)") from None
+    except (RendezvousTimeoutError, RendezvousConnectionError) as e:
+        raise PitstopError(f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
+                           f"{timeout} s ({type(e).__name__}: {_first_line_of(e)}); start node 0 first, check the "
+                           f"address and that strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} nodes "
+                           f"come up") from None
     except SignalException as e:
         if e.sigval not in notices:
             raise
@@ -136,15 +175,13 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
     finally:
         notice.close()
-    return results[0]
+    return results[min(results)]  # keyed by global rank: this node's first
 
 
 def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None,
            agent: int | None = None) -> dict:
     """The entry point of each rank: a fork of the agent's pre-imported server (``method`` forkserver: warm)
     or a fresh interpreter (spawn). ``agent``: the launching process, told of a preemption notice."""
-    import torch
-
     from pitstop.runner import Runner
 
     # Program start: the first ranks count from the job's start (the launching process's imports, the
@@ -158,10 +195,7 @@ def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float 
     if agent is not None:
         os.environ["PITSTOP_AGENT_PID"] = str(agent)
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _log_to(run_dir, rank)
-    if not torch.cuda.is_available():  # share the CPU cores between the ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    _log_to(run_dir, int(os.environ["RANK"]))
     cfg = OmegaConf.create(cfg_yaml)
     try:
         return Runner(cfg, run_dir).run()
@@ -340,6 +374,27 @@ def _check_capacity(cfg: DictConfig, n: int) -> None:
     if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
         raise ConfigError(f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
                           f"lower it or set strategy.oversubscribe=true")
+
+
+def _rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str]:
+    """The rendezvous endpoint and job id. One node: a free local port and a fresh id. Several: every node
+    is given the same ``strategy.rdzv_endpoint`` (node 0's address, whose agent hosts the store) and the id is
+    the run dir's name (pinned, the same on every node)."""
+    endpoint = OmegaConf.select(cfg, "strategy.rdzv_endpoint", default=None)
+    if max_nodes == 1 and not endpoint:
+        return f"127.0.0.1:{_port(cfg)}", f"pitstop-{uuid.uuid4().hex[:8]}"
+    if not endpoint or ":" not in str(endpoint):
+        raise ConfigError(f"strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} needs "
+                          f"strategy.rdzv_endpoint=HOST:PORT (node 0's address), got {endpoint!r}")
+    import hashlib
+
+    name = os.path.basename(os.path.normpath(run_dir))
+    return str(endpoint), f"pitstop-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def _first_line_of(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:200] if lines else "no message"
 
 
 def _port(cfg: DictConfig) -> int:

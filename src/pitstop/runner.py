@@ -39,6 +39,7 @@ from pitstop.launch import record_error, started_by_launcher
 from pitstop.loader import server as worker_server
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
+from pitstop.nodes import check_nodes
 from pitstop.precision import DTYPES, Precision
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.profiler import StepProfiler
@@ -65,6 +66,19 @@ class TrainState:
     @property
     def step(self) -> int:
         return self.progress.step
+
+    def _steps_left_at_this_world_size(self) -> None:
+        """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
+        size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
+        the rest of its epoch to more or fewer ranks). The LR schedule keeps the length it was built with."""
+        loader, epochs = self.loader, int(self.cfg.trainer.epochs)
+        left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
+        left += sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
+        total = self.step + left // self.accum
+        if total != self.total_steps:
+            log.info("resumed at world size %d: %d epochs end at step %d (were %d steps; the LR schedule keeps "
+                     "its %d)", self.strategy.world_size, epochs, total, self.total_steps, self.total_steps)
+            self.total_steps = total
 
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
@@ -169,6 +183,7 @@ class Runner:
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)          # released last: the others may still need the group
             self.strategy.setup()
+            check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=cfg.trainer.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
@@ -269,6 +284,19 @@ class Runner:
                               f"trainer.grad_accum_steps={self.accum}: not one step; train longer or accumulate less")
         return batches // self.accum
 
+    def _steps_left_at_this_world_size(self) -> None:
+        """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
+        size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
+        the rest of its epoch to more or fewer ranks). The LR schedule keeps the length it was built with."""
+        loader, epochs = self.loader, int(self.cfg.trainer.epochs)
+        left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
+        left += sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
+        total = self.step + left // self.accum
+        if total != self.total_steps:
+            log.info("resumed at world size %d: %d epochs end at step %d (were %d steps; the LR schedule keeps "
+                     "its %d)", self.strategy.world_size, epochs, total, self.total_steps, self.total_steps)
+            self.total_steps = total
+
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
         cfg = self.cfg
@@ -281,9 +309,12 @@ class Runner:
     _sample_file = None
 
     def _open_sample_log(self) -> None:
+        """``samples.rank{R}.jsonl``: per attempt a header (read by ``python -m pitstop.audit``), then each
+        step's sample keys. The attempt id is rank 0's clock at its setup, the same on every rank."""
         path = os.path.join(self.run_dir, f"samples.rank{self.strategy.rank}.jsonl")
         f = open(path, "a", buffering=1 << 16)
         self._sample_file = f
+        self._attempt_id = self.strategy.broadcast_object(round(time.time(), 6))
         self._resources.callback(f.close)
         if self.accum == 1:
             self.loader.sample_log = lambda keys: f.write(f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"'))
@@ -303,8 +334,16 @@ class Runner:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
         self._evaluated_epochs = self._epochs_ended()
+        if self.resumed_from is not None and self.cfg.trainer.max_steps is None:
+            self._steps_left_at_this_world_size()
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
+        if self._sample_file is not None:  # this attempt: where it resumed, its world, what an epoch holds
+            t = self.cfg.trainer
+            self._sample_file.write(json.dumps({
+                "attempt": self._attempt_id, "resumed_from": self.resumed_from or 0, "rank": self.strategy.rank,
+                "world_size": self.strategy.world_size, "epoch_samples": self.data.index.num_samples("train"),
+                "epochs": int(t.epochs) if t.max_steps is None else None}) + "\n")
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})

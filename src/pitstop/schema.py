@@ -96,6 +96,10 @@ class DDP(Single):
     max_restarts: int = MISSING
     master_port: Optional[int] = MISSING
     oversubscribe: bool = MISSING
+    cpu_threads: Any = MISSING                 # auto | N
+    nnodes: Any = MISSING                      # N | "MIN:MAX"
+    rdzv_endpoint: Optional[str] = MISSING       # HOST:PORT of node 0
+    last_call_seconds: int = MISSING
 
 
 @dataclass

@@ -54,13 +54,36 @@ def stream_partitions(partitions: int, stream: int, streams: int) -> list[int]:
     return list(range(stream, partitions, streams))
 
 
+def balanced_partitions(left: list[int], stream: int, streams: int) -> list[int]:
+    """The rest of an epoch after an elastic resume (``left[p]``: samples of partition ``p`` not yet consumed):
+    the partitions go, largest rest first, to the stream with the least so far (ties: the lower stream), so
+    that the new readers -- and hence the ranks, which must take equal numbers of steps -- end together. A
+    plain ``p % streams`` would hand whole consumed partitions to some readers and untouched ones to others,
+    and the steps of the busiest rank beyond the others' would be dropped."""
+    load, mine = [0] * streams, []
+    for p in sorted(range(len(left)), key=lambda p: (-left[p], p)):
+        if left[p] <= 0:
+            continue
+        g = min(range(streams), key=lambda g: (load[g], g))
+        load[g] += left[p]
+        if g == stream:
+            mine.append(p)
+    return sorted(mine)
+
+
 def stream_items(num_shards: int, counts: list[int], partitions: int, stream: int, streams: int, seed: int,
                  epoch: int, shuffle: bool, base: dict[int, int]) -> list[tuple[int, int, int]]:
     """What a stream reads this epoch, in order, as ``(partition, shard, first)``: ``first`` samples of that
-    shard's order were consumed before this stream started (``base``: consumed samples per partition)."""
+    shard's order were consumed before this stream started (``base``: consumed samples per partition, after an
+    elastic resume; then the partitions are spread by what is left of them, see :func:`balanced_partitions`)."""
     order = shard_order(num_shards, seed, epoch, shuffle)
     items = []
-    for p in stream_partitions(partitions, stream, streams):
+    if base:
+        left = [sum(counts[shard] for shard in order[p::partitions]) - base.get(p, 0) for p in range(partitions)]
+        mine = balanced_partitions(left, stream, streams)
+    else:
+        mine = stream_partitions(partitions, stream, streams)
+    for p in mine:
         skip = base.get(p, 0)
         for shard in order[p::partitions]:
             n = counts[shard]

@@ -24,9 +24,10 @@ class DDP(Single):
     name = "ddp"
 
     def __init__(self, nproc_per_node: int = 2, backend: str = "auto", timeout: float = 300, device: str = "auto",
-                 **_: Any):
+                 cpu_threads: Any = "auto", **_: Any):
         super().__init__(device=device)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
+        self.cpu_threads = _threads(cpu_threads)
         self._ckpt_group = None
 
     def setup(self) -> None:
@@ -35,6 +36,9 @@ class DDP(Single):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         super().setup()
         cuda = self.device.type == "cuda"
+        if not cuda:  # the node's cores, shared by its ranks (whoever launched them: our agent, torchrun, SLURM)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // local))
         backend = self.backend if self.backend != "auto" else ("cpu:gloo,cuda:nccl" if cuda else "gloo")
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout), store=self._store(),
@@ -47,13 +51,18 @@ class DDP(Single):
         """The rendezvous store, namespaced per elastic restart attempt.
 
         After an in-job restart the agent's store still holds the previous attempt's keys (e.g. the old
-        rank 0's gloo address), so each attempt gets its own prefix.
+        rank 0's gloo address), so each attempt gets its own prefix. That prefix (the agent's restart count)
+        cannot tell rounds apart when nodes join later (a new agent counts from 0): a launch over several
+        nodes (``strategy.nnodes``) therefore gets a fresh store per round instead
+        (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it).
         """
         if "MASTER_ADDR" not in os.environ:  # one process without a launcher: a world of one
             return dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=self.timeout))
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
                               is_master=(not use_agent and self.rank == 0), timeout=timedelta(seconds=self.timeout))
+        if not use_agent:  # our rank 0 hosts a fresh store for this rendezvous round: no stale keys
+            return store
         return dist.PrefixStore(f"pitstop/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -102,6 +111,17 @@ class DDP(Single):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+def _threads(value: Any) -> int | None:
+    """``strategy.cpu_threads``: auto (None: the node's cores // its ranks) or a positive integer."""
+    if value in (None, "auto"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        from pitstop.errors import ConfigError
+
+        raise ConfigError(f"strategy.cpu_threads must be auto or a positive integer, got {value!r}")
+    return value
 
 
 def _free_port() -> int:

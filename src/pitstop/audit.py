@@ -1,0 +1,133 @@
+"""Was every training sample consumed exactly once per epoch, across restarts and changes of world size?
+
+    python -m pitstop.audit RUN_DIR            # exit status 1 on any repeated or missing sample
+
+Reads the run's sample logs (``data.record_sample_ids=true``: ``samples.rank{R}.jsonl``, one header per
+attempt and rank, then each step's sample keys) and ``metrics.jsonl`` (which epoch each step belongs to).
+A step computed by an attempt counts only if no later attempt went back behind it: an attempt's step ``s``
+survives iff ``s`` is at most the step every later attempt resumed from (a step redone after a restart
+counts once, in the attempt that redid it; a rank that did not come back loses its steps after the
+checkpoint the others resumed from). Per epoch it prints the samples expected (the train split), consumed
+once, repeated and missing; the last epoch of a run that ended by ``trainer.max_steps`` may be partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EpochAudit:
+    epoch: int
+    expected: int
+    once: int = 0
+    repeated: int = 0
+    missing: int = 0
+    partial: bool = False
+    examples: list[str] = field(default_factory=list)  # a few repeated keys, for the message
+
+    @property
+    def ok(self) -> bool:
+        return self.repeated == 0 and (self.missing == 0 or self.partial)
+
+
+def _records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
+    """``{step: [sample keys of that step, all ranks]}`` of the steps that survive, and the last header."""
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith("samples.rank") and n.endswith(".jsonl"))
+    if not names:
+        raise SystemExit(f"error: no samples.rank*.jsonl in {run_dir}: train with data.record_sample_ids=true")
+    resumed: dict[float, int] = {}
+    rows: list[tuple[float, int, int, int, list[str]]] = []  # (attempt, rank, step, micro, keys)
+    header: dict = {}
+    for name in names:
+        attempt = None
+        for r in _records(os.path.join(run_dir, name)):
+            if "attempt" in r:
+                attempt, header = r["attempt"], max(header, r, key=lambda h: h.get("attempt", 0))
+                resumed[attempt] = int(r["resumed_from"])
+                rank = int(r["rank"])
+            elif attempt is None:
+                raise SystemExit(f"error: {name} has steps before any attempt header: it was written by an older "
+                                 f"pitstop; audit runs that this version trained")
+            else:
+                rows.append((attempt, rank, int(r["step"]), int(r.get("micro", 1)), r["keys"]))
+    order = sorted(resumed)
+    # the lowest resume point of any later attempt: how far an attempt's steps are kept
+    keep: dict[float, float] = {}
+    floor = float("inf")
+    for a in reversed(order):
+        keep[a] = floor
+        floor = min(floor, resumed[a])
+    steps: dict[int, list[str]] = defaultdict(list)
+    for attempt, _, step, _, keys in rows:
+        if step <= keep[attempt]:
+            steps[step].extend(keys)
+    return steps, header
+
+
+def epochs_of(run_dir: str) -> dict[int, int]:
+    """step -> epoch, from metrics.jsonl (the last record of a step: the attempt whose step survived)."""
+    out: dict[int, int] = {}
+    for r in _records(os.path.join(run_dir, "metrics.jsonl")):
+        if "loss" in r and "epoch" in r:
+            out[int(r["step"])] = int(r["epoch"])
+    return out
+
+
+def audit(run_dir: str) -> list[EpochAudit]:
+    steps, header = surviving_keys(run_dir)
+    epoch_of = epochs_of(run_dir)
+    unknown = sorted(s for s in steps if s not in epoch_of)
+    if unknown:
+        raise SystemExit(f"error: steps {unknown[:5]} of the sample logs are not in {run_dir}/metrics.jsonl")
+    per_epoch: dict[int, Counter] = defaultdict(Counter)
+    for step, keys in steps.items():
+        per_epoch[epoch_of[step]].update(keys)
+    expected = int(header["epoch_samples"])
+    complete = header.get("epochs")  # epochs mode: every epoch up to it must be complete
+    last = max(per_epoch, default=-1)
+    out = []
+    for e in range(last + 1):
+        counts = per_epoch.get(e, Counter())
+        a = EpochAudit(epoch=e, expected=expected, partial=(e == last and complete is None))
+        a.once = sum(1 for c in counts.values() if c == 1)
+        a.repeated = sum(1 for c in counts.values() if c > 1)
+        a.missing = max(0, expected - len(counts))
+        a.examples = [k for k, c in counts.items() if c > 1][:3]
+        out.append(a)
+    if complete is not None:
+        out.extend(EpochAudit(epoch=e, expected=expected, missing=expected) for e in range(last + 1, complete))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pitstop.audit", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.run_dir):
+        print(f"error: {a.run_dir} is not a run dir", file=sys.stderr)
+        return 2
+    rows = audit(a.run_dir)
+    print(f"{'epoch':>5} {'expected':>9} {'once':>9} {'repeated':>9} {'missing':>9}")
+    for r in rows:
+        note = " (partial: the run ended by trainer.max_steps)" if r.partial and r.missing else ""
+        note += f" e.g. {', '.join(r.examples)}" if r.examples else ""
+        print(f"{r.epoch:>5} {r.expected:>9} {r.once:>9} {r.repeated:>9} {r.missing:>9}{note}")
+    bad = [r for r in rows if not r.ok]
+    print("every sample exactly once" if not bad else f"FAILED: epochs {[r.epoch for r in bad]} have repeated or "
+          f"missing samples")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
