@@ -6,6 +6,9 @@
     python -m recipe.goodput --mtbf 8 --interval 2.5 --save-cost 0.05 --recovery-gap 0.5 --program-start 0 \
         --init 0.3 --restore 0.1 --local-interval 0.4 --local-cost 0.02 --local-share 1
 
+At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's goodput.json/summary.json):
+    python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
+
 The model (pitstop.goodput): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
 also printed: the exact value for exponential failures, T e^-(R+W)/M / (M (e^((T+C)/M) - 1)).
 R is the restart cost per failure, or the sum of its parts (the ledger's buckets): --recovery-gap,
@@ -39,7 +42,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-cost", default="0", help="local tier: seconds the loop blocks per save")
     p.add_argument("--local-lag", default="0", help="local tier: save start -> complete")
     p.add_argument("--local-share", type=float, default=1.0, help="share of failures the local tier survives")
+    p.add_argument("--nodes", nargs="*", type=int, default=None,
+                   help="project for these node counts (none given: 1, 2, 4 ... 4096)")
+    p.add_argument("--node-mtbf", default=None, help="one node's MTBF (default: Llama 3's 8.6 failures/day on "
+                   "2,048 nodes of 8 GPUs, i.e. 238 days)")
+    p.add_argument("--from", dest="run_dir", default=None, help="take C, W and R from this run dir's "
+                   "summary.json and goodput.json")
+    p.add_argument("--replace-cost", default="0", help="a lost node: seconds until a replacement joins, on top of R")
+    p.add_argument("--replace-share", type=float, default=0.0, help="share of failures that lose a node")
+    p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
     a = p.parse_args(argv)
+    if a.nodes is not None:
+        return scale(p, a)
     try:
         mtbf = parse_duration(a.mtbf) if a.mtbf else 86400.0 / (a.failures_per_day or 8.6)
         intervals = [parse_duration(t) for t in a.interval]
@@ -91,6 +105,72 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 tail = f"{'-> 0':>10} {'':>8}"
             print(f"{fmt_duration(cc):>8} {fmt_duration(rr):>8}{row}  {tail}")
+
+
+def measured(run_dir: str) -> tuple[float, float, float]:
+    """C (blocking per save), W (save start -> durable) and R (per automatic restart) of a real run."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            ckpt = json.load(f).get("checkpoint") or {}
+        with open(os.path.join(run_dir, "goodput.json")) as f:
+            ledger = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --from {run_dir}: {e}; give a finished run dir") from None
+    if not ckpt.get("saves"):
+        raise SystemExit(f"error: --from {run_dir}: the run saved no checkpoint (ckpt=none?), so C is unknown")
+    if not ledger.get("restarts"):
+        raise SystemExit(f"error: --from {run_dir}: the run never restarted, so R is unknown; run it with a fault "
+                         f"(e.g. fault=crash_at_step trainer.max_restarts=1) or give --restart-cost")
+    return float(ckpt["block_seconds_mean"]), float(ckpt.get("total_seconds_mean") or 0.0), float(ledger["restart_seconds"])
+
+
+def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    from pitstop.goodput import at_scale
+
+    try:
+        node_mtbf = parse_duration(a.node_mtbf) if a.node_mtbf else 2048 * 86400.0 / 8.6
+        c, w, r = parse_duration(a.save_cost), parse_duration(a.write_lag), parse_duration(a.restart_cost)
+        replace = parse_duration(a.replace_cost)
+        fixed = parse_duration(a.interval[0]) if a.interval != p.get_default("interval") else None
+    except ValueError as e:
+        p.error(str(e))
+    if a.run_dir:
+        c, w, r = measured(a.run_dir)
+    if node_mtbf <= 0 or not 0 <= a.replace_share <= 1:
+        p.error("--node-mtbf must be positive and --replace-share within [0, 1]")
+    nodes = a.nodes or [2 ** k for k in range(13)]
+    print(f"per node MTBF {fmt_duration(node_mtbf)}; C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} "
+          f"(process restart){f' from {a.run_dir}' if a.run_dir else ''}; a lost node ({a.replace_share:.0%} of "
+          f"failures) adds {fmt_duration(replace)}")
+    rows = [at_scale(n, node_mtbf, c, r, w, replace, a.replace_share, fixed) for n in nodes]
+    what = f"at {fmt_duration(fixed)}" if fixed else "at best T"
+    print(f"{'nodes':>6} {'job MTBF':>10} {'fail/day':>9} {'Young-Daly':>11} {'best T':>10} "
+          f"{'goodput ' + what:>18} {'exact':>7}")
+    for row in rows:
+        print(f"{row['nodes']:>6} {fmt_duration(row['mtbf']):>10} {row['failures_per_day']:>9.2f} "
+              f"{fmt_duration(row['young_daly']):>11} {fmt_duration(row['best']):>10} {row['goodput'] * 100:>17.1f}% "
+              f"{row['exact'] * 100:>6.1f}%")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([x["nodes"] for x in rows], [x["goodput"] * 100 for x in rows], marker="o", label=f"goodput {what}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("goodput %")
+        ax.set_ylim(0, 100)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"C={fmt_duration(c)}, R={fmt_duration(r)}, node MTBF {fmt_duration(node_mtbf)}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.plot)
+        print(f"plot: {a.plot}")
 
 
 if __name__ == "__main__":

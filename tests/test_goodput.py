@@ -89,6 +89,40 @@ def test_recipe_goodput_prints_the_published_figures():
     assert p.returncode == 2 and "'soon' is not a duration" in p.stderr
 
 
+@pytest.mark.slow
+def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
+    # A real run that saved and restarted once gives C, W and R; projected to N nodes, each failing every 30 days.
+    run_dir = tmp_path / "run"
+    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=crash_at_step",
+             "fault.step=15", "trainer.max_restarts=1"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary, ledger = load(run_dir)
+    plot = tmp_path / "scale.png"
+    p = subprocess.run([PY, "-m", "recipe.goodput", "--nodes", "1", "64", "4096", "--from", str(run_dir),
+                        "--node-mtbf", "30d", "--replace-cost", "5min", "--replace-share", "0.5", "--plot", str(plot)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    from pitstop.goodput import at_scale, fmt_duration
+
+    c, w, r = summary["checkpoint"]["block_seconds_mean"], summary["checkpoint"]["total_seconds_mean"], \
+        ledger["restart_seconds"]
+    assert f"C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} (process restart) from {run_dir}" in p.stdout
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip() and ln.split()[0] in ("1", "64", "4096")]
+    assert [row[0] for row in rows] == ["1", "64", "4096"]
+    goodput = [float(row[-2].rstrip("%")) for row in rows]
+    assert goodput[0] >= goodput[1] > goodput[2]  # more nodes: failures more often
+    big = at_scale(4096, 30 * 86400, c, r, w, 300, 0.5)
+    assert big["failures_per_day"] == pytest.approx(4096 / 30) and big["restart"] == pytest.approx(r + 150)
+    assert f"{big['goodput'] * 100:.1f}%" == rows[2][-2] and plot.stat().st_size > 10_000
+    # Young-Daly per N: sqrt(2 C MTBF/N)
+    assert big["young_daly"] == pytest.approx(math.sqrt(2 * c * 30 * 86400 / 4096))
+    no_restart = tmp_path / "clean"
+    assert cli([*RUN, f"run_dir={no_restart}", "ckpt=sync_save"], data_root, tmp_path).returncode == 0
+    p = subprocess.run([PY, "-m", "recipe.goodput", "--nodes", "--from", str(no_restart)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "never restarted, so R is unknown" in p.stderr.strip().splitlines()[-1]
+
+
 def test_account_moves_redone_work_to_lost():
     b = lambda compute, wait: {"program_start": 0.5, "init": 0.3, "restore": 0.2, "compute": compute,  # noqa: E731
                                "data_wait": wait, "checkpoint": 0.5, "eval": 0.4, "logging": 0.0, "other": 0.1}

@@ -98,6 +98,32 @@ def project(tmp_path_factory):
         srv.wait(10)
 
 
+def two_nodes(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """A command the README runs on every node: two agents on this machine (HOST0 = 127.0.0.1, a free port, one
+    rank each on 2 cores), each with its own node-local cache; node 1's result, after both finished."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [re.sub(r"HOST0:\d+", f"127.0.0.1:{port}", a) for a in argv]
+    argv = [("strategy.nproc_per_node=1" if a.startswith("strategy.nproc_per_node=") else a) for a in argv]
+    procs = []
+    for node in (0, 1):
+        node_env = {**env, "PITSTOP_CACHE_DIR": str(cwd / f".cache_node{node}")}
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, stdin=subprocess.DEVNULL))
+        time.sleep(1.5)  # node 0's agent hosts the rendezvous store
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=600))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s on two nodes")
+    failed = next((i for i, q in enumerate(procs) if q.returncode != 0), 1)
+    return subprocess.CompletedProcess(argv, procs[failed].returncode, outs[failed][0], outs[failed][1])
+
+
 COMMANDS = readme_commands()
 
 
@@ -129,12 +155,15 @@ def test_readme_command(cmd, project):
         pytest.fail(f"{line} did not start listening")
     argv = shrink(argv)
     before = set(summaries_after(cwd, set()))
-    try:  # (under the suite's 900 s per test: a hung command fails with its own output, not the suite's dump)
-        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s\n{err[-3000:]}")
+    if any(a.startswith("strategy.nnodes=") for a in argv):  # "on every node": two agents, node 0 first
+        p = two_nodes(argv, cwd, env)
+    else:
+        try:  # (under the suite's 900 s per test: a hung command fails with its own output, not the suite's dump)
+            p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s\n{err[-3000:]}")
     assert p.returncode == 0, f"{' '.join(argv[1:])}\n{p.stderr[-3000:]}"
     module, args = argv[2], argv[3:]
     sweep = "-m" in args or "--multirun" in args

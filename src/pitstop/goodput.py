@@ -83,6 +83,23 @@ def best_interval(mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0
     return max(grid, key=lambda t: expected_goodput(t, mtbf, save_cost, restart_cost, write_lag))
 
 
+def at_scale(nodes: int, node_mtbf: float, save_cost: float, restart_cost: float, write_lag: float = 0.0,
+             replace_cost: float = 0.0, replace_share: float = 0.0, interval: float | None = None) -> dict:
+    """The job on ``nodes`` nodes, each failing on average every ``node_mtbf`` seconds (independently: the
+    job's MTBF is ``node_mtbf / nodes``). A share ``replace_share`` of the failures takes a node away (a
+    replacement must join: ``replace_cost`` more than a process restart ``restart_cost``); the rest restart the
+    processes in place. Checkpoints every ``interval`` seconds of work, or at the best interval for this N."""
+    mtbf = node_mtbf / nodes
+    r = restart_cost + replace_share * replace_cost
+    best = best_interval(mtbf, save_cost, r, write_lag)
+    t = interval if interval is not None else best
+    return {"nodes": nodes, "mtbf": mtbf, "failures_per_day": 86400.0 / mtbf, "restart": r,
+            "young_daly": young_daly(save_cost, mtbf), "best": best, "interval": t,
+            # (free saves: save continuously, only the restarts cost)
+            "goodput": expected_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else max(0.0, 1 - (r + write_lag) / mtbf),
+            "exact": exact_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else math.exp(-(r + write_lag) / mtbf)}
+
+
 _UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400}
 
 

@@ -381,6 +381,13 @@ def _rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str
     is given the same ``strategy.rdzv_endpoint`` (node 0's address, whose agent hosts the store) and the id is
     the run dir's name (pinned, the same on every node)."""
     endpoint = OmegaConf.select(cfg, "strategy.rdzv_endpoint", default=None)
+    slurm_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", "1") or 1)  # srun's step (submitit's tasks)
+    if slurm_nodes > max_nodes:
+        raise ConfigError(f"this SLURM job step runs on {slurm_nodes} nodes but strategy.nnodes="
+                          f"{OmegaConf.select(cfg, 'strategy.nnodes')}; set strategy.nnodes={slurm_nodes} "
+                          f"(= hydra.launcher.nodes) and strategy.rdzv_endpoint=slurm")
+    if endpoint == "slurm":
+        endpoint = slurm_endpoint(os.environ, OmegaConf.select(cfg, "strategy.master_port", default=None))
     if max_nodes == 1 and not endpoint:
         return f"127.0.0.1:{_port(cfg)}", f"pitstop-{uuid.uuid4().hex[:8]}"
     if not endpoint or ":" not in str(endpoint):
@@ -390,6 +397,27 @@ def _rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str
 
     name = os.path.basename(os.path.normpath(run_dir))
     return str(endpoint), f"pitstop-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def slurm_endpoint(env: Mapping[str, str], port: int | None = None) -> str:
+    """``strategy.rdzv_endpoint=slurm``: the allocation's first node (node 0, whose agent hosts the rendezvous)
+    and a port derived from the job id (two jobs sharing a node do not collide), or ``strategy.master_port``."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError("strategy.rdzv_endpoint=slurm outside a SLURM allocation (no SLURM_JOB_NODELIST); "
+                          "give HOST:PORT")
+    return f"{first_host(nodelist)}:{int(port or 20000 + int(env.get('SLURM_JOB_ID', '0') or 0) % 20000)}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-08,11],cpu3`` -> ``gpu07``."""
+    import re
+
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}; give strategy.rdzv_endpoint=HOST:PORT")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
 def _first_line_of(e: BaseException) -> str:

@@ -1,0 +1,62 @@
+"""python -m pitstop.audit: which steps survive restarts, and what it reports (the sample logs of real runs are
+audited in test_nodes.py; here logs written by hand pin down the rules, including the failures it must catch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import PY, ROOT
+
+
+def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
+    """attempts: [(attempt id, resumed_from, world, {rank: {step: [keys]}})]"""
+    run_dir.mkdir()
+    files = {}
+    for attempt, resumed, world, ranks in attempts:
+        for rank, steps in ranks.items():
+            f = files.setdefault(rank, open(run_dir / f"samples.rank{rank}.jsonl", "a"))
+            f.write(json.dumps({"attempt": attempt, "resumed_from": resumed, "rank": rank, "world_size": world,
+                                "epoch_samples": samples, "epochs": epochs}) + "\n")
+            for step, keys in steps.items():
+                f.write(json.dumps({"step": step, "keys": keys}) + "\n")
+    for f in files.values():
+        f.close()
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step, epoch in epoch_of.items():
+            f.write(json.dumps({"step": step, "epoch": epoch, "loss": 1.0}) + "\n")
+
+
+def audit(run_dir):
+    return subprocess.run([PY, "-m", "pitstop.audit", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_redone_steps_count_once_and_a_rank_that_did_not_come_back_loses_its_steps(tmp_path):
+    # world 2 computes steps 1-3 (2 samples per rank per step... 1 here), is killed after step 3 with a checkpoint
+    # at step 2; the job resumes at world 1 from step 2, and redoes step 3 with the samples rank 1 had.
+    a1 = {0: {1: ["a"], 2: ["b"], 3: ["c"]}, 1: {1: ["e"], 2: ["f"], 3: ["g"]}}
+    a2 = {0: {3: ["c", "g"], 4: ["d", "h"]}}
+    write_run(tmp_path / "ok", [(1.0, 0, 2, a1), (2.0, 2, 1, a2)], {1: 0, 2: 0, 3: 0, 4: 0}, epochs=1)
+    p = audit(tmp_path / "ok")
+    assert p.returncode == 0 and "every sample exactly once" in p.stdout, p.stdout + p.stderr
+    # a resume that went back behind an earlier one (a corrupt newest checkpoint): attempt 2's steps after it drop
+    a3 = {0: {2: ["b", "f"], 3: ["c", "g"], 4: ["d", "h"]}}
+    write_run(tmp_path / "fallback", [(1.0, 0, 2, a1), (2.0, 2, 1, a2), (3.0, 1, 1, a3)], {1: 0, 2: 0, 3: 0, 4: 0},
+              epochs=1)
+    assert audit(tmp_path / "fallback").returncode == 0
+
+
+def test_repeats_and_misses_fail_and_a_partial_last_epoch_does_not(tmp_path):
+    a1 = {0: {1: ["a", "b"], 2: ["c", "a"]}}  # "a" twice
+    write_run(tmp_path / "repeat", [(1.0, 0, 1, a1)], {1: 0, 2: 0}, samples=4, epochs=1)
+    p = audit(tmp_path / "repeat")
+    assert p.returncode == 1 and "e.g. a" in p.stdout and "FAILED: epochs [0]" in p.stdout
+    a1 = {0: {1: ["a", "b"], 2: ["c", "d"], 3: ["a"]}}  # epoch 1 stops after one step
+    write_run(tmp_path / "partial", [(1.0, 0, 1, a1)], {1: 0, 2: 0, 3: 1}, samples=4, epochs=None)
+    p = audit(tmp_path / "partial")
+    assert p.returncode == 0 and "(partial: the run ended by trainer.max_steps)" in p.stdout, p.stdout
+    write_run(tmp_path / "short", [(1.0, 0, 1, a1)], {1: 0, 2: 0, 3: 1}, samples=4, epochs=2)  # epochs mode: whole
+    assert audit(tmp_path / "short").returncode == 1
+    p = audit(tmp_path / "nothing_here")
+    assert p.returncode == 2 and "is not a run dir" in p.stderr
