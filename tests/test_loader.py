@@ -266,3 +266,19 @@ def test_evaluation_batches_are_kept_in_memory_when_they_fit(data_root):
         PlainLoader(ds, "val", batch_size=64, seed=0, train=False, eval_in_memory=None)
     with pytest.raises(ConfigError, match=r"loader\.eval_in_memory='lots' is not a size"):
         PlainLoader(ds, "val", batch_size=64, seed=0, train=False, eval_in_memory="lots")
+
+
+def test_the_rest_of_an_epoch_is_spread_over_the_ranks_by_what_is_left():
+    # One rank with 2 readers consumed partitions 0-3 (of 8) and 40 samples of 4 and 5; two ranks of 2 readers take
+    # over: by p % 4, rank 0 would get 0+140+0+180 and rank 1 0+140+0+180 only by luck of the layout; balanced,
+    # each rank gets 320 samples in 11 batches of 32 (6 + 5): the same number of steps, nothing dropped.
+    from pitstop.loader.plan import balanced_partitions, num_batches
+
+    left = [0, 0, 0, 0, 140, 140, 180, 180]
+    streams = [balanced_partitions(left, g, 4, per_rank=2) for g in range(4)]
+    assert sorted(p for s in streams for p in s) == [4, 5, 6, 7]  # each partition to exactly one reader
+    loads = [sum(left[p] for p in s) for s in streams]
+    assert loads[0] + loads[1] == loads[2] + loads[3] == 320
+    batches = [sum(num_batches(left[p], 32, False) for p in streams[g] + streams[g + 1]) for g in (0, 2)]
+    assert batches == [11, 11]
+    assert balanced_partitions(left, 1, 4, per_rank=2) == balanced_partitions(left, 1, 4, per_rank=2)  # pure

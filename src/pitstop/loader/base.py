@@ -101,7 +101,7 @@ class StreamReader(IterableDataset):
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size
         plan_items = plan.stream_items(len(self.refs), self.counts, self.partitions, g, total_streams, self.seed,
-                                       self.epoch, self.shuffle, self.base)
+                                       self.epoch, self.shuffle, self.base, self.streams)
         pos = self.starts.get(g, 0)
         todo, skip = [], pos  # (shard, samples to skip in it); wholly consumed shards are not even opened
         for _, shard, first in plan_items:
@@ -213,7 +213,7 @@ class ShardLoader(ABC):
 
     def _items(self, epoch: int, g: int) -> list[tuple[int, int, int]]:
         return plan.stream_items(len(self.urls), self.counts, self.partitions, g, self.streams * self.world_size,
-                                 self.seed, epoch, self.shuffle, self.base if epoch == self.epoch else {})
+                                 self.seed, epoch, self.shuffle, self.base if epoch == self.epoch else {}, self.streams)
 
     def _stream_batches(self, epoch: int, g: int) -> int:
         remaining = sum(self.counts[shard] - first for _, shard, first in self._items(epoch, g))

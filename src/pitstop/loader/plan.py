@@ -54,25 +54,32 @@ def stream_partitions(partitions: int, stream: int, streams: int) -> list[int]:
     return list(range(stream, partitions, streams))
 
 
-def balanced_partitions(left: list[int], stream: int, streams: int) -> list[int]:
+def balanced_partitions(left: list[int], stream: int, streams: int, per_rank: int = 1) -> list[int]:
     """The rest of an epoch after an elastic resume (``left[p]``: samples of partition ``p`` not yet consumed):
-    the partitions go, largest rest first, to the stream with the least so far (ties: the lower stream), so
-    that the new readers -- and hence the ranks, which must take equal numbers of steps -- end together. A
-    plain ``p % streams`` would hand whole consumed partitions to some readers and untouched ones to others,
-    and the steps of the busiest rank beyond the others' would be dropped."""
-    load, mine = [0] * streams, []
+    the partitions go, largest rest first, to the rank with the least so far, then within each rank to its
+    reader with the least (ties: the lower one), so that the ranks -- which must take equal numbers of steps --
+    end as nearly together as whole partitions allow (training streams are rank-major: ``per_rank`` each). A
+    plain ``p % streams`` would hand consumed partitions to some ranks and untouched ones to others, and the
+    batches of the busiest rank beyond the others' would be dropped."""
+    ranks = max(1, streams // per_rank)
+    rank_load, rank_parts = [0] * ranks, [[] for _ in range(ranks)]
     for p in sorted(range(len(left)), key=lambda p: (-left[p], p)):
-        if left[p] <= 0:
-            continue
-        g = min(range(streams), key=lambda g: (load[g], g))
-        load[g] += left[p]
-        if g == stream:
-            mine.append(p)
-    return sorted(mine)
+        if left[p] > 0:
+            r = min(range(ranks), key=lambda r: (rank_load[r], r))
+            rank_load[r] += left[p]
+            rank_parts[r].append(p)
+    rank, mine = divmod(stream, per_rank)
+    load, out = [0] * per_rank, []
+    for p in rank_parts[rank]:  # (already largest first)
+        w = min(range(per_rank), key=lambda w: (load[w], w))
+        load[w] += left[p]
+        if w == mine:
+            out.append(p)
+    return sorted(out)
 
 
 def stream_items(num_shards: int, counts: list[int], partitions: int, stream: int, streams: int, seed: int,
-                 epoch: int, shuffle: bool, base: dict[int, int]) -> list[tuple[int, int, int]]:
+                 epoch: int, shuffle: bool, base: dict[int, int], per_rank: int = 1) -> list[tuple[int, int, int]]:
     """What a stream reads this epoch, in order, as ``(partition, shard, first)``: ``first`` samples of that
     shard's order were consumed before this stream started (``base``: consumed samples per partition, after an
     elastic resume; then the partitions are spread by what is left of them, see :func:`balanced_partitions`)."""
@@ -80,7 +87,7 @@ def stream_items(num_shards: int, counts: list[int], partitions: int, stream: in
     items = []
     if base:
         left = [sum(counts[shard] for shard in order[p::partitions]) - base.get(p, 0) for p in range(partitions)]
-        mine = balanced_partitions(left, stream, streams)
+        mine = balanced_partitions(left, stream, streams, per_rank)
     else:
         mine = stream_partitions(partitions, stream, streams)
     for p in mine:
