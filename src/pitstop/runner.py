@@ -67,19 +67,6 @@ class TrainState:
     def step(self) -> int:
         return self.progress.step
 
-    def _steps_left_at_this_world_size(self) -> None:
-        """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
-        size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
-        the rest of its epoch to more or fewer ranks). The LR schedule keeps the length it was built with."""
-        loader, epochs = self.loader, int(self.cfg.trainer.epochs)
-        left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
-        left += sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
-        total = self.step + left // self.accum
-        if total != self.total_steps:
-            log.info("resumed at world size %d: %d epochs end at step %d (were %d steps; the LR schedule keeps "
-                     "its %d)", self.strategy.world_size, epochs, total, self.total_steps, self.total_steps)
-            self.total_steps = total
-
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
         return self._fingerprint
