@@ -130,7 +130,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
     run_dir, port = tmp_path / "run", free_port()
     args = ["strategy=ddp", "strategy.nproc_per_node=1", f"run_dir={run_dir}", "ckpt=async_dcp",
             "ckpt.interval_steps=5", "trainer.epochs=4", "trainer.batch_size=32", "seed=21", "logger=none",
-            "data.record_sample_ids=true", "strategy.timeout=60"]
+            "data.record_sample_ids=true", "strategy.timeout=60", "strategy.cpu_threads=1"]
     torchrun = None
     if launcher == "pitstop":
         args += ["strategy.nnodes=1:2", f"strategy.rdzv_endpoint=127.0.0.1:{port}", "trainer.max_restarts=3"]
@@ -187,6 +187,19 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
         else:
             assert e.missing < 180, e
     assert s["metrics"]["val_accuracy"] > 0.8  # it converged like an uninterrupted run (~0.9 after 4 epochs)
+
+    # The same sequence of world sizes, replayed without agents: 2 ranks stopped (a preemption notice) right after the
+    # step the shrunken job resumed from, 1 rank from there to the step the grown job resumed from, 2 ranks to the
+    # end. Where the elastic run's ranks happened to be when the node was lost or came back does not matter: only
+    # the checkpoints resumed from do, so the final parameters are the same, bit for bit.
+    (r1, r2) = sorted({h["resumed_from"] for h in headers} - {0})
+    replay = [a for a in args if not a.startswith(("run_dir=", "strategy.nnodes=", "strategy.rdzv_endpoint=",
+                                                    "trainer.max_restarts="))] + [f"run_dir={tmp_path / 'replay'}"]
+    for world, stop, code in ((2, r1, 75), (1, r2, 75), (2, None, 0)):
+        fault = ["fault=preempt", f"fault.step={stop}"] if stop else []
+        p = cli([*replay, f"strategy.nproc_per_node={world}", *fault], data_root, tmp_path)
+        assert p.returncode == code, p.stderr[-3000:]
+    assert summary(tmp_path / "replay")["params_sha256"] == s["params_sha256"]
 
 
 def test_each_node_downloads_each_shard_once(data_root, tmp_path):
