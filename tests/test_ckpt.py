@@ -64,17 +64,21 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
 def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_path, reference):
-    """Killed right after the step-30 save was started (staging / background write under way): that
-    checkpoint never counts, and the same command resumes from step 25 to the same final parameters."""
+    """Killed right after the step-30 save was started (staging / background write under way): an unfinished
+    checkpoint never counts, and the same command resumes from step 25 to the same final parameters. (With the
+    checkpoint *process* -- async_dcp_pinned -- a save already handed over to it before the kill is written by
+    that process, which outlives the trainer: then step 30 is complete, marker last, and the resume takes it.
+    Seen once in a full-suite run; the final parameters are the same either way.)"""
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=5", "ckpt.throttle_mbps=0.5",
             "fault=crash_at_step", "fault.step=30"]
     assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
-    assert not (run_dir / "checkpoints" / "step_00000030" / ".metadata").exists()
+    finished = (run_dir / "checkpoints" / "step_00000030" / ".metadata").exists()
+    assert not finished or backend == "async_dcp_pinned"  # a thread writer dies with the trainer
     second = cli(args, data_root, tmp_path, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 25
+    assert s["resumed_from"] == (30 if finished else 25)
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
 
 
