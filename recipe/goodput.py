@@ -6,7 +6,7 @@
     python -m recipe.goodput --mtbf 8 --interval 2.5 --save-cost 0.05 --recovery-gap 0.5 --program-start 0 \
         --init 0.3 --restore 0.1 --local-interval 0.4 --local-cost 0.02 --local-share 1
 
-At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's goodput.json/summary.json):
+At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
 
 The model (pitstop.goodput): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--node-mtbf", default=None, help="one node's MTBF (default: Llama 3's 8.6 failures/day on "
                    "2,048 nodes of 8 GPUs, i.e. 238 days)")
     p.add_argument("--from", dest="run_dir", default=None, help="take C, W and R from this run dir's "
-                   "summary.json and goodput.json")
+                   "summary.json")
     p.add_argument("--replace-cost", default="0", help="a lost node: seconds until a replacement joins, on top of R")
     p.add_argument("--replace-share", type=float, default=0.0, help="share of failures that lose a node")
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
@@ -108,17 +108,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def measured(run_dir: str) -> tuple[float, float, float]:
-    """C (blocking per save), W (save start -> durable) and R (per automatic restart) of a real run."""
+    """C (blocking per save), W (save start -> durable) and R (per automatic restart) of a real run, from its
+    ``summary.json`` (which carries the ledger's restarts and R)."""
     import json
     import os
 
     try:
         with open(os.path.join(run_dir, "summary.json")) as f:
-            ckpt = json.load(f).get("checkpoint") or {}
-        with open(os.path.join(run_dir, "goodput.json")) as f:
-            ledger = json.load(f)
+            summary = json.load(f)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --from {run_dir}: {e}; give a finished run dir") from None
+    ckpt, ledger = summary.get("checkpoint") or {}, summary.get("goodput") or {}
     if not ckpt.get("saves"):
         raise SystemExit(f"error: --from {run_dir}: the run saved no checkpoint (ckpt=none?), so C is unknown")
     if not ledger.get("restarts"):

@@ -265,23 +265,27 @@ class Runner:
         if t.max_steps is not None:
             return int(t.max_steps)
         # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
-        batches = sum(self.loader.steps_per_epoch(e) for e in range(int(t.epochs)))
+        batches = self._batches_left()  # (at setup: the loader is at the start, so every epoch's batches)
         if batches < self.accum:
             raise ConfigError(f"trainer.epochs={t.epochs} is {batches} batch(es) per rank, fewer than "
                               f"trainer.grad_accum_steps={self.accum}: not one step; train longer or accumulate less")
         return batches // self.accum
 
+    def _batches_left(self) -> int:
+        """Batches each rank has left of ``trainer.epochs`` from the loader's position, at this world size."""
+        loader, epochs = self.loader, int(self.cfg.trainer.epochs)
+        left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
+        return left + sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
+
     def _steps_left_at_this_world_size(self) -> None:
         """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
         size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
         the rest of its epoch to more or fewer ranks). The LR schedule keeps the length it was built with."""
-        loader, epochs = self.loader, int(self.cfg.trainer.epochs)
-        left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
-        left += sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
-        total = self.step + left // self.accum
+        total = self.step + self._batches_left() // self.accum
         if total != self.total_steps:
             log.info("resumed at world size %d: %d epochs end at step %d (were %d steps; the LR schedule keeps "
-                     "its %d)", self.strategy.world_size, epochs, total, self.total_steps, self.total_steps)
+                     "its %d)", self.strategy.world_size, self.cfg.trainer.epochs, total, self.total_steps,
+                     self.total_steps)
             self.total_steps = total
 
     def fingerprint(self) -> dict:
