@@ -268,17 +268,90 @@ def test_evaluation_batches_are_kept_in_memory_when_they_fit(data_root):
         PlainLoader(ds, "val", batch_size=64, seed=0, train=False, eval_in_memory="lots")
 
 
-def test_the_rest_of_an_epoch_is_spread_over_the_ranks_by_what_is_left():
-    # One rank with 2 readers consumed partitions 0-3 (of 8) and 40 samples of 4 and 5; two ranks of 2 readers take
-    # over: by p % 4, rank 0 would get 0+140+0+180 and rank 1 0+140+0+180 only by luck of the layout; balanced,
-    # each rank gets 320 samples in 11 batches of 32 (6 + 5): the same number of steps, nothing dropped.
-    from pitstop.loader.plan import balanced_partitions, num_batches
+def test_the_rest_of_an_epoch_is_split_over_the_ranks_sample_by_sample_in_equal_steps():
+    # After a resume at another world size the rest of the epoch goes to the new ranks. DDP needs every rank to take
+    # the same number of steps; by whole partitions the ranks' batch counts could differ, and the extra batches of
+    # one would be dropped. Split at sample granularity (a partition may be shared by ranks, so what is consumed is
+    # kept as intervals, holes and all), every rank gets the same number of batches and nothing is dropped.
+    import random
 
-    left = [0, 0, 0, 0, 140, 140, 180, 180]
-    streams = [balanced_partitions(left, g, 4, per_rank=2) for g in range(4)]
-    assert sorted(p for s in streams for p in s) == [4, 5, 6, 7]  # each partition to exactly one reader
-    loads = [sum(left[p] for p in s) for s in streams]
-    assert loads[0] + loads[1] == loads[2] + loads[3] == 320
-    batches = [sum(num_batches(left[p], 32, False) for p in streams[g] + streams[g + 1]) for g in (0, 2)]
-    assert batches == [11, 11]
-    assert balanced_partitions(left, 1, 4, per_rank=2) == balanced_partitions(left, 1, 4, per_rank=2)  # pure
+    from pitstop.loader.plan import (consumed_after, count_batches, merge, rest_of_epoch, shard_order, split_rest,
+                                     stream_items)
+
+    rng = random.Random(0)
+    for case in range(300):
+        counts = [rng.randint(1, 60) for _ in range(rng.randint(1, 9))]
+        partitions = rng.randint(1, len(counts))
+        order = shard_order(len(counts), 5, 1, True)
+        sizes = [sum(counts[s] for s in order[p::partitions]) for p in range(partitions)]
+        consumed = {}
+        for p in range(partitions):  # random holes: what earlier ranks had read when the checkpoint was written
+            cuts = sorted(rng.sample(range(sizes[p] + 1), k=min(4, sizes[p] + 1)))
+            consumed[p] = merge([cuts[j:j + 2] for j in range(0, len(cuts) - 1, 2)])
+        ranks, per_rank, batch = rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 3, 8, 32])
+        rest = rest_of_epoch(order, counts, partitions, consumed)
+        total = sum(e - f for _, _, f, e, _ in rest)
+        assert total == sum(sizes) - sum(b - a for ivs in consumed.values() for a, b in ivs), case
+        for drop_last in (False, True):
+            streams = split_rest(rest, ranks, per_rank, batch, drop_last)
+            steps = {sum(count_batches(streams[r * per_rank + w], batch, drop_last) for w in range(per_rank))
+                     for r in range(ranks)}
+            assert len(steps) == 1, (case, steps)  # every rank the same number of steps
+            read = [(shard, i) for st in streams for _, shard, f, e, _ in st for i in range(f, e)]
+            assert len(read) == len(set(read)), case  # nothing twice
+            dropped = total - len(read)
+            if drop_last:  # (what does not fill a batch on every rank: a partial batch, as drop_last says)
+                assert dropped < ranks * batch, case
+            else:  # only when a step cannot give every rank a sample: fewer left than ranks, or batches of 1
+                assert dropped == 0 or (dropped < ranks and (total < ranks or batch == 1)), case
+            # read to the end, each stream adds what it read to what was consumed: the whole epoch, once
+            done = consumed
+            for st in streams:
+                done = consumed_after(st, order, counts, partitions, sum(e - f for _, _, f, e, _ in st), done)
+            if dropped == 0:
+                assert done == {p: [[0, sizes[p]]] for p in range(partitions) if sizes[p]}, case
+        got = stream_items(len(counts), counts, partitions, 0, ranks * per_rank, 5, 1, True, consumed, per_rank, batch)
+        assert got == split_rest(rest, ranks, per_rank, batch, False)[0]  # (what a reader is handed: pure)
+
+
+@pytest.mark.parametrize("grow_at", [20, 122])
+def test_a_shrink_and_a_grow_back_read_every_sample_of_every_epoch_exactly_once(data_root, grow_at):
+    # Real loaders with 2 workers each: 2 ranks read 15 batches, their states resume on 1 rank, which reads on to
+    # ``grow_at`` and hands over to 2 ranks again, to the end of 4 epochs. 20: shrunk and grown back within epoch 0
+    # (the partitions the 2 ranks finished must stay consumed through both hand-overs: once, they were read again);
+    # 122: 1 rank leaves one batch of epoch 2, which 2 ranks must share (by whole partitions one got none, and the
+    # other's batch was dropped).
+    import collections
+
+    ds = digits(data_root)
+    mk = lambda rank, world: PlainLoader(ds, "train", batch_size=32, seed=21, rank=rank, world_size=world)  # noqa: E731
+    seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def read(loaders, n):
+        its = []
+        for ld in loaders:
+            ld.sample_log = lambda keys, ld=ld: seen[ld.epoch].update(keys)
+            its.append(iter(ld))
+        for _ in range(n):
+            for it in its:
+                next(it)
+        for it in its:
+            it.close()
+        return [ld.state_dict() for ld in loaders]
+
+    def resume(states, world):
+        loaders = [mk(r, world) for r in range(world)]
+        for ld in loaders:
+            ld.load_state_dict(states[0], peers=states)
+        return loaders
+
+    states = read([mk(0, 2), mk(1, 2)], 15)
+    states = read(resume(states, 1), grow_at - 15)
+    two = resume(states, 2)
+    assert two[0].steps_per_epoch() == two[1].steps_per_epoch() > 0
+    left = max(0, two[0].steps_per_epoch() - two[0].batches) + sum(two[0].steps_per_epoch(e) for e in range(
+        two[0].epoch + 1, 4))
+    read(two, left)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for epoch, counts in seen.items():
+        assert len(counts) == 1438 and set(counts.values()) == {1}, (epoch, len(counts), max(counts.values()))

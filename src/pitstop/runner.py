@@ -43,6 +43,7 @@ from pitstop.nodes import check_nodes
 from pitstop.precision import DTYPES, Precision
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.profiler import StepProfiler
+from pitstop.schedule import replan
 from pitstop.seed import rng_state, seed_everything, set_rng_state
 from pitstop.throughput import Throughput, cached_count, count_step_flops
 from pitstop.watchdog import DataStall, Hung, Watchdog
@@ -280,13 +281,16 @@ class Runner:
     def _steps_left_at_this_world_size(self) -> None:
         """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
         size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
-        the rest of its epoch to more or fewer ranks). The LR schedule keeps the length it was built with."""
+        the rest of its epoch to more or fewer ranks). The LR schedule (as saved) is re-planned to decay over them."""
         total = self.step + self._batches_left() // self.accum
-        if total != self.total_steps:
-            log.info("resumed at world size %d: %d epochs end at step %d (were %d steps; the LR schedule keeps "
-                     "its %d)", self.strategy.world_size, self.cfg.trainer.epochs, total, self.total_steps,
-                     self.total_steps)
-            self.total_steps = total
+        planned = getattr((getattr(self.scheduler, "lr_lambdas", None) or [None])[0], "total_steps", self.total_steps)
+        if total != planned:
+            fits = replan(self.scheduler, self.step, total)
+            log.info("resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",
+                     self.step, self.strategy.world_size, self.cfg.trainer.epochs, total, planned,
+                     "the LR schedule decays over the steps left from where it was" if fits else
+                     f"the LR schedule ({type(self.scheduler).__name__}) cannot be re-planned and keeps its length")
+        self.total_steps = total
 
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""

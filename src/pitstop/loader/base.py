@@ -101,21 +101,21 @@ class StreamReader(IterableDataset):
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size
         plan_items = plan.stream_items(len(self.refs), self.counts, self.partitions, g, total_streams, self.seed,
-                                       self.epoch, self.shuffle, self.base, self.streams)
+                                       self.epoch, self.shuffle, self.base, self.streams, self.batch_size,
+                                       self.drop_last)
         pos = self.starts.get(g, 0)
-        todo, skip = [], pos  # (shard, samples to skip in it); wholly consumed shards are not even opened
-        for _, shard, first in plan_items:
-            n = self.counts[shard]
-            if skip >= n - first:
-                skip -= n - first
+        todo, skip = [], pos  # (shard, first, end, cut) still to read; wholly consumed runs are not even opened
+        for _, shard, first, end, cut in plan_items:
+            if skip >= end - first:
+                skip -= end - first
                 continue
-            todo.append((shard, skip + first))
+            todo.append((shard, first + skip, end, cut))
             skip = 0
         items, keys, skipped = [], [], 0
-        for k, (shard, skip) in enumerate(todo):
+        for k, (shard, skip, end, cut) in enumerate(todo):
             ref = self.refs[shard]
             n = ref.samples
-            self.source.lookahead([self.refs[s] for s, _ in todo[k:]])
+            self.source.lookahead([self.refs[s] for s, *_ in todo[k:]])
             try:
                 raw = self.source.read(ref)
                 samples = read_shard(raw, ref.url)
@@ -128,7 +128,7 @@ class StreamReader(IterableDataset):
                     return
                 samples = [None] * n
             order = plan.sample_order(n, self.seed, self.epoch, shard, self.shuffle)
-            for i in order[skip:]:
+            for i in order[skip:end]:
                 pos += 1
                 sample = samples[i]
                 try:
@@ -147,6 +147,10 @@ class StreamReader(IterableDataset):
                 if len(items) == self.batch_size:
                     yield self._batch(g, pos, items, keys, skipped)
                     items, keys, skipped = [], [], 0
+            if cut and items:  # (an elastic plan's batch ends here)
+                if not self.drop_last:
+                    yield self._batch(g, pos, items, keys, skipped)
+                items, keys, skipped = [], [], 0
         if items and not self.drop_last:
             yield self._batch(g, pos, items, keys, skipped)
 
@@ -203,7 +207,8 @@ class ShardLoader(ABC):
                         world_size, fewer, self.num_workers)
             self.num_workers = self.streams = fewer
         self.epoch, self.batches, self.positions = 0, 0, {}
-        self.base: dict[int, int] = {}  # samples per partition consumed before this segment (elastic resume)
+        self.base: plan.Consumed = {}  # what was consumed of each partition before this segment (elastic resume)
+        self._plans: dict[tuple, list[plan.Item]] = {}
         self.stats = {"samples": 0, "skipped_corrupt": 0, "bytes_from_source": 0, "fetch_retries": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
 
@@ -211,13 +216,19 @@ class ShardLoader(ABC):
     def _gid(self, rank: int, worker: int) -> int:
         return plan.stream_id(rank, worker, self.streams, self.world_size, self.train)
 
-    def _items(self, epoch: int, g: int) -> list[tuple[int, int, int]]:
-        return plan.stream_items(len(self.urls), self.counts, self.partitions, g, self.streams * self.world_size,
-                                 self.seed, epoch, self.shuffle, self.base if epoch == self.epoch else {}, self.streams)
+    def _items(self, epoch: int, g: int) -> list[plan.Item]:
+        base = self.base if epoch == self.epoch else {}
+        key = (epoch, g, repr(sorted(base.items())))  # (pure: asked for every step, computed once)
+        if key not in self._plans:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = plan.stream_items(len(self.urls), self.counts, self.partitions, g,
+                                                 self.streams * self.world_size, self.seed, epoch, self.shuffle,
+                                                 base, self.streams, self.batch_size, self.drop_last)
+        return self._plans[key]
 
     def _stream_batches(self, epoch: int, g: int) -> int:
-        remaining = sum(self.counts[shard] - first for _, shard, first in self._items(epoch, g))
-        return plan.num_batches(remaining, self.batch_size, self.drop_last)
+        return plan.count_batches(self._items(epoch, g), self.batch_size, self.drop_last)
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """Batches each rank hands out per epoch: the same on every rank (the smallest rank's count)."""
@@ -234,12 +245,14 @@ class ShardLoader(ABC):
 
     def state_dict(self) -> dict:
         ended = self.batches >= self.steps_per_epoch()
-        offsets: dict[int, int] = {}
-        if not ended:  # consumed samples per partition of this rank's streams (for a resume on other ranks)
+        offsets: plan.Consumed = {}
+        if not ended:  # what is consumed of each partition, with this rank's reading (for a resume on other ranks)
+            order = plan.shard_order(len(self.urls), self.seed, self.epoch, self.shuffle)
+            offsets = self.base
             for s in range(self.streams):
                 g = self._gid(self.rank, s)
-                offsets.update(plan.partition_offsets(self._items(self.epoch, g), self.counts,
-                                                      self.positions.get(g, 0), self.base))
+                offsets = plan.consumed_after(self._items(self.epoch, g), order, self.counts, self.partitions,
+                                              self.positions.get(g, 0), offsets)
         return {"epoch": self.epoch, "batches": self.batches, "ended": ended,
                 "positions": {str(k): v for k, v in self.positions.items()},
                 "base": {str(k): v for k, v in self.base.items()},
@@ -253,7 +266,7 @@ class ShardLoader(ABC):
         if saved == self.layout():
             self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
             self.positions = {int(k): int(v) for k, v in state["positions"].items()}
-            self.base = {int(k): int(v) for k, v in state.get("base", {}).items()}
+            self.base = plan.as_consumed(state.get("base", {}))
             return
         elastic = ("world_size", "streams")
         fixed = {k: (saved.get(k), v) for k, v in self.layout().items() if k not in elastic and saved.get(k) != v}
@@ -266,9 +279,11 @@ class ShardLoader(ABC):
             self.base = {}
             self.epoch += 1
             return
-        self.base = {}
-        for peer in peers:
-            self.base.update({int(k): int(v) for k, v in peer["offsets"].items()})
+        merged: dict[int, list[list[int]]] = {}
+        for peer in peers:  # (every rank carries what was consumed before; the union adds what each read since)
+            for p, ivs in plan.as_consumed(peer["offsets"]).items():
+                merged.setdefault(p, []).extend(ivs)
+        self.base = {p: plan.merge(ivs) for p, ivs in merged.items()}
 
     # ---- reading ----------------------------------------------------------------------------------
     @abstractmethod

@@ -7,7 +7,8 @@ Vocabulary
 - *partition*: a fixed logical slice of the shards of one epoch (``shard_order[p::P]``).  ``P`` is fixed
   for a data set/config and does not depend on how many processes read it.
 - *stream*: what one reader (one DataLoader worker of one rank) reads, in order.  With ``G`` streams in
-  all, stream ``g`` reads partitions ``p`` with ``p % G == g``, one after the other.
+  all, stream ``g`` reads partitions ``p`` with ``p % G == g``, one after the other -- except for the rest
+  of an epoch resumed at another world size, which is split sample by sample (:func:`split_rest`).
 - *position*: how many samples of its stream a reader has handed to the trainer (consumed) this epoch.
 """
 
@@ -54,61 +55,133 @@ def stream_partitions(partitions: int, stream: int, streams: int) -> list[int]:
     return list(range(stream, partitions, streams))
 
 
-def balanced_partitions(left: list[int], stream: int, streams: int, per_rank: int = 1) -> list[int]:
-    """The rest of an epoch after an elastic resume (``left[p]``: samples of partition ``p`` not yet consumed):
-    the partitions go, largest rest first, to the rank with the least so far, then within each rank to its
-    reader with the least (ties: the lower one), so that the ranks -- which must take equal numbers of steps --
-    end as nearly together as whole partitions allow (training streams are rank-major: ``per_rank`` each). A
-    plain ``p % streams`` would hand consumed partitions to some ranks and untouched ones to others, and the
-    batches of the busiest rank beyond the others' would be dropped."""
-    ranks = max(1, streams // per_rank)
-    rank_load, rank_parts = [0] * ranks, [[] for _ in range(ranks)]
-    for p in sorted(range(len(left)), key=lambda p: (-left[p], p)):
-        if left[p] > 0:
-            r = min(range(ranks), key=lambda r: (rank_load[r], r))
-            rank_load[r] += left[p]
-            rank_parts[r].append(p)
-    rank, mine = divmod(stream, per_rank)
-    load, out = [0] * per_rank, []
-    for p in rank_parts[rank]:  # (already largest first)
-        w = min(range(per_rank), key=lambda w: (load[w], w))
-        load[w] += left[p]
-        if w == mine:
-            out.append(p)
-    return sorted(out)
+Item = tuple[int, int, int, int, bool]
+"""One run of a stream's reading: ``(partition, shard, first, end, cut)`` -- positions ``first:end`` of the shard's
+sample order; ``cut``: the batch ends with this run (an elastic plan's batches), else batches are cut every
+``batch_size`` samples."""
+
+Consumed = dict[int, list[list[int]]]
+"""Samples of each partition consumed before a segment: sorted, disjoint ``[start, end)`` intervals of the
+partition's sample sequence (its shards in plan order, each in its sample order). A plain resume consumes a
+prefix of each partition; one at another world size may leave holes (a partition split across ranks)."""
+
+
+def merge(intervals: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def shard_starts(order: list[int], counts: list[int], partitions: int) -> dict[int, tuple[int, int]]:
+    """shard -> (its partition, where its samples start in the partition's sequence)."""
+    out = {}
+    for p in range(partitions):
+        at = 0
+        for shard in order[p::partitions]:
+            out[shard] = (p, at)
+            at += counts[shard]
+    return out
+
+
+def rest_of_epoch(order: list[int], counts: list[int], partitions: int, consumed: Consumed) -> list[Item]:
+    """What no rank has consumed yet, in partition order, as runs (``cut`` unset)."""
+    out: list[Item] = []
+    for p in range(partitions):
+        done, at = consumed.get(p, []), 0
+        for shard in order[p::partitions]:
+            n, lo = counts[shard], 0
+            for a, b in done + [[at + counts[shard], at + counts[shard]]]:
+                a, b = max(a - at, 0), min(b - at, n)
+                if a > lo:
+                    out.append((p, shard, lo, min(a, n), False))
+                lo = max(lo, b)
+                if lo >= n:
+                    break
+            at += n
+    return out
+
+
+def split_rest(rest: list[Item], ranks: int, per_rank: int, batch_size: int, drop_last: bool) -> list[list[Item]]:
+    """The rest of an epoch after a resume at another world size, for every stream (rank-major, ``per_rank``
+    each): the ranks must take equal numbers of steps, so every rank gets the same number of batches ``K``
+    (the fewest that hold the rest), of nearly equal sample totals, each batch whole ``batch_size`` samples
+    except the last few of a rank; a rank's batch ``i`` goes to its reader ``i % per_rank`` (the order an
+    in-order DataLoader hands them out in), each batch cut where it ends. Partitions are split at sample
+    granularity, so nothing is dropped -- unless fewer samples than ranks are left (or, with ``drop_last``,
+    what does not fill a batch on every rank)."""
+    total = sum(e - f for _, _, f, e, _ in rest)
+    if drop_last:
+        k = total // (ranks * batch_size)
+        totals = [k * batch_size] * ranks
+    else:
+        k = min(-(-total // (ranks * batch_size)), total // ranks)
+        even, extra = divmod(total, ranks)
+        totals = [min(even + (r < extra), k * batch_size) for r in range(ranks)]
+    streams: list[list[Item]] = [[] for _ in range(ranks * per_rank)]
+    runs, i, used = list(rest), 0, 0  # (a cursor: run i, of which ``used`` samples are taken)
+    for r in range(ranks):
+        left = totals[r]
+        for b in range(k):
+            size = min(batch_size, left - (k - b - 1))  # (whole batches first, at least one sample for the rest)
+            left -= size
+            out = streams[r * per_rank + b % per_rank]
+            while size:
+                p, shard, first, end, _ = runs[i]
+                take = min(size, end - first - used)
+                out.append((p, shard, first + used, first + used + take, take == size))
+                size -= take
+                used += take
+                if first + used == end:
+                    i, used = i + 1, 0
+    return streams
 
 
 def stream_items(num_shards: int, counts: list[int], partitions: int, stream: int, streams: int, seed: int,
-                 epoch: int, shuffle: bool, base: dict[int, int], per_rank: int = 1) -> list[tuple[int, int, int]]:
-    """What a stream reads this epoch, in order, as ``(partition, shard, first)``: ``first`` samples of that
-    shard's order were consumed before this stream started (``base``: consumed samples per partition, after an
-    elastic resume; then the partitions are spread by what is left of them, see :func:`balanced_partitions`)."""
+                 epoch: int, shuffle: bool, consumed: Consumed, per_rank: int = 1, batch_size: int = 1,
+                 drop_last: bool = False) -> list[Item]:
+    """What a stream reads this epoch, in order. Without ``consumed``: the partitions ``p % streams == stream``,
+    whole. After a resume at another world size (``consumed``: what the saved ranks had read of each
+    partition): its share of the rest, see :func:`split_rest`."""
     order = shard_order(num_shards, seed, epoch, shuffle)
-    items = []
-    if base:
-        left = [sum(counts[shard] for shard in order[p::partitions]) - base.get(p, 0) for p in range(partitions)]
-        mine = balanced_partitions(left, stream, streams, per_rank)
-    else:
-        mine = stream_partitions(partitions, stream, streams)
-    for p in mine:
-        skip = base.get(p, 0)
-        for shard in order[p::partitions]:
-            n = counts[shard]
-            if skip >= n:
-                skip -= n
-                continue
-            items.append((p, shard, skip))
-            skip = 0
-    return items
+    if consumed:
+        return split_rest(rest_of_epoch(order, counts, partitions, consumed), max(1, streams // per_rank),
+                          per_rank, batch_size, drop_last)[stream]
+    return [(p, shard, 0, counts[shard], False)
+            for p in stream_partitions(partitions, stream, streams) for shard in order[p::partitions]]
 
 
-def partition_offsets(items: list[tuple[int, int, int]], counts: list[int], position: int,
-                      base: dict[int, int]) -> dict[int, int]:
-    """Consumed samples per partition after a stream reading ``items`` handed out ``position`` samples."""
-    out = {p: base.get(p, 0) for p, _, _ in items}
+def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
+    """The batches a stream reading ``items`` yields (as :class:`~pitstop.loader.base.StreamReader` cuts them)."""
+    n = acc = 0
+    for _, _, first, end, cut in items:
+        acc += end - first
+        n, acc = n + acc // batch_size, acc % batch_size
+        if cut and acc:
+            n, acc = n + (not drop_last), 0
+    return n + (1 if acc and not drop_last else 0)
+
+
+def consumed_after(items: list[Item], order: list[int], counts: list[int], partitions: int, position: int,
+                   consumed: Consumed) -> Consumed:
+    """``consumed`` plus what a stream reading ``items`` has handed out at ``position`` samples."""
+    starts = shard_starts(order, counts, partitions)
+    out = {p: [list(iv) for iv in ivs] for p, ivs in consumed.items()}
     left = position
-    for p, shard, first in items:
-        take = min(counts[shard] - first, left)
-        out[p] += take
+    for p, shard, first, end, _ in items:
+        take = min(end - first, left)
+        if take <= 0:
+            break
+        at = starts[shard][1] + first
+        out.setdefault(p, []).append([at, at + take])
         left -= take
-    return out
+    return {p: merge(ivs) for p, ivs in out.items()}
+
+
+def as_consumed(raw: dict) -> Consumed:
+    """A saved ``base``/``offsets`` map: intervals, or (checkpoints from before them) a consumed prefix."""
+    return {int(p): merge([[0, int(v)]] if isinstance(v, (int, float)) else [list(iv) for iv in v])
+            for p, v in raw.items()}
