@@ -1,6 +1,7 @@
 """loader=cached and remote sources, against a real HTTP server (pitstop.slowstore): one download per
-shard per machine, LRU within a limit that spares shards in use, retries on a flaky store, nothing
-partial ever kept, clear errors, and exact sample coverage across a kill and a change of world size."""
+shard per machine, eviction within a limit (what is read furthest ahead first) that spares shards in use,
+retries on a flaky store, nothing partial ever kept, clear errors, and exact sample coverage across a kill
+and a change of world size."""
 
 from __future__ import annotations
 
@@ -232,3 +233,52 @@ def test_any_fsspec_url_is_a_source(data_root, tmp_path):
         assert len(keys) == len(set(keys)) == 1438 and loader.stats["cache_misses"] == 8
     finally:
         fs.rm("/pitstop-test", recursive=True)
+
+
+def test_eviction_takes_the_shard_read_furthest_ahead_and_ignores_readers_that_died(data_root, tmp_path, store):
+    # cache_policy=future: each reader publishes its next reads (here: this thread, by hand); eviction takes first
+    # what no live reader will read, then what is read furthest ahead; a reader that died no longer counts.
+    shard_refs = refs(data_root, store.url)
+    size = max(r.bytes for r in shard_refs)
+    cache = ShardCache(str(tmp_path / "cache"), 3 * size, FAST)
+    present = lambda i: os.path.exists(cache.path(shard_refs[i]))  # noqa: E731
+    for i in (0, 1, 2):
+        cache.read(cache.acquire(shard_refs[i]))
+        time.sleep(0.02)
+    cache.publish([shard_refs[i] for i in (3, 0, 2)])  # reading 3 now, then 0, then 2; 1 not again
+    cache.read(cache.acquire(shard_refs[3]))
+    assert not present(1) and present(0) and present(2)  # (LRU would have taken 0, the least recently used)
+    cache.publish([shard_refs[i] for i in (4, 3, 0, 2)])  # 2 is read furthest ahead
+    cache.read(cache.acquire(shard_refs[4]))
+    assert not present(2) and present(0) and present(3)
+    # A reader that died (its process is gone) claimed it would read 4 next: ignored, and its file removed.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ghost = tmp_path / "cache" / ".future" / f"{dead.pid}-1.json"
+    ghost.write_text(json.dumps({os.path.basename(cache.path(shard_refs[4])): 0}))
+    cache.publish([shard_refs[i] for i in (5, 0, 3)])  # 4: not read again by anyone alive
+    cache.read(cache.acquire(shard_refs[5]))
+    assert not present(4) and present(0) and present(3) and not ghost.exists()
+    assert cache.take_stats()["cache_evictions"] == 3
+
+
+def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tmp_path, store):
+    loader = CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "c"))
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    futures = [json.loads(p.read_text()) for p in (tmp_path / "c" / ".future").glob("*.json")]
+    assert len(futures) == 2  # one per worker (loader.num_workers=2), each its stream's reads
+    cache = ShardCache(str(tmp_path / "c"), None, FAST)
+    names = {os.path.basename(cache.path(r)) for r in refs(data_root, store.url)}
+    assert set().union(*futures) == names  # next epoch reads every shard, so between them they name all
+    it.close()
+    lru = CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "l"),
+                       cache_policy="lru")
+    it = iter(lru)
+    next(it)
+    it.close()
+    assert not list((tmp_path / "l" / ".future").glob("*.json"))  # (lru: nothing to publish)
+    with pytest.raises(ConfigError, match=r"loader\.cache_policy='mru'"):
+        CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "x"),
+                     cache_policy="mru")

@@ -77,6 +77,7 @@ class CachedLoader(Loader):
     cache_limit: Any = MISSING                   # bytes, "50GB", or null
     prefetch_shards: int = MISSING
     verify: str = MISSING                    # sha256 | size
+    cache_policy: str = MISSING              # future | lru
 
 
 # ---- strategy ------------------------------------------------------------------------------------------

@@ -56,10 +56,11 @@ class _Failure:
 class ShardSource:
     """How a reader gets a shard's bytes (picklable: it travels to the DataLoader workers).
 
-    ``lookahead`` is told which shards this reader will open next (a hint: a cache may start fetching
-    them); ``take_stats`` returns and resets this process's counters (sent along with each batch)."""
+    ``lookahead`` is told which shards this reader will open next, from the one it opens now, and ``later``
+    those of its next epoch (hints: a cache may start fetching them, and keep what is read soonest);
+    ``take_stats`` returns and resets this process's counters (sent along with each batch)."""
 
-    def lookahead(self, refs: list[ShardRef]) -> None:
+    def lookahead(self, refs: list[ShardRef], later: list[ShardRef] = ()) -> None:
         pass
 
     def read(self, ref: ShardRef) -> bytes:
@@ -111,11 +112,16 @@ class StreamReader(IterableDataset):
                 continue
             todo.append((shard, first + skip, end, cut))
             skip = 0
+        later = []  # what this stream reads next epoch (a plain epoch: same stream ids), for a cache's eviction
+        if self.train:
+            later = [self.refs[s] for _, s, *_ in plan.stream_items(
+                len(self.refs), self.counts, self.partitions, g, total_streams, self.seed, self.epoch + 1,
+                self.shuffle, {}, self.streams, self.batch_size, self.drop_last)]
         items, keys, skipped = [], [], 0
         for k, (shard, skip, end, cut) in enumerate(todo):
             ref = self.refs[shard]
             n = ref.samples
-            self.source.lookahead([self.refs[s] for s, *_ in todo[k:]])
+            self.source.lookahead([self.refs[s] for s, *_ in todo[k:]], later)
             try:
                 raw = self.source.read(ref)
                 samples = read_shard(raw, ref.url)
@@ -153,6 +159,7 @@ class StreamReader(IterableDataset):
                 items, keys, skipped = [], [], 0
         if items and not self.drop_last:
             yield self._batch(g, pos, items, keys, skipped)
+        self.source.lookahead([], later)  # (done with this epoch: its next reads are next epoch's)
 
     def _batch(self, g, pos, items, keys, skipped) -> dict:
         return {"data": default_collate(items), "stream": g, "end": pos, "keys": keys,

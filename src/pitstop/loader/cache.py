@@ -7,6 +7,7 @@ Layout of ``cache_dir``::
     .locks/<name>.lock                one lock per shard: exactly one process downloads it
                                       (a part file is created at full size and flock-ed by its download)
     .cache.lock                       serialises space accounting and eviction
+    .future/<pid>-<thread>.json       each live reader's next reads, in order (what eviction looks at)
 
 Guarantees:
 
@@ -15,10 +16,16 @@ Guarantees:
   Readers only ever open complete files; a crash or kill leaves at most a temp file, which is removed the
   next time anyone takes that shard's lock (or by eviction: nobody holds its lock). The part file is
   reserved at full size under ``.cache.lock``, so concurrent downloads never overshoot ``limit``.
-- **LRU within ``limit`` bytes that never evicts a shard in use**: a shard is in use while some process
-  holds a shared ``flock`` on it (from the moment a prefetch finishes until the reader has read it);
-  eviction only removes files on which it can take an exclusive lock without waiting, least recently
-  used first (reads touch the mtime).  If everything is in use, the shard is served without being kept
+- **Within ``limit`` bytes, the shard needed furthest in the future goes first, never one in use**
+  (``policy="future"``, Belady's MIN): the read order is a pure function of seed and epoch, so every reader
+  publishes its next reads -- the rest of this epoch and all of the next -- in ``.future/`` (distances in
+  samples, comparable across readers that step together); eviction removes first the shards no live reader
+  will read in that horizon (least recently used first), then those whose next read is furthest. With a
+  cache of half the data set, LRU re-downloads most of every epoch (the shuffled order reads next what it
+  evicted); MIN re-downloads about half, the least possible. ``policy="lru"``: least recently used first
+  (reads touch the mtime). A shard is in use while some process holds a shared ``flock`` on it (from the
+  moment a prefetch finishes until the reader has read it); eviction only removes files on which it can
+  take an exclusive lock without waiting. If everything is in use, the shard is served without being kept
   (counted as ``cache_bypass``) rather than blocking or failing.
 - **A full disk** (ENOSPC) evicts what it can and retries once, then fails with the cache dir named.
 """
@@ -28,6 +35,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
+import math
 import os
 import shutil
 import threading
@@ -39,6 +48,8 @@ from pitstop.data.remote import Counters, FetchPolicy, ShardRef, SinkError, fetc
 from pitstop.errors import DataError
 
 PART = ".part."
+FUTURE = ".future"
+POLICIES = ("future", "lru")
 
 
 def _margin(path: str) -> int:
@@ -47,12 +58,15 @@ def _margin(path: str) -> int:
 
 
 class ShardCache:
-    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256"):
+    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256",
+                 eviction: str = "future"):
         self.dir, self.limit, self.policy, self.verify = os.path.abspath(cache_dir), limit, policy, verify
+        self.eviction = eviction
         self.counters = Counters("cache_hits", "cache_misses", "bytes_from_source", "cache_evictions",
                                  "cache_bypass", "fetch_retries")
         try:
             os.makedirs(os.path.join(self.dir, ".locks"), exist_ok=True)
+            os.makedirs(os.path.join(self.dir, FUTURE), exist_ok=True)
         except OSError as e:
             raise DataError(f"cannot create loader.cache_dir {self.dir}: {e.strerror}; point it at a writable local disk") from e
 
@@ -64,6 +78,58 @@ class ShardCache:
         tag = ref.sha256[:16] if ref.sha256 else hashlib.sha256(ref.url.encode()).hexdigest()[:16]
         name = ref.url.rstrip("/").rsplit("/", 1)[-1].replace(" ", "_")[-80:] or "shard"
         return os.path.join(self.dir, f"{tag}-{name}")
+
+    # ---- what readers will read ---------------------------------------------------------------------
+    def _future_file(self) -> str:
+        return os.path.join(self.dir, FUTURE, f"{os.getpid()}-{threading.get_ident()}.json")
+
+    def publish(self, refs: list[ShardRef]) -> None:
+        """This reader's next reads, in order, from the one it is reading now (for ``eviction="future"``)."""
+        if self.eviction != "future":
+            return
+        ahead, at = {}, 0
+        for ref in refs:
+            ahead.setdefault(os.path.basename(self.path(ref)), at)
+            at += max(int(ref.samples or 1), 1)
+        path = self._future_file()
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(ahead, f, separators=(",", ":"))
+            os.replace(tmp, path)
+        except OSError:  # a hint only: without it, eviction is least recently used
+            pass
+
+    def withdraw(self) -> None:
+        """This reader is done: its reads no longer count."""
+        try:
+            os.unlink(self._future_file())
+        except OSError:
+            pass
+
+    def _next_reads(self) -> dict[str, int]:
+        """Shard file -> samples until its next read by any live reader on this machine."""
+        out: dict[str, int] = {}
+        folder = os.path.join(self.dir, FUTURE)
+        for name in os.listdir(folder):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                os.kill(int(name.split("-", 1)[0]), 0)
+            except ProcessLookupError:  # a reader that died: its reads will not happen
+                self._discard(path)
+                continue
+            except (ValueError, PermissionError):
+                pass
+            try:
+                with open(path) as f:
+                    ahead = json.load(f)
+            except (OSError, ValueError):
+                continue
+            for shard, at in ahead.items():
+                out[shard] = min(out.get(shard, at), at)
+        return out
 
     # ---- the public operation ---------------------------------------------------------------------
     def acquire(self, ref: ShardRef) -> BinaryIO | bytes:
@@ -212,8 +278,12 @@ class ShardCache:
             return self._evict_locked(max(need, need + _margin(self.dir) - shutil.disk_usage(self.dir).free))
 
     def _evict_locked(self, excess: int) -> int:
+        entries = sorted(self._entries())  # least recently used first
+        if self.eviction == "future":  # not read again in the known horizon first, then the furthest next read
+            ahead = self._next_reads()
+            entries.sort(key=lambda e: -ahead.get(os.path.basename(e[2]), math.inf))
         freed = 0
-        for _, size, path in sorted(self._entries()):
+        for _, size, path in entries:
             if freed >= excess:
                 break
             try:

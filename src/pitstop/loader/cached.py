@@ -3,7 +3,8 @@
 Each reader (DataLoader worker, or the training process with ``num_workers=0``) keeps up to
 ``prefetch_shards`` of its next shards downloading in background threads while it decodes the current
 one, so epoch 1 overlaps network transfer with compute, and later epochs read local files only.
-The cache itself (one download per machine, LRU within ``cache_limit``, integrity checks) is
+The cache itself (one download per machine, within ``cache_limit`` the shard read furthest in the future
+evicted first, integrity checks) is
 :class:`pitstop.loader.cache.ShardCache`.
 """
 
@@ -17,11 +18,13 @@ from typing import Any
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
 from pitstop.loader.base import ShardLoader, ShardSource, parse_size
-from pitstop.loader.cache import ShardCache
+from pitstop.loader.cache import POLICIES, ShardCache
 
 class CachedSource(ShardSource):
-    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int):
+    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int,
+                 eviction: str = "future"):
         self.cache_dir, self.limit, self.policy, self.verify, self.prefetch = cache_dir, limit, policy, verify, prefetch
+        self.eviction = eviction
         self._cache: ShardCache | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
@@ -34,12 +37,13 @@ class CachedSource(ShardSource):
     @property
     def cache(self) -> ShardCache:
         if self._cache is None or self._pid != os.getpid():  # built in the process that reads (after fork)
-            self._cache = ShardCache(self.cache_dir, self.limit, self.policy, self.verify)
+            self._cache = ShardCache(self.cache_dir, self.limit, self.policy, self.verify, self.eviction)
             self._pool, self._pending, self._pid = None, {}, os.getpid()
         return self._cache
 
-    def lookahead(self, refs: list[ShardRef]) -> None:
+    def lookahead(self, refs: list[ShardRef], later: list[ShardRef] = ()) -> None:
         cache = self.cache
+        cache.publish([*refs, *later])
         if self.prefetch <= 0:
             return
         if self._pool is None:
@@ -81,10 +85,14 @@ class CachedLoader(ShardLoader):
     kind = "cached"
 
     def __init__(self, *args: Any, cache_dir: str, cache_limit: Any = None, prefetch_shards: int = 2,
-                 verify: str = "sha256", **kw: Any):
+                 verify: str = "sha256", cache_policy: str = "future", **kw: Any):
         super().__init__(*args, **kw)
         if verify not in ("sha256", "size"):
             raise ConfigError(f"loader.verify={verify!r}: use sha256 (hash each download) or size")
+        if cache_policy not in POLICIES:
+            raise ConfigError(f"loader.cache_policy={cache_policy!r}: use future (evict the shard read furthest ahead) "
+                              f"or lru (the least recently used)")
+        self.cache_policy = cache_policy
         if int(prefetch_shards) < 0:
             raise ConfigError(f"loader.prefetch_shards={prefetch_shards} must be >= 0")
         self.cache_dir, self.cache_limit = str(cache_dir), parse_size(cache_limit)
@@ -94,7 +102,8 @@ class CachedLoader(ShardLoader):
             raise ConfigError(f"loader.cache_limit={cache_limit} is smaller than the largest shard ({largest:,} bytes "
                               f"in {self.dataset.root}); raise it or write smaller shards")
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
-        ShardCache(self.cache_dir, self.cache_limit, self.policy, verify)  # fail now if the dir is unusable
+        ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
 
     def source(self) -> ShardSource:
-        return CachedSource(self.cache_dir, self.cache_limit, self.policy, self.verify, self.prefetch_shards)
+        return CachedSource(self.cache_dir, self.cache_limit, self.policy, self.verify, self.prefetch_shards,
+                            self.cache_policy)

@@ -1,0 +1,91 @@
+"""Shard cache eviction with a cache smaller than the data set: loader.cache_policy=future (Belady's MIN: the
+shard read furthest ahead goes first) vs lru, side by side in one run.
+
+    python bench/cache_policy.py [--share 0.5] [--epochs 3] [--ranks 2] [--workers 2]
+
+Synthetic 64x64 JPEG shards (64 samples each, written once by recipe.prepare) are served over HTTP by
+pitstop.slowstore; ``--ranks`` loaders of this machine (each with ``--workers`` DataLoader workers, stepping in
+lockstep like DDP ranks) share one cache dir limited to ``--share`` of the training shards' bytes. Per epoch it
+prints the bytes downloaded from the source as a multiple of the data set, and the cache hits and evictions.
+Target: with a cache of half the data set, every epoch after the first downloads <= 0.6x the data set with
+cache_policy=future (the least possible is 0.5x); LRU's figure beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+from common import ROOT, compose, ensure_data
+
+SAMPLES = 4160  # (its own data dir: 64 samples per shard)
+
+
+def loaders(root: str, cache: str, limit: int, policy: str, ranks: int, workers: int, batch: int):
+    from pitstop.build import build
+
+    cfg = compose(["loader=cached", "data=synthetic", f"data.root={root}", f"loader.cache_dir={cache}",
+                   f"loader.cache_limit={limit}", f"loader.cache_policy={policy}", f"loader.num_workers={workers}"])
+    data = build(cfg.data, _convert_="partial")
+    return [build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0, rank=r,
+                  world_size=ranks) for r in range(ranks)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--share", type=float, default=0.5, help="cache_limit as a share of the training shards' bytes")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    a = ap.parse_args()
+
+    from pitstop.slowstore import SlowStore
+
+    name = f"synthetic-64px-{SAMPLES}"
+    ensure_data(["data=synthetic", f"data.num_samples={SAMPLES}", "data.image_size=64",
+                 "data.prepare.samples_per_shard=64"])
+    shards = json.loads((ROOT / "data" / name / "index.json").read_text())["splits"]["train"]
+    total = sum(s["bytes"] for s in shards)
+    limit = int(a.share * total)
+    print(f"data: {len(shards)} train shards, {total / 1e6:.1f} MB; cache_limit {limit / 1e6:.1f} MB "
+          f"({a.share:g} of it); {a.ranks} rank(s) x {a.workers} worker(s) on this machine, batch {a.batch}")
+    results = {}
+    with SlowStore(str(ROOT / "data"), latency_ms=2) as srv:
+        for policy in ("lru", "future"):
+            cache = tempfile.mkdtemp(prefix="pitstop-bench-cache-")
+            try:
+                ls = loaders(f"{srv.url}/{name}", cache, limit, policy, a.ranks, a.workers, a.batch)
+                its = [iter(ld) for ld in ls]
+                rows = []
+                for _ in range(a.epochs):
+                    before = [dict(ld.stats) for ld in ls]
+                    for _ in range(ls[0].steps_per_epoch()):
+                        for it in its:
+                            next(it)
+                    delta = {k: sum(ld.stats.get(k, 0) - b.get(k, 0) for ld, b in zip(ls, before))
+                             for k in ("bytes_from_source", "cache_hits", "cache_misses", "cache_evictions")}
+                    rows.append(delta)
+                for it in its:
+                    it.close()
+                results[policy] = rows
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+    print(f"\n{'policy':8} {'epoch':>5} {'x data set from source':>23} {'hits':>6} {'misses':>7} {'evictions':>10}")
+    for policy, rows in results.items():
+        for e, r in enumerate(rows, 1):
+            print(f"{policy:8} {e:>5} {r['bytes_from_source'] / total:>23.2f} {r['cache_hits']:>6} "
+                  f"{r['cache_misses']:>7} {r['cache_evictions']:>10}")
+    later = [r["bytes_from_source"] / total for r in results["future"][1:]]
+    lru = [r["bytes_from_source"] / total for r in results["lru"][1:]]
+    if later:
+        print(f"\nepochs 2..{a.epochs}, from source per epoch: future {max(later):.2f}x the data set (target <= 0.6), "
+              f"lru {max(lru):.2f}x -> {'OK' if max(later) <= 0.6 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()
