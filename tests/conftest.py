@@ -104,27 +104,6 @@ def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", time
                           timeout=timeout)
 
 
-def epoch0_keys(run_dir: Path, world_after: int, resumed_from: int) -> list[str]:
-    """Sample keys consumed in epoch 0 over both attempts (steps redone after the kill count once)."""
-    epoch = {}
-    for r in read_jsonl(run_dir / "metrics.jsonl"):
-        if "loss" in r:
-            epoch[r["step"]] = r["epoch"]
-    keys = []
-    for path in sorted(run_dir.glob("samples.rank*.jsonl")):
-        rank = int(path.name[len("samples.rank"):-len(".jsonl")])
-        last = {}
-        for r in read_jsonl(path):  # (a step redone by a later attempt: its last record counts)
-            if "keys" in r:  # (not an attempt's header)
-                last[(r["step"], r.get("micro", 1))] = r["keys"]
-        for (step, _), ks in last.items():
-            if rank >= world_after and step > resumed_from:
-                continue  # a rank that did not come back: its steps after the checkpoint were redone by others
-            if epoch.get(step) == 0:
-                keys.extend(ks)
-    return keys
-
-
 def flatten(obj, tensor=lambda t: t, prefix: str = "") -> dict:
     """A nested state dict as {"/a/b/0": leaf}, each tensor leaf passed through ``tensor``."""
     import torch

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, epoch0_keys, read_jsonl
+from conftest import cli, read_jsonl
+from pitstop.audit import audit
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError, DataError
 from pitstop.loader.cache import ShardCache
@@ -212,8 +213,8 @@ def test_killed_ddp_job_over_http_resumes_on_one_rank_and_consumes_each_sample_o
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["resumed_from"] == 10 and s["world_size"] == 1
-    keys = epoch0_keys(run_dir, 1, 10)
-    assert len(keys) == len(set(keys)) == 1438  # no sample repeated, none skipped
+    first = audit(str(run_dir))[0]  # python -m pitstop.audit: epoch 0, no sample repeated, none skipped
+    assert (first.once, first.repeated, first.missing) == (1438, 0, 0), first
     requests = shard_requests(store)  # both ranks, the restart and the evaluations: one download per shard
     assert requests and set(requests.values()) == {1}
     assert s["data"]["cache_hits"] > 0 and "data_wait_fraction" in s["data"]
