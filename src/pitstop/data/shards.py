@@ -58,8 +58,8 @@ class ShardIndex:
                     raw = json.loads(f.read())
         except DataError as e:
             raise DataError(f"{e} — is data.root right?") from e
-        except Exception as e:  # noqa: BLE001 - any transport or JSON error is reported the same way
-            raise DataError(f"cannot read shard index {path}: {e} — recreate it with: {prepare_hint}") from e
+        except Exception as e:  # noqa: BLE001 - any transport or JSON error, with what to do about it
+            raise DataError(f"cannot read shard index {path}: {e} — {_what_to_do(e, path, prepare_hint)}") from e
         if raw.get("format") != FORMAT:
             raise DataError(f"{path} is not a pitstop shard index (format={raw.get('format')!r}); recreate it with: {prepare_hint}")
         splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw["splits"].items()}
@@ -134,6 +134,21 @@ def write_split(
             close()
     close()
     return infos
+
+
+def _what_to_do(e: Exception, path: str, prepare_hint: str) -> str:
+    """The hint for an index that could not be read: credentials, a wrong root, or a bad file."""
+    text = f"{type(e).__name__} {e}".lower()
+    if isinstance(e, PermissionError) or any(w in text for w in (
+            "credentials", "access denied", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch",
+            "forbidden", "security token")):
+        scheme = path.split("://", 1)[0]
+        where = {"s3": "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for another S3 API)",
+                 "gs": "GOOGLE_APPLICATION_CREDENTIALS"}.get(scheme, "the storage backend's variables")
+        return f"check the credentials in the environment ({where}); pitstop never takes them from the config"
+    if isinstance(e, FileNotFoundError) or "does not exist" in text or "not found" in text:
+        return f"is data.root right? (an index is made with: {prepare_hint})"
+    return f"recreate it with: {prepare_hint}"
 
 
 def write_index(out_dir: str, splits: dict[str, list[ShardInfo]], meta: dict) -> str:
