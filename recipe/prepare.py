@@ -15,7 +15,7 @@ from typing import Iterator
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from pitstop.data.shards import INDEX_NAME, write_index, write_split
@@ -107,9 +107,41 @@ def synthetic(cfg: DictConfig) -> tuple[dict, dict]:
 BUILDERS = {"digits": digits, "imagefolder": imagefolder, "synthetic": synthetic}
 
 
+def webdataset(data: DictConfig) -> str:
+    """Index shards that already exist (``data.train``/``data.val``: brace patterns or lists, local or URLs)
+    into ``data.root/index.json``, checking every sample's image and label on the way."""
+    from hydra.utils import instantiate
+
+    from pitstop.data.indexer import expand, index_existing
+
+    root = str(data.root)
+    if "://" in root:
+        raise PitstopError(f"data.root {root} is remote: the index is written locally (a read-only source is "
+                           f"fine); point data.root at a local dir, then copy index.json next to the shards if you like")
+    splits = {}
+    for split in ("train", "val"):
+        if data.get(split):
+            urls = expand(OmegaConf.to_object(data[split]) if OmegaConf.is_list(data[split]) else str(data[split]),
+                          f"data.{split}")
+            splits[split] = [u if "://" in u else os.path.abspath(u) for u in urls]
+    if "train" not in splits:
+        raise PitstopError("data.train is not set: give the training shards, e.g. data.train='DIR/train-{000000..000099}.tar'")
+    dataset = instantiate(data, _convert_="partial")
+    meta = {"name": str(data.name), "num_classes": int(data.num_classes), "source": "existing webdataset shards"}
+    return index_existing(root, splits, meta, check=dataset.check, workers=int(data.prepare.workers))
+
+
 def prepare(data: DictConfig, force: bool = False) -> str:
     """Build the shards of ``data`` (a ``data`` config node) unless they already exist; return the index path."""
     root = str(data.root)
+    if data.prepare.kind == "webdataset":  # (shards that exist: indexed, not written)
+        index = os.path.join(root, INDEX_NAME)
+        if os.path.isfile(index) and not force:
+            log.info("index already exists: %s (force=true rebuilds)", index)
+            return index
+        path = webdataset(data)
+        log.info("wrote %s", path)
+        return path
     if "://" in root:
         raise PitstopError(f"data.root {root} is remote; prepare locally, then upload the directory")
     index = os.path.join(root, INDEX_NAME)

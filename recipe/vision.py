@@ -10,17 +10,22 @@ from PIL import Image
 from torch import nn
 
 from pitstop.data.dataset import ShardedDataset
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, DataError
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm")
 
 
 class ImageShards(ShardedDataset):
-    """Image + class-label shards (``KEY.png|jpg`` and ``KEY.cls``) as produced by ``recipe.prepare``."""
+    """Image + class-label shards (``KEY.png|jpg`` and ``KEY.cls``), as ``recipe.prepare`` writes them or any
+    webdataset shards (``image_keys``: the image member's extensions, first found wins; ``label_key``: the
+    label's, an integer as text)."""
 
     def __init__(self, root: str, name: str = "digits", num_classes: int = 10, channels: int = 3,
-                 image_size: int | None = None, mean=None, std=None, augment: dict | None = None, **kw):
+                 image_size: int | None = None, mean=None, std=None, augment: dict | None = None,
+                 image_keys: str | list = IMAGE_EXTS, label_key: str = "cls", **kw):
         super().__init__(root, **kw)
+        keys = image_keys.split(";") if isinstance(image_keys, str) else list(image_keys)
+        self.image_keys, self.label_key = tuple(k.strip().lower() for k in keys if k.strip()), str(label_key)
         self.name, self.num_classes, self.channels, self.image_size = name, int(num_classes), int(channels), image_size
         self.mean = torch.tensor(list(mean or [0.5] * self.channels)).view(-1, 1, 1)
         self.std = torch.tensor(list(std or [0.5] * self.channels)).view(-1, 1, 1)
@@ -29,9 +34,10 @@ class ImageShards(ShardedDataset):
         self.prepare_hint = f"python -m recipe.prepare data={name} data.root={root}"
 
     def decode(self, sample: dict, *, train: bool, seed: int) -> tuple[torch.Tensor, int]:
-        ext = next((e for e in IMAGE_EXTS if e in sample), None)
+        ext = next((e for e in self.image_keys if e in sample), None)
         if ext is None:
-            raise ValueError(f"no image member (has {sorted(k for k in sample if not k.startswith('__'))})")
+            raise ValueError(f"no image member {'/'.join(self.image_keys)} (has "
+                             f"{sorted(k for k in sample if not k.startswith('__'))})")
         img = Image.open(io.BytesIO(sample[ext]))
         img = img.convert("L" if self.channels == 1 else "RGB")
         if self.image_size and img.size != (self.image_size, self.image_size):
@@ -40,10 +46,30 @@ class ImageShards(ShardedDataset):
         x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
         if train and (self.pad or self.hflip):
             x = self._augment(x, np.random.default_rng(seed))
-        label = int(sample["cls"].decode().strip())
+        return x, self.label(sample)
+
+    def label(self, sample: dict) -> int:
+        raw = sample.get(self.label_key)
+        if raw is None:
+            raise ValueError(f"no label member .{self.label_key} (has "
+                             f"{sorted(k for k in sample if not k.startswith('__'))}; set data.label_key)")
+        try:
+            label = int(raw.decode().strip())
+        except ValueError:
+            raise ValueError(f"label .{self.label_key} is {raw[:20]!r}, not an integer") from None
         if not 0 <= label < self.num_classes:
-            raise ValueError(f"label {label} outside [0, {self.num_classes})")
-        return x, label  # uint8: 4x less to move from workers and to the device than float32
+            raise ValueError(f"label {label} outside [0, {self.num_classes}): set data.num_classes")
+        return label
+
+    def check(self, url: str, key: str, sample: dict) -> None:
+        """While indexing existing shards: every sample has an image and a label in range."""
+        try:
+            if not any(e in sample for e in self.image_keys):
+                raise ValueError(f"no image member {'/'.join(self.image_keys)} (has {sorted(sample)}; set "
+                                 f"data.image_keys)")
+            self.label(sample)
+        except ValueError as e:
+            raise DataError(f"shard {url}, sample {key!r}: {e}") from None  # uint8: 4x less to move from workers and to the device than float32
 
     def on_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch

@@ -55,6 +55,7 @@ def readme_commands() -> list[str]:
 def fill(cmd: str, env: dict) -> str:
     cmd = cmd.replace("[--dtype bfloat16]", "--dtype bfloat16")
     cmd = re.sub(r"\bDIR\b", env["tree"], cmd)
+    cmd = re.sub(r"\bSHARDS\b", env["shards"], cmd)
     cmd = re.sub(r"data\.num_classes=K\b", "data.num_classes=3", cmd)
     return cmd.replace("127.0.0.1:8000", f"127.0.0.1:{env['port']}").replace("--port 8000", f"--port {env['port']}")
 
@@ -62,7 +63,7 @@ def fill(cmd: str, env: dict) -> str:
 def shrink(argv: list[str]) -> list[str]:
     module = argv[2]
     rules = dict(SHRINK.get(module, {}))
-    if "data=imagefolder" in argv:  # 30 images: one step per epoch, so 25 steps would be 25 epochs
+    if "data=imagefolder" in argv or "data=webdataset" in argv:  # 30 images: one step per epoch
         rules["trainer.max_steps"] = "3"
     out, seen = [], set()
     for a in argv:
@@ -80,11 +81,28 @@ def summaries_after(cwd: Path, before: set[Path]) -> list[Path]:
     return sorted(runs - before)
 
 
+def webdataset_shards(tree: Path, out: Path) -> Path:
+    """SHARDS: the tree's images as webdataset shards written by webdataset's ShardWriter (class-sorted):
+    train-0000..0002.tar (8 per class), val-0000.tar (2 per class)."""
+    import webdataset as wds
+
+    out.mkdir()
+    classes = sorted(p.name for p in tree.iterdir())
+    files = [(c, sorted((tree / c).iterdir())) for c in classes]
+    for split, pick in (("train", slice(0, 8)), ("val", slice(8, None))):
+        with wds.ShardWriter(str(out / f"{split}-%04d.tar"), maxcount=8, verbose=0) as w:
+            for label, (c, paths) in enumerate(files):
+                for path in paths[pick]:
+                    w.write({"__key__": f"{c}_{path.stem}", path.suffix[1:]: path.read_bytes(), "cls": label})
+    return out
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A fresh project dir (the user's cwd), an ImageFolder tree for DIR, a free port for the slowstore."""
     cwd = tmp_path_factory.mktemp("user")
     tree = image_tree(cwd / "my_images", per_class=10)
+    shards = webdataset_shards(tree, cwd / "my_shards")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -92,7 +110,7 @@ def project(tmp_path_factory):
            "PITSTOP_CACHE_DIR": str(cwd / ".cache" / "shards")}
     env.pop("RANK", None)
     servers: list[subprocess.Popen] = []
-    yield {"cwd": cwd, "tree": str(tree), "port": port, "env": env, "servers": servers}
+    yield {"cwd": cwd, "tree": str(tree), "shards": str(shards), "port": port, "env": env, "servers": servers}
     for srv in servers:
         srv.terminate()
         srv.wait(10)
