@@ -355,3 +355,47 @@ def test_a_shrink_and_a_grow_back_read_every_sample_of_every_epoch_exactly_once(
     assert sorted(seen) == [0, 1, 2, 3]
     for epoch, counts in seen.items():
         assert len(counts) == 1438 and set(counts.values()) == {1}, (epoch, len(counts), max(counts.values()))
+
+
+def test_a_shard_mixing_window_mixes_shards_and_resumes_exactly(data_root):
+    # loader.shuffle_shards_window=K: each reader takes its shards K at a time and hands out their samples in a
+    # seeded permutation, so a batch draws from K shards instead of one or two; still a pure function of (seed,
+    # epoch): a resume at any batch continues bitwise, and a resume with another window or world size (what is
+    # consumed is known sample by sample) reads the rest of the epoch exactly once.
+    import collections
+
+    from pitstop.data.shards import read_shard
+
+    ds = digits(data_root)
+    shard_of = {smp["__key__"]: s.url for s in ds.index.shards("train")
+                for smp in read_shard(open(ds.index.resolve(s), "rb").read(), s.url)}
+    mk = lambda window, workers=2, rank=0, world=1: PlainLoader(  # noqa: E731
+        ds, "train", batch_size=32, seed=7, num_workers=workers, rank=rank, world_size=world,
+        shuffle_shards_window=window)
+
+    def shards_per_batch(window: int) -> float:
+        loader = mk(window)
+        got = take(loader, loader.steps_per_epoch())
+        assert sorted(k for keys, _ in got for k in keys) == sorted(shard_of)  # the epoch, every sample once
+        return sum(len({shard_of[k] for k in keys}) for keys, _ in got) / len(got)
+
+    one, four = shards_per_batch(1), shards_per_batch(4)
+    assert one < 1.5 and four > 3.0, (one, four)
+    spe = mk(4).steps_per_epoch()
+    reference = take(mk(4), spe + 3)
+    for k in (1, 7, spe - 1, spe):
+        first = mk(4)
+        got = take(first, k)
+        second = mk(4)
+        second.load_state_dict(first.state_dict())
+        got += take(second, spe + 3 - k)
+        assert [g[0] for g in got] == [r[0] for r in reference], f"sample order differs after resume at {k}"
+        assert all(torch.equal(g[1], r[1]) for g, r in zip(got, reference)), f"tensors differ after resume at {k}"
+    # 2 ranks with a window of 4 read 5 batches each; 1 rank without a window reads on to the end of the epoch
+    ranks = [mk(4, rank=r, world=2) for r in (0, 1)]
+    seen = collections.Counter(k for ld in ranks for keys, _ in take(ld, 5) for k in keys)
+    states = [ld.state_dict() for ld in ranks]
+    rest = mk(1)
+    rest.load_state_dict(states[0], peers=states)
+    seen.update(k for keys, _ in take(rest, rest.steps_per_epoch()) for k in keys)
+    assert set(seen) == set(shard_of) and set(seen.values()) == {1}

@@ -62,6 +62,7 @@ class Loader:
     prefetch_factor: int = MISSING
     partitions: Optional[int] = MISSING
     shuffle: bool = MISSING
+    shuffle_shards_window: int = MISSING        # 1, or K shards mixed by each reader
     drop_last: bool = MISSING
     timeout: float = MISSING
     retries: int = MISSING

@@ -77,13 +77,13 @@ class StreamReader(IterableDataset):
     """Worker side: reads the streams of one rank from given positions and yields batches."""
 
     def __init__(self, *, refs, source, dataset, train, seed, epoch, batch_size, drop_last,
-                 shuffle, partitions, streams, rank, world_size, starts, rotation, base):
+                 shuffle, partitions, streams, rank, world_size, starts, rotation, base, window=1):
         self.refs, self.source, self.dataset = refs, source, dataset
         self.counts = [r.samples for r in refs]
         self.train, self.seed, self.epoch, self.batch_size = train, seed, epoch, batch_size
         self.drop_last, self.shuffle, self.partitions, self.streams = drop_last, shuffle, partitions, streams
         self.rank, self.world_size, self.starts, self.rotation = rank, world_size, starts, rotation
-        self.base = base
+        self.base, self.window = base, window
 
     def __iter__(self):
         info = get_worker_info()
@@ -104,59 +104,63 @@ class StreamReader(IterableDataset):
         plan_items = plan.stream_items(len(self.refs), self.counts, self.partitions, g, total_streams, self.seed,
                                        self.epoch, self.shuffle, self.base, self.streams, self.batch_size,
                                        self.drop_last)
+        reads = plan.read_order(plan_items, self.window, self.seed, self.epoch, g)
         pos = self.starts.get(g, 0)
-        todo, skip = [], pos  # (shard, first, end, cut) still to read; wholly consumed runs are not even opened
-        for _, shard, first, end, cut in plan_items:
-            if skip >= end - first:
-                skip -= end - first
-                continue
-            todo.append((shard, first + skip, end, cut))
-            skip = 0
+        last = {i: t for t, (i, _) in enumerate(reads)}  # where each run's last sample is read
+        opens: list[int] = list(dict.fromkeys(i for i, _ in reads[pos:]))  # runs by first read from here on
         later = []  # what this stream reads next epoch (a plain epoch: same stream ids), for a cache's eviction
         if self.train:
             later = [self.refs[s] for _, s, *_ in plan.stream_items(
                 len(self.refs), self.counts, self.partitions, g, total_streams, self.seed, self.epoch + 1,
                 self.shuffle, {}, self.streams, self.batch_size, self.drop_last)]
-        items, keys, skipped = [], [], 0
-        for k, (shard, skip, end, cut) in enumerate(todo):
+        loaded: dict[int, tuple[list, list[int]]] = {}  # run -> (its shard's samples, the shard's sample order)
+        items, keys, skipped, opened = [], [], 0, 0
+        for t in range(pos, len(reads)):
+            i, o = reads[t]
+            _, shard, first, _, cut = plan_items[i]
             ref = self.refs[shard]
-            n = ref.samples
-            self.source.lookahead([self.refs[s] for s, *_ in todo[k:]], later)
-            try:
-                raw = self.source.read(ref)
-                samples = read_shard(raw, ref.url)
-                if len(samples) != n:
-                    raise DataError(f"shard {ref.url} has {len(samples)} samples but the index says {n}; "
-                                    f"re-run recipe.prepare")
-            except DataError as e:
-                if not self.dataset.skip_corrupt:
-                    yield _Failure(str(e))
-                    return
-                samples = [None] * n
-            order = plan.sample_order(n, self.seed, self.epoch, shard, self.shuffle)
-            for i in order[skip:end]:
-                pos += 1
-                sample = samples[i]
+            if i not in loaded:
+                self.source.lookahead([self.refs[plan_items[j][1]] for j in opens[opened:]], later)
+                opened += 1
+                n = ref.samples
                 try:
-                    if sample is None:
-                        raise DataError(f"unreadable shard {ref.url}")
-                    seed = derive_seed(self.seed, self.epoch, sample["__key__"])
-                    items.append(self.dataset.decode(sample, train=self.train, seed=seed))
-                    keys.append(sample["__key__"])
-                except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
+                    raw = self.source.read(ref)
+                    samples = read_shard(raw, ref.url)
+                    if len(samples) != n:
+                        raise DataError(f"shard {ref.url} has {len(samples)} samples but the index says {n}; "
+                                        f"re-run recipe.prepare")
+                except DataError as e:
                     if not self.dataset.skip_corrupt:
-                        key = sample["__key__"] if sample else f"#{i}"
-                        yield _Failure(f"corrupt sample {key!r} in shard {ref.url}: {e} "
-                                       f"(set data.skip_corrupt=true to skip and count such samples)")
+                        yield _Failure(str(e))
                         return
-                    skipped += 1
-                if len(items) == self.batch_size:
-                    yield self._batch(g, pos, items, keys, skipped)
-                    items, keys, skipped = [], [], 0
-            if cut and items:  # (an elastic plan's batch ends here)
-                if not self.drop_last:
-                    yield self._batch(g, pos, items, keys, skipped)
+                    samples = [None] * n
+                loaded[i] = samples, plan.sample_order(n, self.seed, self.epoch, shard, self.shuffle)
+            samples, order = loaded[i]
+            index = order[first + o]
+            pos = t + 1
+            sample = samples[index]
+            try:
+                if sample is None:
+                    raise DataError(f"unreadable shard {ref.url}")
+                seed = derive_seed(self.seed, self.epoch, sample["__key__"])
+                items.append(self.dataset.decode(sample, train=self.train, seed=seed))
+                keys.append(sample["__key__"])
+            except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
+                if not self.dataset.skip_corrupt:
+                    key = sample["__key__"] if sample else f"#{index}"
+                    yield _Failure(f"corrupt sample {key!r} in shard {ref.url}: {e} "
+                                   f"(set data.skip_corrupt=true to skip and count such samples)")
+                    return
+                skipped += 1
+            if len(items) == self.batch_size:
+                yield self._batch(g, pos, items, keys, skipped)
                 items, keys, skipped = [], [], 0
+            if last[i] == t:  # this run is done: its shard's samples go
+                del loaded[i]
+                if cut and items:  # (an elastic plan's batch ends here)
+                    if not self.drop_last:
+                        yield self._batch(g, pos, items, keys, skipped)
+                    items, keys, skipped = [], [], 0
         if items and not self.drop_last:
             yield self._batch(g, pos, items, keys, skipped)
         self.source.lookahead([], later)  # (done with this epoch: its next reads are next epoch's)
@@ -180,7 +184,8 @@ class ShardLoader(ABC):
                  world_size: int = 1, train: bool = True, num_workers: int = 2, partitions: int | None = None,
                  shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
                  prefetch_factor: int = 4, timeout: float = 0, retries: int = 3, backoff: float = 0.5,
-                 read_timeout: float = 60.0, allow_pipe: bool = False, eval_in_memory: Any = "256MB", **_: Any):
+                 read_timeout: float = 60.0, allow_pipe: bool = False, eval_in_memory: Any = "256MB",
+                 shuffle_shards_window: int = 1, **_: Any):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
@@ -188,6 +193,10 @@ class ShardLoader(ABC):
         self.num_workers, self.pin_memory, self.prefetch_factor = int(num_workers), pin_memory, prefetch_factor
         self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
         self.streams = max(1, self.num_workers)
+        if int(shuffle_shards_window) < 1:
+            raise ConfigError(f"loader.shuffle_shards_window={shuffle_shards_window} must be >= 1 (1: one shard at a "
+                              f"time; K: each reader mixes the samples of K shards)")
+        self.window = int(shuffle_shards_window) if train and shuffle else 1
         self.eval_in_memory = _memory_budget(eval_in_memory)
         self._kept: tuple[int, list[tuple[Any, bool]]] | None = None  # (passes' length, the pass) kept in memory
         shards = dataset.index.shards(split)
@@ -247,8 +256,14 @@ class ShardLoader(ABC):
 
     # ---- position ---------------------------------------------------------------------------------
     def layout(self) -> dict:
-        return {"world_size": self.world_size, "streams": self.streams, "partitions": self.partitions,
-                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+        out = {"world_size": self.world_size, "streams": self.streams, "partitions": self.partitions,
+               "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+        if self.window > 1:  # (absent at 1: checkpoints from before the option resume bitwise)
+            out["window"] = self.window
+        return out
+
+    def _reads(self, g: int) -> list[tuple[int, int]]:
+        return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
     def state_dict(self) -> dict:
         ended = self.batches >= self.steps_per_epoch()
@@ -259,7 +274,7 @@ class ShardLoader(ABC):
             for s in range(self.streams):
                 g = self._gid(self.rank, s)
                 offsets = plan.consumed_after(self._items(self.epoch, g), order, self.counts, self.partitions,
-                                              self.positions.get(g, 0), offsets)
+                                              self.positions.get(g, 0), offsets, self._reads(g))
         return {"epoch": self.epoch, "batches": self.batches, "ended": ended,
                 "positions": {str(k): v for k, v in self.positions.items()},
                 "base": {str(k): v for k, v in self.base.items()},
@@ -275,7 +290,7 @@ class ShardLoader(ABC):
             self.positions = {int(k): int(v) for k, v in state["positions"].items()}
             self.base = plan.as_consumed(state.get("base", {}))
             return
-        elastic = ("world_size", "streams")
+        elastic = ("world_size", "streams", "window")  # (what is consumed is known sample by sample)
         fixed = {k: (saved.get(k), v) for k, v in self.layout().items() if k not in elastic and saved.get(k) != v}
         if fixed or not peers or len(peers) != saved.get("world_size"):
             changed = fixed or {k: (saved.get(k), v) for k, v in self.layout().items() if saved.get(k) != v}
@@ -311,7 +326,7 @@ class ShardLoader(ABC):
                               drop_last=self.drop_last, shuffle=self.shuffle, partitions=self.partitions,
                               streams=self.streams, rank=self.rank, world_size=self.world_size,
                               starts=dict(self.positions) if current else {}, rotation=rotation,
-                              base=dict(self.base) if current else {})
+                              base=dict(self.base) if current else {}, window=self.window)
         if self.num_workers == 0:
             return iter(reader)
         # A generator of its own: starting workers must not draw from the global torch RNG (which the

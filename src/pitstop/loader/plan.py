@@ -154,6 +154,22 @@ def stream_items(num_shards: int, counts: list[int], partitions: int, stream: in
             for p in stream_partitions(partitions, stream, streams) for shard in order[p::partitions]]
 
 
+def read_order(items: list[Item], window: int, seed: int, epoch: int, stream: int) -> list[tuple[int, int]]:
+    """The order a stream hands out its samples, as ``(item index, offset in the item's run)``: run after run,
+    or with a mixing window ``K > 1`` (``loader.shuffle_shards_window``) its runs taken ``K`` at a time, each
+    group's samples in a seeded permutation, so that a batch mixes ``K`` shards (shards written one class at a
+    time would otherwise make batches of one class). An elastic rest (``cut`` runs) is read run after run."""
+    if window <= 1 or any(item[4] for item in items):
+        return [(i, o) for i, item in enumerate(items) for o in range(item[3] - item[2])]
+    out: list[tuple[int, int]] = []
+    for start in range(0, len(items), window):
+        group = [(i, o) for i in range(start, min(start + window, len(items)))
+                 for o in range(items[i][3] - items[i][2])]
+        perm = np.random.default_rng(derive_seed("mix", seed, epoch, stream, start)).permutation(len(group))
+        out.extend(group[j] for j in perm.tolist())
+    return out
+
+
 def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
     """The batches a stream reading ``items`` yields (as :class:`~pitstop.loader.base.StreamReader` cuts them)."""
     n = acc = 0
@@ -166,18 +182,25 @@ def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
 
 
 def consumed_after(items: list[Item], order: list[int], counts: list[int], partitions: int, position: int,
-                   consumed: Consumed) -> Consumed:
-    """``consumed`` plus what a stream reading ``items`` has handed out at ``position`` samples."""
+                   consumed: Consumed, reads: list[tuple[int, int]] | None = None) -> Consumed:
+    """``consumed`` plus what a stream reading ``items`` (in the order ``reads``, see :func:`read_order`; default
+    run after run) has handed out at ``position`` samples."""
     starts = shard_starts(order, counts, partitions)
     out = {p: [list(iv) for iv in ivs] for p, ivs in consumed.items()}
-    left = position
-    for p, shard, first, end, _ in items:
-        take = min(end - first, left)
-        if take <= 0:
-            break
-        at = starts[shard][1] + first
-        out.setdefault(p, []).append([at, at + take])
-        left -= take
+    if reads is None:
+        left = position
+        for p, shard, first, end, _ in items:
+            take = min(end - first, left)
+            if take <= 0:
+                break
+            at = starts[shard][1] + first
+            out.setdefault(p, []).append([at, at + take])
+            left -= take
+    else:
+        for i, o in reads[:position]:
+            p, shard, first, _, _ = items[i]
+            at = starts[shard][1] + first + o
+            out.setdefault(p, []).append([at, at + 1])
     return {p: merge(ivs) for p, ivs in out.items()}
 
 
