@@ -283,3 +283,32 @@ def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tm
     with pytest.raises(ConfigError, match=r"loader\.cache_policy='mru'"):
         CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "x"),
                      cache_policy="mru")
+
+
+def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store):
+    # A store that takes ~0.3 s per shard and a reader that needs ~0.05 s per shard: auto keeps more downloads
+    # in flight than the fixed 2 (up to its cap); a reader slower than the downloads keeps one or two ahead.
+    from pitstop.loader.cached import MAX_DEPTH, CachedSource
+
+    with SlowStore(str(data_root / "data"), latency_ms=300) as slow:
+        source = CachedSource(str(tmp_path / "a"), None, FAST, "size", "auto")
+        shard_refs = refs(data_root, slow.url)
+        assert source.depth == 2  # nothing measured yet
+        for k in range(len(shard_refs)):
+            source.lookahead(shard_refs[k:])
+            source.read(shard_refs[k])
+            time.sleep(0.05)
+        assert 4 <= source.depth <= MAX_DEPTH, (source._download_s, source._shard_s)
+        source.close()
+    with SlowStore(str(data_root / "data"), latency_ms=20) as fast:
+        source = CachedSource(str(tmp_path / "b"), None, FAST, "size", "auto")
+        shard_refs = refs(data_root, fast.url)
+        for k in range(len(shard_refs)):
+            source.lookahead(shard_refs[k:])
+            source.read(shard_refs[k])
+            time.sleep(0.3)
+        assert source.depth <= 2, (source._download_s, source._shard_s)
+        source.close()
+    with pytest.raises(ConfigError, match=r"loader\.prefetch_shards='lots'"):
+        CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3,
+                     cache_dir=str(tmp_path / "x"), prefetch_shards="lots")

@@ -76,7 +76,7 @@ class Loader:
 class CachedLoader(Loader):
     cache_dir: str = MISSING
     cache_limit: Any = MISSING                   # bytes, "50GB", or null
-    prefetch_shards: int = MISSING
+    prefetch_shards: Any = MISSING               # auto | shards ahead
     verify: str = MISSING                    # sha256 | size
     cache_policy: str = MISSING              # future | lru
 

@@ -1,8 +1,10 @@
 """``loader=cached``: shards are copied once to a fast local cache dir and read from there afterwards.
 
-Each reader (DataLoader worker, or the training process with ``num_workers=0``) keeps up to
-``prefetch_shards`` of its next shards downloading in background threads while it decodes the current
-one, so epoch 1 overlaps network transfer with compute, and later epochs read local files only.
+Each reader (DataLoader worker, or the training process with ``num_workers=0``) keeps its next shards
+downloading in background threads while it decodes the current one, so epoch 1 overlaps network transfer
+with compute, and later epochs read local files only. How many: ``prefetch_shards`` (a number), or ``auto``:
+as many as a download takes shards' worth of reading, from what it measures (the seconds a download takes,
+the seconds between the reader's shards), plus one; 2 until it has measured, at most ``MAX_DEPTH``.
 The cache itself (one download per machine, within ``cache_limit`` the shard read furthest in the future
 evicted first, integrity checks) is
 :class:`pitstop.loader.cache.ShardCache`.
@@ -11,7 +13,9 @@ evicted first, integrity checks) is
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,8 +24,11 @@ from pitstop.errors import ConfigError
 from pitstop.loader.base import ShardLoader, ShardSource, parse_size
 from pitstop.loader.cache import POLICIES, ShardCache
 
+MAX_DEPTH = 8
+
+
 class CachedSource(ShardSource):
-    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int,
+    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int | str,
                  eviction: str = "future"):
         self.cache_dir, self.limit, self.policy, self.verify, self.prefetch = cache_dir, limit, policy, verify, prefetch
         self.eviction = eviction
@@ -29,10 +36,30 @@ class CachedSource(ShardSource):
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
         self._pid = -1
+        self._download_s: float | None = None  # (auto) a download's seconds, and a shard's reading seconds
+        self._shard_s: float | None = None
+        self._last_shard: float | None = None
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_pool", "_pending")} | {
             "_cache": None, "_pool": None, "_pending": {}, "_pid": -1}
+
+    @property
+    def depth(self) -> int:
+        """Shards to keep downloading ahead of the one being read."""
+        if self.prefetch != "auto":
+            return int(self.prefetch)
+        if not self._download_s or not self._shard_s:
+            return 2
+        return max(1, min(MAX_DEPTH, math.ceil(self._download_s / self._shard_s) + 1))
+
+    def _acquire(self, ref: ShardRef):
+        t0 = time.perf_counter()
+        handle = self.cache.acquire(ref)
+        took = time.perf_counter() - t0
+        if took > 0.005:  # (a download, or a wait for another process's: a hit takes microseconds)
+            self._download_s = took if self._download_s is None else 0.7 * self._download_s + 0.3 * took
+        return handle
 
     @property
     def cache(self) -> ShardCache:
@@ -44,17 +71,26 @@ class CachedSource(ShardSource):
     def lookahead(self, refs: list[ShardRef], later: list[ShardRef] = ()) -> None:
         cache = self.cache
         cache.publish([*refs, *later])
-        if self.prefetch <= 0:
+        now = time.perf_counter()
+        if refs and self._last_shard is not None:  # the reader moved on to its next shard
+            took = now - self._last_shard
+            self._shard_s = took if self._shard_s is None else 0.7 * self._shard_s + 0.3 * took
+        self._last_shard = now if refs else None
+        depth = self.depth
+        if self.prefetch == "auto" and self.limit and refs:  # (shards held ahead are in use: leave room to evict)
+            depth = min(depth, max(1, self.limit // (8 * max(max(r.bytes for r in refs[:depth + 1]), 1))))
+        if depth <= 0:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="pitstop-prefetch")
-        for ref in refs[1:self.prefetch + 1]:  # refs[0] is read right now, by the caller
+            self._pool = ThreadPoolExecutor(MAX_DEPTH if self.prefetch == "auto" else depth,
+                                            thread_name_prefix="pitstop-prefetch")
+        for ref in refs[1:depth + 1]:  # refs[0] is read right now, by the caller
             if ref.url not in self._pending:
-                self._pending[ref.url] = self._pool.submit(cache.acquire, ref)
+                self._pending[ref.url] = self._pool.submit(self._acquire, ref)
 
     def read(self, ref: ShardRef) -> bytes:
         fut = self._pending.pop(ref.url, None)
-        handle = fut.result() if fut is not None else self.cache.acquire(ref)
+        handle = fut.result() if fut is not None else self._acquire(ref)
         return ShardCache.read(handle)
 
     def take_stats(self) -> dict[str, int]:
@@ -84,7 +120,7 @@ def _release(fut: Future) -> None:
 class CachedLoader(ShardLoader):
     kind = "cached"
 
-    def __init__(self, *args: Any, cache_dir: str, cache_limit: Any = None, prefetch_shards: int = 2,
+    def __init__(self, *args: Any, cache_dir: str, cache_limit: Any = None, prefetch_shards: int | str = "auto",
                  verify: str = "sha256", cache_policy: str = "future", **kw: Any):
         super().__init__(*args, **kw)
         if verify not in ("sha256", "size"):
@@ -93,10 +129,12 @@ class CachedLoader(ShardLoader):
             raise ConfigError(f"loader.cache_policy={cache_policy!r}: use future (evict the shard read furthest ahead) "
                               f"or lru (the least recently used)")
         self.cache_policy = cache_policy
-        if int(prefetch_shards) < 0:
-            raise ConfigError(f"loader.prefetch_shards={prefetch_shards} must be >= 0")
+        if prefetch_shards != "auto" and not (str(prefetch_shards).isdigit()):
+            raise ConfigError(f"loader.prefetch_shards={prefetch_shards!r}: use auto (as deep as downloads need) or a "
+                              f"number of shards >= 0")
         self.cache_dir, self.cache_limit = str(cache_dir), parse_size(cache_limit)
-        self.prefetch_shards, self.verify = int(prefetch_shards), verify
+        self.prefetch_shards = prefetch_shards if prefetch_shards == "auto" else int(prefetch_shards)
+        self.verify = verify
         largest = max(r.bytes for r in self.refs)
         if self.cache_limit is not None and self.cache_limit < largest:
             raise ConfigError(f"loader.cache_limit={cache_limit} is smaller than the largest shard ({largest:,} bytes "
