@@ -16,7 +16,7 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_documented_options():
-    assert options("data") == ["digits", "imagefolder", "synthetic"]
+    assert options("data") == ["digits", "imagefolder", "synthetic", "webdataset"]
     assert options("model") == ["cnn", "resnet18", "torchvision"]
     assert options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
