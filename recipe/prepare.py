@@ -115,9 +115,6 @@ def webdataset(data: DictConfig) -> str:
     from pitstop.data.indexer import expand, index_existing
 
     root = str(data.root)
-    if "://" in root:
-        raise PitstopError(f"data.root {root} is remote: the index is written locally (a read-only source is "
-                           f"fine); point data.root at a local dir, then copy index.json next to the shards if you like")
     splits = {}
     for split in ("train", "val"):
         if data.get(split):
@@ -134,20 +131,19 @@ def webdataset(data: DictConfig) -> str:
 def prepare(data: DictConfig, force: bool = False) -> str:
     """Build the shards of ``data`` (a ``data`` config node) unless they already exist; return the index path."""
     root = str(data.root)
-    if data.prepare.kind == "webdataset":  # (shards that exist: indexed, not written)
-        index = os.path.join(root, INDEX_NAME)
-        if os.path.isfile(index) and not force:
-            log.info("index already exists: %s (force=true rebuilds)", index)
-            return index
+    existing = data.prepare.kind == "webdataset"  # (shards that exist: indexed, not written)
+    if "://" in root:
+        raise PitstopError(f"data.root {root} is remote: the index is written locally (a read-only source is "
+                           f"fine); point data.root at a local dir, then copy index.json next to the shards if you like"
+                           if existing else f"data.root {root} is remote; prepare locally, then upload the directory")
+    index = os.path.join(root, INDEX_NAME)
+    if os.path.isfile(index) and not force:
+        log.info("%s already exist: %s (force=true rebuilds)", "index" if existing else "shards", index)
+        return index
+    if existing:
         path = webdataset(data)
         log.info("wrote %s", path)
         return path
-    if "://" in root:
-        raise PitstopError(f"data.root {root} is remote; prepare locally, then upload the directory")
-    index = os.path.join(root, INDEX_NAME)
-    if os.path.isfile(index) and not force:
-        log.info("shards already exist: %s (force=true rebuilds)", index)
-        return index
     kind = data.prepare.kind
     if kind not in BUILDERS:
         raise PitstopError(f"data.prepare.kind={kind!r} is unknown; use one of {sorted(BUILDERS)}")

@@ -43,7 +43,7 @@ from pitstop.nodes import check_nodes
 from pitstop.precision import DTYPES, Precision
 from pitstop.preempt import Preempted, PreemptionNotice
 from pitstop.profiler import StepProfiler
-from pitstop.schedule import replan
+from pitstop.schedule import planned_steps, replan
 from pitstop.seed import rng_state, seed_everything, set_rng_state
 from pitstop.throughput import Throughput, cached_count, count_step_flops
 from pitstop.watchdog import DataStall, Hung, Watchdog
@@ -283,7 +283,7 @@ class Runner:
         size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
         the rest of its epoch to more or fewer ranks). The LR schedule (as saved) is re-planned to decay over them."""
         total = self.step + self._batches_left() // self.accum
-        planned = getattr((getattr(self.scheduler, "lr_lambdas", None) or [None])[0], "total_steps", self.total_steps)
+        planned = planned_steps(self.scheduler) or self.total_steps
         if total != planned:
             fits = replan(self.scheduler, self.step, total)
             log.info("resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",

@@ -60,6 +60,12 @@ def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, Constant())
 
 
+def planned_steps(scheduler: Any) -> int | None:
+    """The step a schedule's plan ends at (as saved with the checkpoint); None if it has no such plan."""
+    factors = getattr(scheduler, "lr_lambdas", None) or [None]
+    return getattr(factors[0], "total_steps", None)
+
+
 def replan(scheduler: Any, step: int, total_steps: int) -> bool:
     """Re-plan a schedule for ``total_steps`` from ``step`` on; False if it cannot be (not one of these)."""
     factors = getattr(scheduler, "lr_lambdas", None)

@@ -262,7 +262,10 @@ class ShardLoader(ABC):
             out["window"] = self.window
         return out
 
-    def _reads(self, g: int) -> list[tuple[int, int]]:
+    def _reads(self, g: int) -> list[tuple[int, int]] | None:
+        """Stream ``g``'s read order when it mixes shards; None when it reads run after run."""
+        if self.window == 1:
+            return None
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
     def state_dict(self) -> dict:

@@ -100,13 +100,6 @@ class ShardCache:
         except OSError:  # a hint only: without it, eviction is least recently used
             pass
 
-    def withdraw(self) -> None:
-        """This reader is done: its reads no longer count."""
-        try:
-            os.unlink(self._future_file())
-        except OSError:
-            pass
-
     def _next_reads(self) -> dict[str, int]:
         """Shard file -> samples until its next read by any live reader on this machine."""
         out: dict[str, int] = {}

@@ -31,10 +31,6 @@ def sample_order(num_samples: int, seed: int, epoch: int, shard: int, shuffle: b
     return np.random.default_rng(derive_seed("samples", seed, epoch, shard)).permutation(num_samples).tolist()
 
 
-def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
-    return samples // batch_size if drop_last else -(-samples // batch_size)
-
-
 def round_robin(counts: list[int]) -> list[int]:
     """The order in which an in-order DataLoader hands out batches of workers with these counts."""
     seq: list[int] = []
