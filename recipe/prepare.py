@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from pitstop.data.shards import INDEX_NAME, write_index, write_split
-from pitstop import cli
+from pitstop import cli, fsurl
 from pitstop.errors import PitstopError
 
 log = logging.getLogger("recipe.prepare")
@@ -107,12 +107,13 @@ def synthetic(cfg: DictConfig) -> tuple[dict, dict]:
 BUILDERS = {"digits": digits, "imagefolder": imagefolder, "synthetic": synthetic}
 
 
-def webdataset(data: DictConfig) -> str:
+def webdataset(data: DictConfig, storage_options: dict | None = None) -> str:
     """Index shards that already exist (``data.train``/``data.val``: brace patterns or lists, local or URLs)
     into ``data.root/index.json``, checking every sample's image and label on the way."""
     from hydra.utils import instantiate
 
     from pitstop.data.indexer import expand, index_existing
+    from pitstop.data.remote import FetchPolicy
 
     root = str(data.root)
     splits = {}
@@ -125,10 +126,11 @@ def webdataset(data: DictConfig) -> str:
         raise PitstopError("data.train is not set: give the training shards, e.g. data.train='DIR/train-{000000..000099}.tar'")
     dataset = instantiate(data, _convert_="partial")
     meta = {"name": str(data.name), "num_classes": int(data.num_classes), "source": "existing webdataset shards"}
-    return index_existing(root, splits, meta, check=dataset.check, workers=int(data.prepare.workers))
+    return index_existing(root, splits, meta, check=dataset.check, workers=int(data.prepare.workers),
+                          policy=FetchPolicy(storage_options=storage_options or {}))
 
 
-def prepare(data: DictConfig, force: bool = False) -> str:
+def prepare(data: DictConfig, force: bool = False, storage_options: dict | None = None) -> str:
     """Build the shards of ``data`` (a ``data`` config node) unless they already exist; return the index path."""
     root = str(data.root)
     existing = data.prepare.kind == "webdataset"  # (shards that exist: indexed, not written)
@@ -141,7 +143,7 @@ def prepare(data: DictConfig, force: bool = False) -> str:
         log.info("%s already exist: %s (force=true rebuilds)", "index" if existing else "shards", index)
         return index
     if existing:
-        path = webdataset(data)
+        path = webdataset(data, storage_options)
         log.info("wrote %s", path)
         return path
     kind = data.prepare.kind
@@ -159,7 +161,8 @@ def prepare(data: DictConfig, force: bool = False) -> str:
 @hydra.main(config_path="../conf", config_name="prepare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        prepare(cfg.data, force=bool(cfg.force))
+        prepare(cfg.data, force=bool(cfg.force),
+                storage_options=fsurl.storage_options(cfg.get("storage_options"), "storage_options"))
     except PitstopError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

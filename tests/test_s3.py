@@ -1,7 +1,9 @@
-"""Data on an S3 API: a real S3-compatible server (moto's standalone server, a dev dependency) in a subprocess,
-read through s3fs with credentials and endpoint from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-AWS_ENDPOINT_URL: never in the config, so never in the run dir); plain and cached loaders, a kill and an exact
-resume, and what goes wrong said in one line."""
+"""Data and checkpoints on an S3 API: a real S3-compatible server (moto's standalone server, a dev dependency) in
+a subprocess, reached through s3fs.  Credentials come from the environment only (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY: never in the config, so never in the run dir); the endpoint from the environment
+(AWS_ENDPOINT_URL) or from ``loader.storage_options`` / ``ckpt.storage_options``.  Plain and cached loaders,
+``ckpt.dir=s3://...`` for every checkpoint format, a kill and an exact resume, and what goes wrong said in one
+line."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,25 +24,31 @@ pytestmark = pytest.mark.slow
 BUCKET = "pitstop-data"
 
 
+def start_server(log_dir: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's S3 API server on a free port; returns once it accepts connections (no request is made: a server
+    that enforces IAM counts every request)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(log_dir / "server.log", "w")
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    log.close()
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            assert server.poll() is None and time.time() < deadline, "moto_server did not start"
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def s3(data_root, tmp_path_factory):
     """An S3 API server on a free port with the digits shards uploaded; the environment points s3fs at it."""
     pytest.importorskip("s3fs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            assert server.poll() is None and time.time() < deadline, "moto_server did not start"
-            time.sleep(0.2)
+    server, url = start_server(tmp_path_factory.mktemp("moto"))
     env = {"AWS_ACCESS_KEY_ID": "pitstop-test", "AWS_SECRET_ACCESS_KEY": "pitstop-test-secret",
            "AWS_ENDPOINT_URL": url, "AWS_DEFAULT_REGION": "us-east-1"}
     old = {k: os.environ.get(k) for k in env}
@@ -61,20 +68,36 @@ def s3(data_root, tmp_path_factory):
                 os.environ[k] = v
         server.terminate()
         server.wait(10)
-        log.close()
 
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+# Default loader settings (2 workers) and evaluation; the same job from local shards is the reference.
+JOB = ["strategy=single", "trainer.max_steps=30", "trainer.batch_size=32", "trainer.eval_every_steps=15",
+       "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true"]
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory) -> str:
+    """The parameters after JOB, uninterrupted, from local shards with local checkpoints."""
+    tmp = tmp_path_factory.mktemp("reference")
+    p = cli([*JOB, "ckpt=sync_save", f"run_dir={tmp / 'run'}"], data_root, tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return summary(tmp / "run")["params_sha256"]
+
+
+def assert_no_secret(run_dir: Path) -> None:
+    """The credentials live in the environment only: nothing in the run dir holds them."""
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".json", ".jsonl", ".log"):
+            assert "pitstop-test-secret" not in path.read_text(errors="replace"), path
+
+
 @pytest.mark.parametrize("loader", ["plain", "cached"])
-def test_training_from_s3_killed_and_resumed_is_exact(loader, s3, data_root, tmp_path):
-    # Default loader settings (2 workers) and evaluation; the same job from the local shards is the reference.
-    job = ["strategy=single", "trainer.max_steps=30", "trainer.batch_size=32", "trainer.eval_every_steps=15",
-           "ckpt=sync_save", "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true"]
-    ref = cli([*job, f"run_dir={tmp_path / 'local'}"], data_root, tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_training_from_s3_killed_and_resumed_is_exact(loader, s3, reference, data_root, tmp_path):
+    job = [*JOB, "ckpt=sync_save"]
     run_dir, remote = tmp_path / "s3", [f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 's3'}",
                                         f"loader={loader}"]
     if loader == "cached":
@@ -84,17 +107,98 @@ def test_training_from_s3_killed_and_resumed_is_exact(loader, s3, data_root, tmp
     p = cli([*job, *remote], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 10 and s["params_sha256"] == summary(tmp_path / "local")["params_sha256"]
+    assert s["resumed_from"] == 10 and s["params_sha256"] == reference
     first = audit(str(run_dir))[0]  # (30 steps of 32: epoch 0 cut short by max_steps; nothing twice)
     assert first.repeated == 0 and first.partial
     if loader == "cached":  # the killed attempt downloaded each shard once: the resumed one reads the cache only
         assert s["data"]["bytes_from_source"] == 0 and s["data"]["cache_hits"] > 0
     else:
         assert s["data"]["bytes_from_source"] > 0
-    # the credentials live in the environment only: nothing in the run dir holds them
-    for path in run_dir.rglob("*"):
-        if path.is_file() and path.suffix in (".yaml", ".json", ".jsonl", ".log"):
-            assert "pitstop-test-secret" not in path.read_text(errors="replace"), path
+    assert_no_secret(run_dir)
+
+
+@pytest.mark.parametrize("ckpt", ["sync_save", "async_dcp", "async_dcp_pinned"])
+def test_checkpoints_on_s3_killed_and_resumed_are_exact(ckpt, s3, reference, data_root, tmp_path):
+    # Shards and checkpoints both in the bucket; the endpoint given as storage options, not in the environment.
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    root, run_dir = f"{BUCKET}/runs/{ckpt}", tmp_path / "run"
+    job = [*JOB, f"ckpt={ckpt}", f"ckpt.dir=s3://{root}", "ckpt.keep_last_k=2", f"data.root=s3://{BUCKET}/digits",
+           "loader=cached", f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
+           f"+loader.storage_options.client_kwargs.endpoint_url={endpoint}",
+           f"+ckpt.storage_options.client_kwargs.endpoint_url={endpoint}"]
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cli_cmd([*job, *extra], data_root, tmp_path), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+
+    # killed at step 23: the save of step 10 is durable (a save starts only once the one before it is), that of
+    # step 20 may still be uploading (an async save): the resume takes the newest complete one
+    crashed = run("fault=crash_at_step", "fault.step=23")
+    assert crashed.returncode != 0
+    marker = "COMMITTED" if ckpt == "sync_save" else ".metadata"
+    s3.invalidate_cache()
+    complete = [step for step in (10, 20) if s3.exists(f"{root}/step_{step:08d}/{marker}")]
+    assert 10 in complete, s3.find(root)
+    # a newer save cut short (its data uploaded, never its marker) is skipped and removed, never loaded
+    s3.pipe(f"{root}/step_00000022/__0_0.distcp", b"cut short")
+    p = run()
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["resumed_from"] == complete[-1] and s["params_sha256"] == reference
+    assert [a.repeated for a in audit(str(run_dir))] == [0]
+    s3.invalidate_cache()
+    steps = sorted(n.rsplit("/", 1)[-1] for n in s3.ls(root) if "step_" in n)
+    assert steps == ["step_00000020", "step_00000030"], steps  # retention (keep 2); the partial one is gone
+    assert all(s3.exists(f"{root}/{d}/{marker}") for d in steps)
+    assert_no_secret(run_dir)
+
+
+def test_a_checkpoint_dir_on_s3_that_cannot_be_written_is_a_one_line_error(s3, data_root, tmp_path):
+    """A bucket that does not exist (the main server); a key that may only read, and a key the server does not
+    know (a second server that enforces IAM): each stops the run before its first step, in one line."""
+    import boto3
+
+    job = ["debug=tiny", "strategy=single", "trainer.max_steps=3", "logger=none", "ckpt=sync_save"]
+    p = cli([*job, "ckpt.dir=s3://no-such-bucket/ckpts", f"run_dir={tmp_path / 'a'}"], data_root, tmp_path)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "s3://no-such-bucket/ckpts" in last and "bucket does not exist" in last, p.stderr
+    # moto enforces IAM after its first 4 requests: the bucket, the user, its read-only policy, its key
+    server, url = start_server(tmp_path, {"INITIAL_NO_AUTH_ACTION_COUNT": "4"})
+    try:
+        admin = dict(endpoint_url=url, region_name="us-east-1", aws_access_key_id="admin", aws_secret_access_key="admin")
+        boto3.client("s3", **admin).create_bucket(Bucket="read-only")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        for name, key_id, secret in [("reader", key["AccessKeyId"], key["SecretAccessKey"]),
+                                     ("unknown", "AKIAUNKNOWN", "pitstop-test-secret")]:
+            env = {**os.environ, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
+            p = subprocess.run(cli_cmd([*job, "ckpt.dir=s3://read-only/ckpts", f"run_dir={tmp_path / name}"],
+                                       data_root, tmp_path), cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=120)
+            last = p.stderr.strip().splitlines()[-1]
+            assert p.returncode == 2 and "s3://read-only/ckpts is not writable" in last, (name, p.stderr[-2000:])
+            assert "AWS_ACCESS_KEY_ID" in last and not (tmp_path / name / "summary.json").exists(), last
+        assert boto3.client("s3", **{**admin, "aws_access_key_id": key["AccessKeyId"],
+                                     "aws_secret_access_key": key["SecretAccessKey"]}).list_objects_v2(
+            Bucket="read-only").get("KeyCount") == 0  # nothing partial was left behind
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_credentials_in_storage_options_are_refused_before_anything_is_written(data_root, tmp_path):
+    for override in ["+ckpt.storage_options.secret=pitstop-test-secret",
+                     "+loader.storage_options.client_kwargs.aws_secret_access_key=pitstop-test-secret",
+                     "+ckpt.storage_options={key: pitstop-test-secret}"]:
+        p = cli(["debug=tiny", f"run_dir={tmp_path / 'run'}", override], data_root, tmp_path)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and "credentials never go in the config" in last, p.stderr[-2000:]
+        assert not (tmp_path / "run").exists()  # Hydra never got to save the overrides
 
 
 def test_s3_mistakes_are_one_line_errors(s3, data_root, tmp_path):

@@ -52,6 +52,12 @@ def run(hydra_main: Callable[[], Any]) -> Any:
 
     register()  # config schemas and resolvers
 
+    from pitstop.fsurl import credentials_in_overrides
+
+    secret = credentials_in_overrides(sys.argv[1:])
+    if secret:  # (Hydra would write it into the run dir before the config is checked)
+        print(f"error: {secret}", file=sys.stderr)
+        raise SystemExit(2)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let the exception reach us instead of Hydra's report
     try:
         return hydra_main()

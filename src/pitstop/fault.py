@@ -240,19 +240,17 @@ class DuringSave(NoFault):
 
     def _watch(self) -> None:
         from pitstop.ckpt.layout import is_complete, step_dir
+        from pitstop.ckpt.storage import dir_bytes
+        from pitstop.fsurl import is_url
 
         ckpt = self.ctx.checkpointer
+        pause = 0.02 if is_url(ckpt.root) else 0.001  # (a listing of an object store is a request)
         while not self.stop.is_set():
             path = step_dir(ckpt.root, ckpt.last_started)  # the save in progress (not a purge)
-            if not is_complete(path):
-                try:
-                    written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-                except OSError:
-                    written = 0
-                if written > 0:
-                    _record(self.ctx.run_dir, self.name)
-                    _kill(f"during the write of {os.path.basename(path)}")
-            time.sleep(0.001)
+            if not is_complete(path) and dir_bytes(path) > 0:  # (in an object store: a whole file, no marker)
+                _record(self.ctx.run_dir, self.name)
+                _kill(f"during the write of {path.rstrip('/').rsplit('/', 1)[-1]}")
+            time.sleep(pause)
 
     def close(self) -> None:
         self.stop.set()

@@ -43,6 +43,7 @@ class Ckpt:
     load_model_only: bool = MISSING
     on_error: str = MISSING                   # raise | warn
     throttle_mbps: Optional[float] = MISSING
+    storage_options: Any = MISSING               # fsspec options for a URL ckpt.dir (never credentials)
     local: LocalTier = field(default_factory=LocalTier)
 
 
@@ -70,6 +71,7 @@ class Loader:
     read_timeout: float = MISSING
     allow_pipe: bool = MISSING
     eval_in_memory: Any = MISSING                # bytes, "256MB", or 0
+    storage_options: Any = MISSING               # fsspec options for a URL data.root (never credentials)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from pitstop import fsurl
 from pitstop.ckpt import layout
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
@@ -188,9 +189,13 @@ def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | Non
     where = local.get("dir")
     if where in (None, "", False):
         return None
-    where = LOCAL_AUTO_DIR if where == "auto" else os.path.abspath(str(where))
-    durable = os.path.abspath(durable_root)
-    if os.path.commonpath([where, durable]) in (where, durable):
+    where = LOCAL_AUTO_DIR if where == "auto" else str(where)
+    if fsurl.is_url(where):
+        raise ConfigError(f"ckpt.local.dir={where}: the local tier is a local dir (tmpfs such as /dev/shm, or a "
+                          f"node-local disk); remote checkpoints go to ckpt.dir")
+    where = os.path.abspath(where)
+    durable = durable_root if fsurl.is_url(durable_root) else os.path.abspath(durable_root)
+    if not fsurl.is_url(durable) and os.path.commonpath([where, durable]) in (where, durable):
         raise ConfigError(f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
                           f"place (tmpfs such as /dev/shm, or a node-local disk)")
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
@@ -218,7 +223,7 @@ class CheckpointManager(Checkpointer):
     def __init__(self, dir: str, interval_steps: int | None = None, interval_seconds: float | None = None,
                  keep_last_k: int = 3, save_last: bool = True, load: Any = "auto", on_error: str = "raise",
                  load_model_only: bool = False, throttle_mbps: float | None = None, interval: Any = None,
-                 mtbf_seconds: float | None = None, local: Any = None, **_: Any):
+                 mtbf_seconds: float | None = None, local: Any = None, storage_options: Any = None, **_: Any):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
         _positive_or_null(("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
@@ -231,7 +236,12 @@ class CheckpointManager(Checkpointer):
         if interval not in (None, "auto"):
             raise ConfigError(f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
                               f"or null with ckpt.interval_steps / ckpt.interval_seconds")
-        self.root = str(dir)
+        self.root = str(dir).rstrip("/") if fsurl.is_url(dir) else str(dir)
+        if fsurl.is_url(self.root):
+            if throttle_mbps:
+                raise ConfigError(f"ckpt.throttle_mbps limits writes to a local dir; ckpt.dir={self.root} is remote: "
+                                  f"set ckpt.throttle_mbps=null (throttle the store itself instead)")
+            fsurl.use_options(self.root, fsurl.storage_options(storage_options, "ckpt.storage_options"))
         self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
         if self.auto:  # the measured interval replaces the fixed ones
             interval_steps = interval_seconds = None
@@ -383,8 +393,8 @@ class CheckpointManager(Checkpointer):
             self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
         record = SaveRecord(step=step, path=layout.step_dir(tier.root, step), last=last, tier=tier.name,
                             throttle_mbps=self.throttle_mbps if tier is self.durable else None)
-        if self.rank == 0 and os.path.exists(record.path):
-            shutil.rmtree(record.path)  # a partial leftover of the same step (e.g. after a crash)
+        if self.rank == 0 and layout.exists(record.path):
+            layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash)
         self.strategy.barrier()
         try:
             pending = self._write(self._app_state(target), record)
@@ -522,7 +532,7 @@ class CheckpointManager(Checkpointer):
                   "local-tier " if local else "", record.step, record.error,
                   "; the durable tier is unaffected" if local else "")
         if not layout.is_complete(record.path) and (self.rank == 0 or local):
-            shutil.rmtree(record.path, ignore_errors=True)  # (a local tier may be per node: every rank cleans)
+            layout.remove(record.path)  # (a local tier may be per node: every rank cleans)
         with self._lock:
             self._done.append(record)
         if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any
@@ -13,7 +14,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER
+from pitstop import fsurl
+from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER, is_file
 from pitstop.ckpt.storage import fsync_dir, open_write
 
 STATE_FILE = "state.pt"
@@ -44,16 +46,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
     """Read any pitstop checkpoint into ``(model_sd, optim_sd, {"train.rankR": train state} of every saved rank)``."""
-    if os.path.isfile(os.path.join(path, DCP_MARKER)):
+    if is_file(fsurl.join(path, DCP_MARKER)):
         return _read_dcp(path, model, optimizer, group)
-    if os.path.isfile(os.path.join(path, SAVE_MARKER)):
-        sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
+    if is_file(fsurl.join(path, SAVE_MARKER)):
+        if fsurl.is_url(path):
+            fs, p = fsurl.filesystem(fsurl.join(path, STATE_FILE))
+            sd = torch.load(io.BytesIO(fs.cat_file(p)), map_location="cpu", weights_only=True)
+        else:
+            sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
         return sd["model"], sd["optim"], {k: decode_json(v) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
 def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
-    reader = FileSystemReader(path)
+    if fsurl.is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(path, **fsurl.options_for(path))
+    else:
+        reader = FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
@@ -76,6 +87,8 @@ def write_torch_save(app_state: dict, path: str, rank: int, world_size: int, gro
                 app_state.update(part)
     if rank != 0:
         return
+    if fsurl.is_url(path):
+        return _upload_torch_save(app_state, path, world_size, step)
     os.makedirs(path, exist_ok=True)
     tmp, final = os.path.join(path, STATE_FILE + ".tmp"), os.path.join(path, STATE_FILE)
     with open_write(tmp, throttle_mbps) as f:
@@ -91,3 +104,12 @@ def write_torch_save(app_state: dict, path: str, rank: int, world_size: int, gro
         os.fsync(f.fileno())
     os.replace(marker_tmp, os.path.join(path, SAVE_MARKER))
     fsync_dir(path)
+
+
+def _upload_torch_save(app_state: dict, path: str, world_size: int, step: int) -> None:
+    """To an object store: ``state.pt`` is one upload (whole or absent), then the marker; no rename needed."""
+    fs, p = fsurl.filesystem(path)
+    with fs.open(f"{p}/{STATE_FILE}", "wb") as f:
+        torch.save(app_state, f)
+    fs.pipe_file(f"{p}/{SAVE_MARKER}", json.dumps({"step": step, "format": "torch.save",
+                                                    "world_size": world_size}).encode())

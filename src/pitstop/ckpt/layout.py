@@ -5,6 +5,11 @@ exists, and the marker is written last: DCP's ``.metadata`` (rank 0 writes it af
 written and fsynced) or, for ``sync_save``, ``COMMITTED`` (after ``state.pt`` was written under a temporary
 name, fsynced and renamed).  Anything else in ``ckpt.dir`` is partial and never loaded.
 
+``ckpt.dir`` may also be an fsspec URL (``s3://bucket/run/checkpoints``): the same functions then list, read
+and remove through fsspec with the options registered for it (:func:`pitstop.fsurl.use_options`).  An object
+store has no rename and no fsync, but an object appears whole or not at all when its upload completes, so
+the same rule holds: the marker is uploaded last, and a step dir without it is partial.
+
 Pure functions of the directory (no process groups, no tensors): rank 0 calls them and shares the answer.
 """
 
@@ -15,6 +20,7 @@ import os
 import shutil
 from typing import Any
 
+from pitstop import fsurl
 from pitstop.errors import CheckpointError
 from pitstop.metrics import write_text_atomic
 
@@ -26,30 +32,69 @@ STEP_PREFIX = "step_"
 
 
 def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
+    return fsurl.join(root, f"{STEP_PREFIX}{step:08d}")
 
 
 def step_of(path: str) -> int:
-    return int(os.path.basename(os.path.normpath(path))[len(STEP_PREFIX):])
+    return int(str(path).rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX):])
+
+
+def is_file(path: str) -> bool:
+    if fsurl.is_url(path):
+        fs, p = fsurl.filesystem(path)
+        fs.invalidate_cache(p)  # (a listing cached earlier would not show a marker written since)
+        return fs.isfile(p)
+    return os.path.isfile(path)
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, DCP_MARKER)) or os.path.isfile(os.path.join(path, SAVE_MARKER))
+    return is_file(fsurl.join(path, DCP_MARKER)) or is_file(fsurl.join(path, SAVE_MARKER))
 
 
 def is_full_state(path: str) -> bool:
     """Written by ``sync_save`` (one unsharded ``state.pt``) rather than as DCP shards."""
-    return os.path.isfile(os.path.join(path, SAVE_MARKER))
+    return is_file(fsurl.join(path, SAVE_MARKER))
+
+
+def _names(root: str) -> list[str]:
+    """The entries of ``root`` (none if it does not exist)."""
+    if not fsurl.is_url(root):
+        return os.listdir(root) if os.path.isdir(root) else []
+    fs, p = fsurl.filesystem(root)
+    try:
+        fs.invalidate_cache(p)  # (s3fs caches listings: another process may have written since)
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def exists(path: str) -> bool:
+    if fsurl.is_url(path):
+        fs, p = fsurl.filesystem(path)
+        fs.invalidate_cache(p)
+        return bool(fs.exists(p))
+    return os.path.exists(path)
+
+
+def remove(path: str) -> None:
+    """Remove a checkpoint dir (or what is left of one); nothing if it is not there."""
+    if not fsurl.is_url(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = fsurl.filesystem(path)
+    try:
+        fs.rm(p, recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(p)
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
     """``(step, path, complete)`` for every ``step_*`` dir, oldest first."""
     out = []
-    if not os.path.isdir(root):
-        return out
-    for name in os.listdir(root):
+    for name in _names(root):
         if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-            path = os.path.join(root, name)
+            path = fsurl.join(root, name)
             out.append((int(name[len(STEP_PREFIX):]), path, is_complete(path)))
     return sorted(out)
 
@@ -63,7 +108,7 @@ def candidates(root: str, spec: Any) -> list[str]:
             raise CheckpointError(f"ckpt.load={spec}: {path} is not a complete checkpoint")
         return [path]
     if spec != "auto":
-        path = os.path.abspath(str(spec))
+        path = str(spec) if fsurl.is_url(spec) else os.path.abspath(str(spec))
         if not is_complete(path):
             raise CheckpointError(f"ckpt.load={spec}: no complete checkpoint there (missing {DCP_MARKER} or {SAVE_MARKER})")
         return [path]
@@ -71,7 +116,7 @@ def candidates(root: str, spec: Any) -> list[str]:
     for _, path, complete in found:
         if not complete:
             log.warning("skipping partial checkpoint %s (no commit marker); removing it", path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
     return [path for _, path, complete in reversed(found) if complete]
 
 
@@ -82,7 +127,7 @@ def purge(root: str, keep_last_k: int) -> None:
         return
     complete = [(s, p) for s, p, ok in list_checkpoints(root) if ok]
     for _, path in complete[:-keep_last_k]:
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path)
         log.debug("purged %s", path)
 
 
@@ -90,16 +135,24 @@ def run_id(root: str) -> str:
     """This run's id, kept in ``root/.run_id`` (made on first use): it names the run's local-tier dir."""
     import uuid
 
-    path = os.path.join(root, ".run_id")
+    path = fsurl.join(root, ".run_id")
+    remote = fsurl.is_url(root)
+    fs, p = fsurl.filesystem(path) if remote else (None, path)
     try:
-        with open(path) as f:
-            rid = f.read().strip()
+        if remote:
+            rid = fs.cat_file(p).decode().strip()
+        else:
+            with open(path) as f:
+                rid = f.read().strip()
         if rid:
             return rid
     except FileNotFoundError:
         pass
     rid = uuid.uuid4().hex[:16]
-    write_text_atomic(path, rid)
+    if remote:
+        fs.pipe_file(p, rid.encode())
+    else:
+        write_text_atomic(path, rid)
     return rid
 
 
@@ -107,10 +160,12 @@ def purge_up_to(root: str, step: int) -> None:
     """Remove every checkpoint of ``step`` or older (the local tier, once a durable save of ``step`` is committed)."""
     for s, path, _ in list_checkpoints(root):
         if s <= step:
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
 
 
 def check_writable(root: str, key: str = "ckpt.dir") -> None:
+    if fsurl.is_url(root):
+        return _check_writable_url(root, key)
     probe = os.path.join(root, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
@@ -122,3 +177,24 @@ def check_writable(root: str, key: str = "ckpt.dir") -> None:
     except OSError as e:
         raise CheckpointError(f"{key} {root} is not writable ({e.strerror or e}); "
                               f"point {key} at a writable directory") from None
+
+
+def _check_writable_url(root: str, key: str) -> None:
+    """Upload and remove a probe object: a bucket that does not exist, wrong credentials or a missing write
+    permission stop the run here, in one line, not at its first save."""
+    probe = fsurl.join(root, f".write-probe-{os.getpid()}")
+    try:
+        fs, p = fsurl.filesystem(probe)
+        fs.pipe_file(p, b"ok")
+        fs.rm(p)
+    except Exception as e:  # noqa: BLE001 - any transport error, said with what to do about it
+        text = f"{type(e).__name__} {e}".lower()
+        if fsurl.is_permission_error(e):
+            hint = (f"the credentials in the environment ({fsurl.credential_vars(root)}) are wrong or may not write "
+                    f"there: fix them (never in the config), or point {key} at a place they may write")
+        elif "nosuchbucket" in text or "bucket does not exist" in text or isinstance(e, FileNotFoundError):
+            hint = f"the bucket does not exist: create it, or point {key} at one that does"
+        else:
+            hint = f"check {key} and the {fsurl.scheme(root)} endpoint ({key.rsplit('.', 1)[0]}.storage_options)"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{key} {root} is not writable ({type(e).__name__}: {first}); {hint}") from None

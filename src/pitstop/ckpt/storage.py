@@ -96,6 +96,15 @@ def fsync_dir(path: str) -> None:
 
 
 def dir_bytes(path: str) -> int:
+    from pitstop import fsurl
+
+    if fsurl.is_url(path):
+        fs, p = fsurl.filesystem(path)
+        try:
+            fs.invalidate_cache(p)
+            return int(fs.du(p, total=True))
+        except (OSError, ValueError):
+            return 0
     total = 0
     for root, _, files in os.walk(path):
         for f in files:

@@ -7,11 +7,17 @@ import warnings
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from pitstop import fsurl
 from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
 from pitstop.ckpt.storage import ThrottledFileSystem
 
 
 def dcp_writer(path: str, throttle_mbps: float | None) -> dcp.FileSystemWriter:
+    if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True,
+                            **fsurl.options_for(path))
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
     if throttle_mbps:
         writer.fs = ThrottledFileSystem(throttle_mbps)

@@ -16,6 +16,7 @@ class ShardedDataset:
     """
 
     prepare_hint = "python -m recipe.prepare"
+    storage_options: dict = {}  # fsspec options to reach a remote root: set by the loader (loader.storage_options)
 
     def __init__(self, root: str, skip_corrupt: bool = False, record_sample_ids: bool = False, **_: Any):
         self.root = str(root)
@@ -24,7 +25,7 @@ class ShardedDataset:
 
     @cached_property
     def index(self) -> ShardIndex:
-        return ShardIndex.load(self.root, self.prepare_hint)
+        return ShardIndex.load(self.root, self.prepare_hint, self.storage_options)
 
     def decode(self, sample: dict, *, train: bool, seed: int) -> tuple:
         """Turn one raw sample (``{"__key__", ext: bytes}``) into tensors; ``seed`` drives augmentation."""

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from pitstop.data.remote import FetchPolicy, _open, is_remote
+from pitstop.data.remote import FetchPolicy, is_remote, open_source
 from pitstop.data.shards import ShardInfo, split_key, write_index
 from pitstop.errors import DataError
 
@@ -64,7 +64,7 @@ def index_shard(url: str, check: Check | None, policy: FetchPolicy) -> ShardInfo
     last = ""
     for attempt in range(policy.retries + 1 if is_remote(url) else 1):
         try:
-            f, done = _open(url, policy.timeout, policy.allow_pipe)
+            f, done = open_source(url, policy)
         except FileNotFoundError as e:
             raise DataError(f"shard {url} is listed but not found at the source; fix the pattern or the data") from e
         except OSError as e:

@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
 from pitstop.errors import DataError
@@ -41,15 +41,18 @@ class FetchPolicy:
     backoff: float = 0.5        # seconds before the first retry; doubles each time
     timeout: float = 60.0       # seconds per request (connect + each read)
     allow_pipe: bool = False
+    storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options (loader.storage_options)
 
 
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def _open(url: str, timeout: float, allow_pipe: bool) -> tuple[BinaryIO, Callable[[], None]]:
+def open_source(url: str, policy: FetchPolicy) -> tuple[BinaryIO, Callable[[], None]]:
+    """A readable stream of ``url`` and a function to call once it is read to the end (a ``pipe:`` command's
+    exit status)."""
     if url.startswith("pipe:"):
-        if not allow_pipe:
+        if not policy.allow_pipe:
             raise DataError(f"refusing shell-command shard URL {url!r}: pipe: runs a command from the data index; "
                             f"set loader.allow_pipe=true if you trust it")
         proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)  # noqa: S602 - opted in
@@ -60,12 +63,12 @@ def _open(url: str, timeout: float, allow_pipe: bool) -> tuple[BinaryIO, Callabl
 
         return proc.stdout, done  # type: ignore[return-value]
     if url.startswith(("http://", "https://")):
-        return urllib.request.urlopen(url, timeout=timeout), lambda: None  # noqa: S310 - the user's data URL
+        return urllib.request.urlopen(url, timeout=policy.timeout), lambda: None  # noqa: S310 - the user's data URL
     if "://" not in url or url.startswith("file://"):
         return open(url.removeprefix("file://"), "rb"), lambda: None
     import fsspec
 
-    return fsspec.open(url, "rb").open(), lambda: None
+    return fsspec.open(url, "rb", **policy.storage_options).open(), lambda: None
 
 
 class SinkError(Exception):
@@ -77,7 +80,7 @@ class SinkError(Exception):
 
 
 def _copy(url: str, sink: BinaryIO, policy: FetchPolicy, progress: list[int]) -> tuple[int, str]:
-    f, done = _open(url, policy.timeout, policy.allow_pipe)
+    f, done = open_source(url, policy)
     h, n = hashlib.sha256(), 0
     ok = False
     try:

@@ -16,6 +16,7 @@ import tarfile
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
+from pitstop import fsurl
 from pitstop.errors import DataError
 from pitstop.metrics import write_json_atomic
 
@@ -38,8 +39,9 @@ class ShardIndex:
     meta: dict
 
     @staticmethod
-    def load(root: str, prepare_hint: str = "python -m recipe.prepare") -> "ShardIndex":
-        """Read ``root/index.json`` from a local dir or any fsspec/HTTP URL."""
+    def load(root: str, prepare_hint: str = "python -m recipe.prepare",
+             storage_options: dict | None = None) -> "ShardIndex":
+        """Read ``root/index.json`` from a local dir or any fsspec/HTTP URL (``storage_options``: fsspec's)."""
         import fsspec
 
         root = str(root).rstrip("/")
@@ -54,7 +56,7 @@ class ShardIndex:
 
                 raw = json.loads(fetch_bytes(ShardRef(path, 0, "", 0), FetchPolicy(retries=3, timeout=30))[0])
             else:
-                with fsspec.open(path, "rb") as f:
+                with fsspec.open(path, "rb", **(storage_options or {})) as f:
                     raw = json.loads(f.read())
         except DataError as e:
             raise DataError(f"{e} — is data.root right?") from e
@@ -139,13 +141,8 @@ def write_split(
 def _what_to_do(e: Exception, path: str, prepare_hint: str) -> str:
     """The hint for an index that could not be read: credentials, a wrong root, or a bad file."""
     text = f"{type(e).__name__} {e}".lower()
-    if isinstance(e, PermissionError) or any(w in text for w in (
-            "credentials", "access denied", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch",
-            "forbidden", "security token")):
-        scheme = path.split("://", 1)[0]
-        where = {"s3": "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for another S3 API)",
-                 "gs": "GOOGLE_APPLICATION_CREDENTIALS"}.get(scheme, "the storage backend's variables")
-        return f"check the credentials in the environment ({where}); pitstop never takes them from the config"
+    if fsurl.is_permission_error(e):
+        return fsurl.credentials_hint(path)
     if isinstance(e, FileNotFoundError) or "does not exist" in text or "not found" in text:
         return f"is data.root right? (an index is made with: {prepare_hint})"
     return f"recreate it with: {prepare_hint}"

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from pitstop.data.dataset import ShardedDataset
+from pitstop import fsurl
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
@@ -185,7 +186,7 @@ class ShardLoader(ABC):
                  shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
                  prefetch_factor: int = 4, timeout: float = 0, retries: int = 3, backoff: float = 0.5,
                  read_timeout: float = 60.0, allow_pipe: bool = False, eval_in_memory: Any = "256MB",
-                 shuffle_shards_window: int = 1, **_: Any):
+                 shuffle_shards_window: int = 1, storage_options: Any = None, **_: Any):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
@@ -198,13 +199,17 @@ class ShardLoader(ABC):
                               f"time; K: each reader mixes the samples of K shards)")
         self.window = int(shuffle_shards_window) if train and shuffle else 1
         self.eval_in_memory = _memory_budget(eval_in_memory)
+        options = fsurl.storage_options(storage_options, "loader.storage_options")
+        if options and dataset.storage_options != options:  # before the index is read: it may be remote too
+            dataset.storage_options = options
+            dataset.__dict__.pop("index", None)
         self._kept: tuple[int, list[tuple[Any, bool]]] | None = None  # (passes' length, the pass) kept in memory
         shards = dataset.index.shards(split)
         self.refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in shards]
         self.urls = [r.url for r in self.refs]
         self.counts = [s.samples for s in shards]
         self.policy = FetchPolicy(retries=int(retries), backoff=float(backoff), timeout=float(read_timeout),
-                                  allow_pipe=bool(allow_pipe))
+                                  allow_pipe=bool(allow_pipe), storage_options=options)
         if not allow_pipe and any(u.startswith("pipe:") for u in self.urls):
             raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
                               f"commands; set loader.allow_pipe=true only if you trust it")
