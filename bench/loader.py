@@ -1,6 +1,6 @@
 """Input pipeline from slow remote storage: loader=plain vs loader=cached vs the local-disk ceiling.
 
-    python bench/loader.py [--latency-ms 50] [--mbps 10] [--samples 6144] [--batch 64]
+    python bench/loader.py [--latency-ms 50] [--mbps 10] [--samples 6144] [--batch 64] [--peer auto|off|only]
 
 Synthetic 224x224 JPEG shards (>= 200 MB of training shards, written once by recipe.prepare) are served
 by pitstop.slowstore (per-request latency, per-connection bandwidth: a network volume).  A training step of
@@ -9,6 +9,14 @@ is calibrated once so the local-disk ceiling is compute-bound: --step-factor (2)
 needs to decode a batch from local disk.  For each pipeline, two epochs: samples/s and data-wait fraction (time blocked in
 next(batch) / wall time), plus bytes read from the source and cache hits.
 Targets: cached epoch 2 >= 0.9x the ceiling with data-wait <= 5%; cached epoch 1 clearly above plain epoch 1.
+
+The peer rows (``--peer``): the same images in an S3 API server (moto's), behind the same throttle (the
+slowstore as a proxy in front of it), read by pitstop's cached loader through s3fs and by MosaicML streaming
+(``StreamingDataset`` over MDS shards of the same samples, with its own local cache and default settings),
+with the same workers, batch size, decode function and step cost; epochs 1 (cold) and 2.  They need
+``mosaicml-streaming`` (not a pitstop dependency: it pins numpy < 2.2 and pulls transformers; install it
+beside, e.g. ``pip install --no-deps --target DIR mosaicml-streaming xxhash zstd python-snappy cramjam brotli
+catalogue`` plus transformers, and put DIR on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import tempfile
 import time
 
 from common import ROOT, compose, ensure_data
+
+STREAMING_HINT = ("pip install mosaicml-streaming (beside pitstop, see this file's docstring) and moto[server], "
+                  "s3fs (pip install -e '.[dev]')")
 
 
 def make_loader(kind: str, root: str, batch: int, cache_dir: str | None = None, *extra: str):
@@ -61,10 +72,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--step-factor", type=float, default=2.0,
                     help="step cost = this x the local decode time of a batch (> 1: compute-bound ceiling)")
+    ap.add_argument("--peer", choices=["auto", "off", "only"], default="auto",
+                    help="MosaicML streaming vs pitstop cached on a throttled S3 API (auto: when installed)")
     a = ap.parse_args()
 
     from pitstop.slowstore import SlowStore
 
+    if a.peer != "off":  # (before the first loader starts its workers' forkserver, which keeps this environment)
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        os.environ.pop("AWS_ENDPOINT_URL", None)
     data_dir = ROOT / "data"
     name = f"synthetic-224px-{a.samples}"
     ensure_data(["data=synthetic", f"data.num_samples={a.samples}", "data.image_size=224"])
@@ -84,6 +100,14 @@ def main() -> None:
     step_s = a.step_factor * a.batch / decode["samples_s"]
     print(f"local decode-bound: {decode['samples_s']:.0f} samples/s -> fixed step cost {step_s * 1000:.0f} ms/batch\n")
 
+    if a.peer != "off":
+        missing = _peer_missing()
+        if missing:
+            print(f"peer rows skipped: {missing} not installed ({STREAMING_HINT})\n")
+        else:
+            peer(a, local, name, step_s)
+    if a.peer == "only":
+        return
     rows = []
     cache = tempfile.mkdtemp(prefix="pitstop-bench-cache-")
     try:
@@ -115,6 +139,146 @@ def main() -> None:
           f"{'OK' if c1['samples_s'] > 1.2 * p1['samples_s'] else 'MISSED'}")
     print(f"cold epoch (empty cache) / ceiling: auto {c1['samples_s'] / ref:.2f}, prefetch 2 "
           f"{fixed[0]['samples_s'] / ref:.2f} (issue 13 target >= 0.95 where the store's bandwidth allows)")
+
+
+def _peer_missing() -> str | None:
+    import importlib.util
+    import sys
+
+    for module in ("streaming", "s3fs", "moto"):
+        if importlib.util.find_spec(module) is None:
+            return module
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "moto_server")):
+        return "moto_server"
+    return None
+
+
+def _streaming_dataset(decode_dataset, **kw):
+    """MosaicML streaming's dataset over MDS shards of the same samples, decoded by pitstop's own decode."""
+    from streaming import StreamingDataset
+
+    class MDSImages(StreamingDataset):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return decode_dataset.decode({"__key__": str(i), "jpg": sample["jpg"], "cls": sample["cls"]},
+                                         train=True, seed=i)
+
+    return MDSImages(**kw)
+
+
+def _write_mds(local: str, out: str, shard_bytes: int) -> int:
+    """The training shards' samples as MDS shards of about the same size (raw JPEG and label bytes)."""
+    import json
+    import tarfile
+
+    from streaming import MDSWriter
+
+    index = json.loads(open(os.path.join(local, "index.json")).read())["splits"]["train"]
+    n = 0
+    with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "bytes"}, size_limit=shard_bytes) as w:
+        for shard in index:
+            members: dict[str, dict[str, bytes]] = {}
+            with tarfile.open(os.path.join(local, shard["url"])) as tar:
+                for m in tar:
+                    key, _, ext = m.name.partition(".")
+                    members.setdefault(key, {})[ext] = tar.extractfile(m).read()
+            for sample in members.values():
+                w.write({"jpg": sample["jpg"], "cls": sample["cls"]})
+                n += 1
+    return n
+
+
+def _epochs(loader, epochs: int, step_s: float, store, steps: int | None = None) -> list[dict]:
+    """``epochs`` passes over ``loader``: samples/s, data-wait, MB through the store.  ``steps``: batches per
+    epoch of an endless iterator (pitstop's), else one ``iter()`` per epoch, to its end (a DataLoader's)."""
+    out = []
+    endless = iter(loader) if steps else None
+    for _ in range(epochs):
+        before = sum(p["bytes"] for p in store.stats()["paths"].values())
+        wait, n, t0 = 0.0, 0, time.perf_counter()
+        it = endless or iter(loader)
+        for _ in range(steps or 1 << 62):
+            a = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            wait += time.perf_counter() - a
+            n += len(y)
+            time.sleep(step_s)
+        wall = time.perf_counter() - t0
+        after = sum(p["bytes"] for p in store.stats()["paths"].values())
+        out.append({"samples_s": n / wall, "wait": wait / wall, "mb_source": (after - before) / 1e6, "n": n})
+        del it
+    return out
+
+
+def peer(a, local: str, name: str, step_s: float) -> None:
+    """pitstop cached vs MosaicML streaming, same images, same throttled S3 API, same workers/batch/decode/step."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    import s3fs
+    from torch.utils.data import DataLoader
+
+    from pitstop.build import build
+    from pitstop.slowstore import SlowStore
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work = tempfile.mkdtemp(prefix="pitstop-bench-peer-")
+    try:
+        moto = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": moto}, skip_instance_cache=True)
+        fs.mkdir("bench")
+        fs.put(local, f"bench/{name}", recursive=True)
+        shards = json.loads(open(os.path.join(local, "index.json")).read())["splits"]["train"]
+        per_shard = sum(s["bytes"] for s in shards) // len(shards)
+        t0 = time.perf_counter()
+        samples = _write_mds(local, os.path.join(work, "mds"), per_shard)
+        fs.put(os.path.join(work, "mds"), "bench/mds", recursive=True)
+        print(f"peer: {samples} samples as {len(fs.ls('bench/mds')) - 1} MDS shards of ~{per_shard / 1e6:.0f} MB "
+              f"({time.perf_counter() - t0:.0f} s to write and upload), and the same {len(shards)} tar shards, in "
+              f"moto's S3 API behind the slowstore (latency {a.latency_ms:g} ms, {a.mbps:g} MB/s per connection)")
+        rows = []
+        with SlowStore("", latency_ms=a.latency_ms, mbps=a.mbps, upstream=moto) as store:
+            cfg = compose(["loader=cached", "data=synthetic", f"data.root=s3://bench/{name}",
+                           f"loader.cache_dir={os.path.join(work, 'pitstop-cache')}",
+                           f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"])
+            data = build(cfg.data, _convert_="partial")
+            loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=a.batch, seed=0)
+            rows += [("pitstop cached (s3)", i + 1, r) for i, r in enumerate(_epochs(loader, 2, step_s, store,
+                                                                                  loader.steps_per_epoch()))]
+            del loader
+            os.environ["S3_ENDPOINT_URL"] = store.url
+            ds = _streaming_dataset(data, remote="s3://bench/mds", local=os.path.join(work, "streaming-cache"),
+                                    batch_size=a.batch, shuffle=True, shuffle_seed=0)
+            dl = DataLoader(ds, batch_size=a.batch, num_workers=2, persistent_workers=True)
+            rows += [("mosaicml streaming (s3)", i + 1, r) for i, r in enumerate(_epochs(dl, 2, step_s, store))]
+            del dl
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'pipeline':26} {'epoch':>5} {'samples':>7} {'samples/s':>10} {'data-wait':>9} {'MB through store':>16}")
+    for label, e, r in rows:
+        print(f"{label:26} {e:>5} {r['n']:>7} {r['samples_s']:>10.0f} {r['wait'] * 100:>8.1f}% {r['mb_source']:>16.0f}")
+    ours, theirs = [r for lbl, _, r in rows if lbl.startswith("pitstop")], [r for lbl, _, r in rows if lbl.startswith("mosaic")]
+    for e in (0, 1):
+        ratio = ours[e]["samples_s"] / theirs[e]["samples_s"]
+        print(f"epoch {e + 1}: pitstop cached / streaming = {ratio:.2f} (target >= 1)  -> {'OK' if ratio >= 1 else 'MISSED'}")
+    print()
 
 
 if __name__ == "__main__":

@@ -201,6 +201,27 @@ def test_credentials_in_storage_options_are_refused_before_anything_is_written(d
         assert not (tmp_path / "run").exists()  # Hydra never got to save the overrides
 
 
+def test_the_slowstore_in_front_of_s3_throttles_and_fails_requests_and_training_gets_through(s3, data_root, tmp_path):
+    """The slowstore as a proxy before the S3 API server: its latency, bandwidth and injected 503s apply to the
+    s3:// path as to http:// (the endpoint, given as a storage option, is the slowstore)."""
+    from pitstop.slowstore import SlowStore
+
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    with SlowStore("", latency_ms=20, mbps=20, fail_every=5, fault_glob="*.tar",
+                   upstream=os.environ["AWS_ENDPOINT_URL"]) as store:
+        p = subprocess.run(cli_cmd(["debug=tiny", "strategy=single", "trainer.max_steps=100", "logger=none",
+                                    f"data.root=s3://{BUCKET}/digits", "loader=cached",
+                                    f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
+                                    f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"],
+                                   data_root, tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        stats = store.stats()
+    assert p.returncode == 0, p.stderr[-3000:]
+    shards = {k: v for k, v in stats["paths"].items() if k.endswith(".tar")}
+    # every training shard came through the proxy (100 steps of 16: the whole epoch), some after a 503
+    assert sum(k.rsplit("/", 1)[-1].startswith("train-") for k in shards) == 8, sorted(shards)
+    assert sum(v["requests"] for v in shards.values()) > len(shards), shards
+
+
 def test_s3_mistakes_are_one_line_errors(s3, data_root, tmp_path):
     job = ["debug=tiny", "strategy=single", "trainer.max_steps=3", "logger=none"]
     p = cli([*job, "data.root=s3://no-such-bucket/digits", f"run_dir={tmp_path / 'a'}"], data_root, tmp_path)

@@ -2,6 +2,7 @@
 
     python -m pitstop.slowstore DIR --port 8000 --latency-ms 50 --mbps 100
     python -m recipe.train data.root=http://127.0.0.1:8000/digits loader=cached
+    python -m pitstop.slowstore --upstream http://127.0.0.1:9000 --port 8001   # in front of an S3 API
 
 Every response waits ``--latency-ms`` before its first byte and then streams at most ``--mbps`` megabytes
 per second (1 MB = 1e6 bytes) per connection, like a request to an object store.  ``--fail-every N`` answers
@@ -10,12 +11,17 @@ closes early, as a flaky network does); ``--stall-after N`` stops answering afte
 backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests after those);
 ``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters (requests and bytes per
 path), which tests use to check how often each shard was downloaded.  Threaded: one thread per connection.
+
+``--upstream URL`` serves no directory: every request (any method, headers and body as sent) is passed to
+another HTTP server, an S3 API server for instance (``AWS_ENDPOINT_URL`` then points at the slowstore), and
+its answer comes back with the same latency, bandwidth and faults.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import http.client
 import json
 import os
 import posixpath
@@ -31,9 +37,10 @@ class SlowStore(ThreadingHTTPServer):
 
     def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, latency_ms: float = 0.0,
                  mbps: float | None = None, fail_every: int = 0, truncate_every: int = 0, fault_glob: str = "*",
-                 stall_after: int = 0, stall_seconds: float = 3600.0, stall_count: int = 0):
+                 stall_after: int = 0, stall_seconds: float = 3600.0, stall_count: int = 0, upstream: str | None = None):
         super().__init__((host, port), _Handler)
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(root) if root else ""
+        self.upstream = urllib.parse.urlsplit(upstream) if upstream else None
         self.latency, self.rate = latency_ms / 1000.0, (mbps * 1e6 if mbps else None)
         self.fail_every, self.truncate_every, self.fault_glob = int(fail_every), int(truncate_every), fault_glob
         self.stall_after, self.stall_seconds, self.stall_count = int(stall_after), float(stall_seconds), int(stall_count)
@@ -77,6 +84,24 @@ class _Handler(BaseHTTPRequestHandler):
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         if path == "/__stats":
             return self._send(200, json.dumps(srv.stats()).encode(), "application/json")
+        if srv.upstream is not None:
+            return self._proxy()
+        if self.command not in ("GET", "HEAD"):
+            return self._send(405, b"slowstore: read-only\n", "text/plain")
+        admitted = self._admit(path)
+        if admitted is None:
+            return
+        n, entry = admitted
+        rel = posixpath.normpath(path).lstrip("/")
+        full = os.path.join(srv.root, rel)
+        if rel.startswith("..") or not os.path.isfile(full):
+            return self._send(404, b"not found\n", "text/plain")
+        with open(full, "rb") as f:
+            self._stream(200, [("Content-Type", "application/octet-stream")], f, os.path.getsize(full), n, entry)
+
+    def _admit(self, path: str) -> tuple[int, dict] | None:
+        """Count the request, wait its latency, inject its fault; None when the fault already answered it."""
+        srv = self.server
         with srv.lock:
             srv.requests += 1
             faultable = fnmatch.fnmatch(path, srv.fault_glob)
@@ -90,36 +115,68 @@ class _Handler(BaseHTTPRequestHandler):
             # the store stops answering (a hung backend), for good or for stall_count requests
             time.sleep(srv.stall_seconds)
         if n and srv.fail_every and n % srv.fail_every == 0:
-            return self._send(503, b"slowstore: injected failure\n", "text/plain")
-        rel = posixpath.normpath(path).lstrip("/")
-        full = os.path.join(srv.root, rel)
-        if rel.startswith("..") or not os.path.isfile(full):
-            return self._send(404, b"not found\n", "text/plain")
-        size = os.path.getsize(full)
+            self._send(503, b"slowstore: injected failure\n", "text/plain")
+            return None
+        return n, entry
+
+    def _stream(self, code: int, headers: list[tuple[str, str]], body, size: int, n: int, entry: dict) -> None:
+        """Send ``size`` bytes of ``body`` (a file) at most at the store's rate; cut short on a truncate fault."""
+        srv = self.server
         send = size // 2 if n and srv.truncate_every and n % srv.truncate_every == 0 else size
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
         self.send_header("Content-Length", str(size))
         self.end_headers()
         t0, sent = time.monotonic(), 0
         try:
-            with open(full, "rb") as f:
-                while sent < send:
-                    block = f.read(min(1 << 16, send - sent))
-                    if not block:
-                        break
-                    self.wfile.write(block)
-                    sent += len(block)
-                    if srv.rate:
-                        ahead = sent / srv.rate - (time.monotonic() - t0)
-                        if ahead > 0:
-                            time.sleep(ahead)
+            while sent < send and self.command != "HEAD":
+                block = body.read(min(1 << 16, send - sent))
+                if not block:
+                    break
+                self.wfile.write(block)
+                sent += len(block)
+                if srv.rate:
+                    ahead = sent / srv.rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
         except (BrokenPipeError, ConnectionResetError):
             pass
         with srv.lock:
             entry["bytes"] += sent
         if send < size:
             self.close_connection = True
+
+    def _proxy(self) -> None:
+        """Pass this request to the upstream server; its answer comes back through latency, rate and faults."""
+        import io
+
+        up = self.server.upstream
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        admitted = self._admit(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path))
+        if admitted is None:
+            return
+        conn = http.client.HTTPConnection(up.hostname, up.port or 80, timeout=300)
+        try:
+            conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+            for k, v in self.headers.items():
+                if k.lower() not in ("connection", "keep-alive", "proxy-connection", "transfer-encoding"):
+                    conn.putheader(k, v)
+            conn.endheaders(body or None)
+            resp = conn.getresponse()
+            data = resp.read()
+            headers = [(k, v) for k, v in resp.getheaders()
+                       if k.lower() not in ("content-length", "connection", "transfer-encoding", "keep-alive",
+                                            "date", "server")]
+        except OSError as e:
+            return self._send(502, f"slowstore: upstream {up.geturl()}: {e}\n".encode(), "text/plain")
+        finally:
+            conn.close()
+        size = int(resp.getheader("Content-Length") or len(data)) if self.command == "HEAD" else len(data)
+        self.close_connection = True  # one request per client connection, as the upstream gets them
+        self._stream(resp.status, [*headers, ("Connection", "close")], io.BytesIO(data), size, *admitted)
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET  # noqa: N815 - proxied (a directory answers GET and HEAD)
 
     def _send(self, code: int, body: bytes, ctype: str) -> None:
         self.send_response(code)
@@ -131,7 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pitstop.slowstore", description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", help="directory to serve (e.g. data/)")
+    p.add_argument("dir", nargs="?", help="directory to serve (e.g. data/)")
+    p.add_argument("--upstream", help="instead of a directory: pass every request to this server (an S3 API)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--latency-ms", type=float, default=50.0, help="delay before each response (default 50)")
@@ -143,14 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stall-count", type=int, default=0, help="stall only this many requests (0 = all after N)")
     p.add_argument("--fault-glob", default="*", help="faults only for paths matching this (e.g. '*.tar')")
     a = p.parse_args(argv)
-    if not os.path.isdir(a.dir):
+    if bool(a.dir) == bool(a.upstream):
+        p.error("give a directory to serve or --upstream URL, not both")
+    if a.dir and not os.path.isdir(a.dir):
         p.error(f"{a.dir} is not a directory")
     try:
         srv = SlowStore(a.dir, a.host, a.port, a.latency_ms, a.mbps or None, a.fail_every, a.truncate_every,
-                        a.fault_glob, a.stall_after, a.stall_seconds, a.stall_count)
+                        a.fault_glob, a.stall_after, a.stall_seconds, a.stall_count, a.upstream)
     except OSError as e:
         p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")
-    print(f"slowstore: serving {srv.root} at {srv.url} (latency {a.latency_ms:g} ms, "
+    print(f"slowstore: serving {srv.root or a.upstream} at {srv.url} (latency {a.latency_ms:g} ms, "
           f"{a.mbps or 'unlimited'} MB/s per connection)", flush=True)
     try:
         srv.serve_forever()
