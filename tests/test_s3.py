@@ -240,3 +240,34 @@ def test_s3_mistakes_are_one_line_errors(s3, data_root, tmp_path):
                                tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "credentials" in last and "AWS_ACCESS_KEY_ID" in last, p.stderr[-2000:]
+
+
+def test_a_new_user_trains_on_existing_webdataset_shards_in_s3_with_checkpoints_there(s3, data_root, tmp_path):
+    """Issue 13's whole path: class-sorted shards written by webdataset's ShardWriter, uploaded to the bucket;
+    ``recipe.prepare data=webdataset`` indexes them in place (a local index); ``loader=cached`` with mixing,
+    ``ckpt.dir=s3://...``; killed, run again; ``python -m pitstop.audit`` says every sample exactly once."""
+    from test_webdataset import data_args, digits_samples, write_with_webdataset
+
+    local = tmp_path / "wds"
+    assert write_with_webdataset(local, "train", digits_samples(data_root, "train"), 160) == 9
+    assert write_with_webdataset(local, "val", digits_samples(data_root, "val"), 200) == 2
+    s3.put(str(local), f"{BUCKET}/wds", recursive=True)
+    data = data_args(f"s3://{BUCKET}/wds", tmp_path / "index")  # (the shards stay in the bucket)
+    p = cli(data, data_root, tmp_path, module="recipe.prepare")
+    assert p.returncode == 0, p.stderr[-3000:]
+    index = json.loads((tmp_path / "index" / "index.json").read_text())
+    assert index["splits"]["train"][0]["url"] == f"s3://{BUCKET}/wds/train-0000.tar"
+    run_dir, ckpts = tmp_path / "run", f"{BUCKET}/wds-run/checkpoints"
+    job = [*data, "strategy=single", "trainer.epochs=1", "trainer.batch_size=32", "loader=cached",
+           f"loader.cache_dir={tmp_path / 'cache'}", "loader.shuffle_shards_window=4", "ckpt=async_dcp",
+           f"ckpt.dir=s3://{ckpts}", "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true",
+           f"run_dir={run_dir}"]
+    assert cli([*job, "fault=crash_at_step", "fault.step=23"], data_root, tmp_path).returncode != 0
+    p = cli(job, data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert summary(run_dir)["resumed_from"] in (10, 20)
+    assert s3.exists(f"{ckpts}/step_00000045/.metadata")  # the final save (1438 samples / 32: 45 steps)
+    p = subprocess.run([sys.executable, "-m", "pitstop.audit", str(run_dir)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "every sample exactly once" in p.stdout, p.stdout + p.stderr
+    assert "1438" in p.stdout.splitlines()[1], p.stdout
