@@ -50,13 +50,10 @@ def storage_options(options: Any, key: str) -> dict:
     """``options`` (a config node or dict) as a plain dict, refusing anything that looks like a credential."""
     if options is None:
         return {}
-    try:
-        from omegaconf import OmegaConf
+    from omegaconf import OmegaConf
 
-        if OmegaConf.is_config(options):
-            options = OmegaConf.to_container(options, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    if OmegaConf.is_config(options):
+        options = OmegaConf.to_container(options, resolve=True)
     if not isinstance(options, dict):
         raise ConfigError(f"{key} must be a mapping of fsspec options (e.g. {{client_kwargs: {{endpoint_url: URL}}}}), "
                           f"got {options!r}")
@@ -64,10 +61,8 @@ def storage_options(options: Any, key: str) -> dict:
     def walk(node: dict, where: str) -> None:
         for k, v in node.items():
             name = f"{where}.{k}"
-            if any(w in str(k).lower() for w in SECRET_WORDS):
-                raise ConfigError(f"{name}: credentials never go in the config (it is saved with the run); set them "
-                                  f"in the environment instead (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
-                                  f"remove {name}")
+            if _looks_secret(str(k)):
+                raise ConfigError(_refusal(name, f"remove {name}"))
             if isinstance(v, dict):
                 walk(v, name)
 
@@ -101,11 +96,18 @@ def credentials_in_overrides(args: list[str]) -> str | None:
             continue
         key = key.lstrip("+~")
         names = key.split("storage_options", 1)[1].split(".") + re.findall(r"([A-Za-z_][\w-]*)\s*:", value)
-        for name in names:
-            if any(w in name.lower() for w in SECRET_WORDS):
-                return (f"{key}: credentials never go in the config (it is saved with the run); set them in the "
-                        f"environment instead (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and drop that override")
+        if any(_looks_secret(name) for name in names):
+            return _refusal(key, "drop that override")
     return None
+
+
+def _looks_secret(name: str) -> bool:
+    return any(w in name.lower() for w in SECRET_WORDS)
+
+
+def _refusal(name: str, then: str) -> str:
+    return (f"{name}: credentials never go in the config (it is saved with the run); set them in the environment "
+            f"instead (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and {then}")
 
 
 def filesystem(url: str, options: dict | None = None) -> tuple[Any, str]:

@@ -194,8 +194,8 @@ def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | Non
         raise ConfigError(f"ckpt.local.dir={where}: the local tier is a local dir (tmpfs such as /dev/shm, or a "
                           f"node-local disk); remote checkpoints go to ckpt.dir")
     where = os.path.abspath(where)
-    durable = durable_root if fsurl.is_url(durable_root) else os.path.abspath(durable_root)
-    if not fsurl.is_url(durable) and os.path.commonpath([where, durable]) in (where, durable):
+    durable = os.path.abspath(durable_root)
+    if not fsurl.is_url(durable_root) and os.path.commonpath([where, durable]) in (where, durable):
         raise ConfigError(f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
                           f"place (tmpfs such as /dev/shm, or a node-local disk)")
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
@@ -393,8 +393,8 @@ class CheckpointManager(Checkpointer):
             self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
         record = SaveRecord(step=step, path=layout.step_dir(tier.root, step), last=last, tier=tier.name,
                             throttle_mbps=self.throttle_mbps if tier is self.durable else None)
-        if self.rank == 0 and layout.exists(record.path):
-            layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash)
+        if self.rank == 0:
+            layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
         self.strategy.barrier()
         try:
             pending = self._write(self._app_state(target), record)

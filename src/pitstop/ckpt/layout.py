@@ -68,14 +68,6 @@ def _names(root: str) -> list[str]:
         return []
 
 
-def exists(path: str) -> bool:
-    if fsurl.is_url(path):
-        fs, p = fsurl.filesystem(path)
-        fs.invalidate_cache(p)
-        return bool(fs.exists(p))
-    return os.path.exists(path)
-
-
 def remove(path: str) -> None:
     """Remove a checkpoint dir (or what is left of one); nothing if it is not there."""
     if not fsurl.is_url(path):

@@ -20,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from pitstop.data.remote import FetchPolicy, is_remote, open_source
+from pitstop.data.remote import FetchPolicy, open_source
 from pitstop.data.shards import ShardInfo, split_key, write_index
 from pitstop.errors import DataError
+from pitstop.fsurl import is_url
 
 log = logging.getLogger("pitstop.data")
 PARTIAL = "index.partial.jsonl"
@@ -62,7 +63,7 @@ class _Hashing:
 def index_shard(url: str, check: Check | None, policy: FetchPolicy) -> ShardInfo:
     """Stream one shard: its samples (as :func:`pitstop.data.shards.read_shard` groups them), bytes and sha256."""
     last = ""
-    for attempt in range(policy.retries + 1 if is_remote(url) else 1):
+    for attempt in range(policy.retries + 1 if is_url(url) else 1):
         try:
             f, done = open_source(url, policy)
         except FileNotFoundError as e:

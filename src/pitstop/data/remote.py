@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
 from pitstop.errors import DataError
+from pitstop.fsurl import is_url
 
 CHUNK = 1 << 20
 
@@ -42,10 +43,6 @@ class FetchPolicy:
     timeout: float = 60.0       # seconds per request (connect + each read)
     allow_pipe: bool = False
     storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options (loader.storage_options)
-
-
-def is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
 
 
 def open_source(url: str, policy: FetchPolicy) -> tuple[BinaryIO, Callable[[], None]]:
@@ -118,7 +115,7 @@ def fetch(ref: ShardRef, sink_factory: Callable[[], BinaryIO], policy: FetchPoli
     the retries are spent; a missing local file or a refused ``pipe:`` fails at once (retrying cannot help).
     """
     delay, transferred, last = policy.backoff, 0, ""
-    retries = policy.retries if is_remote(ref.url) else 0  # a local file reads the same the second time
+    retries = policy.retries if is_url(ref.url) else 0  # a local file reads the same the second time
     for attempt in range(retries + 1):
         sink = sink_factory()
         progress = [0]  # bytes received in this attempt, also when it fails half-way
