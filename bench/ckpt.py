@@ -6,7 +6,9 @@ Models: torchvision ResNet-50 + AdamW (BatchNorm; ~283 MB of model + optimizer s
 size without BatchNorm (torchvision ``VisionTransformer``, 8 layers x 512, patch 4 on 32x32 images).
 Rows, each driven through the runner's own loop on the same state:
 
-- pitstop's backends; the async ones with the thread and with the process checkpointer;
+- pitstop's backends; the async ones with the thread and with the process checkpointer; DCP tensors in
+  ``ckpt.format=raw`` (the default), and one row with ``ckpt.format=torch_save`` (DCP's own format) to show
+  what the format changes;
 - peer, torchtitan's ``async_with_pinned_mem`` mode, as its ``components/checkpoint.py`` makes the calls:
   ``gc.collect(1)``, its model state dict made once and cached, the optimizer's each save,
   ``dcp.async_save`` with ``DefaultStager(StagingOptions(pinned, shared, async staging, non-blocking))`` and
@@ -19,7 +21,9 @@ before ``optimizer.step()``, as the runner accounts it), median of steady-state 
 time from the save until it is durable minus the same number of steps without saving (blocking + slowed
 steps); ``first`` is the first save's blocking time; ``durable`` is seconds until the save is committed.
 The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same run.  Then: the same on a
-200 MB/s throttled target (ResNet-50), steps/s with a save after every step, and RSS over many saves.
+200 MB/s throttled target (ResNet-50), steps/s with a save after every step (steady state: the first saves
+are not timed), and RSS over many saves.  ``BENCH_DIR=/dev/shm`` puts every checkpoint on tmpfs, which takes
+the disk out of the figures.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ ROWS = {  # label -> ckpt overrides, or a peer
     "async_dcp (thread)": ["ckpt=async_dcp", "ckpt.checkpointer=thread"],
     "async_dcp (process)": ["ckpt=async_dcp", "ckpt.checkpointer=process"],
     "async_dcp_pinned (process)": ["ckpt=async_dcp_pinned", "ckpt.checkpointer=process"],
+    "  same, format=torch_save": ["ckpt=async_dcp_pinned", "ckpt.checkpointer=process", "ckpt.format=torch_save"],
     "peer: torchtitan pinned": "titan",
     "peer: torch.save": "torch.save",
 }
+EVERY_WARM = 2  # saves before the save-every-step runs are timed
 WARM_STEPS = 3  # steps before the first save (a run saves after ckpt.interval_steps, never at its first step)
 
 
@@ -90,7 +96,8 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
 
         def _write(self, app_state, record):
             gc.collect(1)
-            out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
+            out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps,
+                                                                     "torch_save"),
                                  process_group=self.group, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                                  async_stager=self.stager)
             return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
@@ -242,17 +249,23 @@ def table(model: str, rows: list[str], extra: list[str], repeats: int, tmp: str,
 
 
 def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
-    print(f"\n## {model}: steps/s with a save after every step ({steps} steps) vs no saves, local disk")
+    print(f"\n## {model}: steps/s with a save after every step ({steps} steps, after {EVERY_WARM} saves that are "
+          f"not timed: the steady state) vs no saves, local disk")
     none_sps = None
     for row in ["none", *rows]:
         d = tempfile.mkdtemp(dir=tmp)
         r = make_runner(model, row, d)
+        for _ in range(EVERY_WARM):  # the first save allocates host buffers and may wait for a checkpoint process
+            step(r)
+            r.ckpt.maybe_save(r.target, r.step)
+        r.ckpt.wait()
         t0 = time.perf_counter()
         for _ in range(steps):
             step(r)
             r.ckpt.maybe_save(r.target, r.step)
-        r.ckpt.close()
+        r.ckpt.wait()
         sps = steps / (time.perf_counter() - t0)
+        r.ckpt.close()
         none_sps = none_sps or sps
         print(f"{row:<28}{sps:8.3f} steps/s  ({sps / none_sps:.2f}x of no saves)", flush=True)
         r.close()

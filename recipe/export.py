@@ -35,17 +35,16 @@ def model_state(ckpt: str) -> dict[str, torch.Tensor]:
     if os.path.isfile(os.path.join(ckpt, SAVE_MARKER)):
         return dict(torch.load(os.path.join(ckpt, STATE_FILE), map_location="cpu", weights_only=True)["model"])
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(ckpt)
+    from pitstop.ckpt.formats import SafeLoadPlanner, dcp_reader
+
+    reader = dcp_reader(ckpt)
     meta = reader.read_metadata().state_dict_metadata
     prefix = "model."
     model = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     state = {"model": model}
-    from pitstop.ckpt.formats import SafeLoadPlanner
-
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]
 

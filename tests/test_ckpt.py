@@ -85,10 +85,11 @@ def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_pat
 def checkpoint_tensors(path: Path) -> dict:
     """Every entry of a DCP checkpoint, flattened: path -> bytes of a tensor, or the value itself."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from pitstop.ckpt.formats import to_torch_save
 
     out_file = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(str(path), str(out_file))
+    to_torch_save(str(path), str(out_file))
     return flatten(torch.load(out_file, weights_only=True),
                    lambda t: (t.dtype, tuple(t.shape), t.contiguous().numpy().tobytes()))
 

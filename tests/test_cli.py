@@ -103,6 +103,8 @@ def test_sweep_through_the_submitit_launcher(data_root, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,expected", [
     (["ckpt=async_dcp", "ckpt.checkpointer=bogus"], "error: ckpt.checkpointer='bogus': use auto, thread or process"),
+    (["ckpt=sync_dcp", "ckpt.format=zip"], "error: ckpt.format='zip': use raw (tensor bytes, fastest) or torch_save "
+                                            "(what torch's own FileSystemReader reads)"),
     (["ckpt=sync_dcp", "ckpt.interval_steps=abc"],
      "error: Error merging override ckpt.interval_steps=abc; Value 'abc' of type 'str' could not be converted to Integer"),
     (["loader.num_workers=-1"], "error: loader.num_workers must be an integer >= 0, got -1"),

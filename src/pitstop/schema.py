@@ -48,7 +48,12 @@ class Ckpt:
 
 
 @dataclass
-class AsyncCkpt(Ckpt):
+class DcpCkpt(Ckpt):
+    format: str = MISSING                      # raw | torch_save
+
+
+@dataclass
+class AsyncCkpt(DcpCkpt):
     pinned: bool = MISSING
     checkpointer: str = MISSING                # auto | thread | process
 
@@ -211,7 +216,7 @@ class Trainer:
 
 
 SCHEMAS = {
-    "ckpt": {"sync": Ckpt, "async": AsyncCkpt},
+    "ckpt": {"sync": Ckpt, "dcp": DcpCkpt, "async": AsyncCkpt},
     "loader": {"plain": Loader, "cached": CachedLoader},
     "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
     "fault": {"none": NoFault, "at_step": AtStep, "crash": Crash, "preempt": Preempt, "stall": Stall, "random": RandomFault},

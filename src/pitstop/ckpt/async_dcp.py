@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, Target, one_line
 from pitstop.ckpt.staging import HostStager, Layout, layout_bytes, staged_leaves
-from pitstop.ckpt.sync_dcp import dcp_writer, planner
+from pitstop.ckpt.sync_dcp import check_format, dcp_writer, planner
 from pitstop.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("pitstop.ckpt")
@@ -47,7 +47,8 @@ class AsyncDCP(CheckpointManager):
     name = "async_dcp"
     is_async = True
 
-    def __init__(self, pinned: bool = False, checkpointer: str = "auto", **kw: Any):
+    def __init__(self, pinned: bool = False, checkpointer: str = "auto", format: str = "raw", **kw: Any):
+        self.format = check_format(format)
         if checkpointer not in ("auto", "thread", "process"):
             raise ConfigError(f"ckpt.checkpointer={checkpointer!r}: use auto, thread or process")
         super().__init__(**kw)
@@ -78,7 +79,7 @@ class AsyncDCP(CheckpointManager):
         The first real save waits for it only if it is still starting."""
         scratch = tempfile.mkdtemp(prefix="pitstop-ckpt-warmup-")
         try:
-            out = dcp.async_save({"warmup": torch.zeros(1)}, storage_writer=dcp_writer(scratch, None),
+            out = dcp.async_save({"warmup": torch.zeros(1)}, storage_writer=dcp_writer(scratch, None, self.format),
                                  process_group=self.group, async_checkpointer_type=self.kind)
         except ERRORS as e:  # the first real save will report what is wrong
             log.warning("could not start the checkpoint process ahead of the first save: %s", one_line(e))
@@ -129,7 +130,7 @@ class AsyncDCP(CheckpointManager):
                 snapshot.close()
                 self.kind = kind = AsyncCheckpointerType.THREAD
             self._shm_checked = True
-        out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps),
+        out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
                              planner=planner(), process_group=self.group, async_checkpointer_type=kind,
                              async_stager=self.stager)
         upload = out if isinstance(out, Future) else out.upload_completion

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pitstop import fsurl
 from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER, is_file
+from pitstop.ckpt.rawdcp import RawFileSystemReader, RawFsspecReader
 from pitstop.ckpt.storage import fsync_dir, open_write
 
 STATE_FILE = "state.pt"
@@ -58,13 +59,26 @@ def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
-def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
+def dcp_reader(path: str) -> FileSystemReader:
+    """A reader for any DCP checkpoint: raw tensor items (pitstop's default) and torch.save items alike."""
     if fsurl.is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return RawFsspecReader(path, **fsurl.options_for(path))
+    return RawFileSystemReader(path)
 
-        reader = FsspecReader(path, **fsurl.options_for(path))
-    else:
-        reader = FileSystemReader(path)
+
+def to_torch_save(path: str, out: str) -> None:
+    """The whole of a DCP checkpoint (either format) as one ``torch.save`` file, as torch's
+    ``format_utils.dcp_to_torch_save`` does for its own format."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict = {}
+    _load_state_dict(sd, storage_reader=dcp_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    torch.save(sd, out)
+
+
+def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
+    reader = dcp_reader(path)
     meta = reader.read_metadata().state_dict_metadata
     # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())

@@ -34,6 +34,7 @@ log = logging.getLogger("pitstop.ckpt")
 
 STAGED = ("model", "optim")  # the top-level entries whose tensors are staged
 _ALIGN = 64  # bytes: every view starts on a 64-byte boundary of its flat buffer
+PAGE = 4096  # flat buffers start on a page and span whole pages: the raw writer sends them with O_DIRECT
 
 
 try:
@@ -98,9 +99,9 @@ def _freeze(obj: Any) -> Any:
     return obj
 
 
-def _shared_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared(max(n, 1) * torch.empty(0, dtype=dtype).element_size(), device="cpu")
-    return torch.empty(0, dtype=dtype).set_(storage, 0, (max(n, 1),), (1,))
+def _shared_empty(nbytes: int) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared(nbytes, device="cpu")
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 def _padded(local: torch.Tensor) -> int:
@@ -110,8 +111,12 @@ def _padded(local: torch.Tensor) -> int:
 
 
 def layout_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of host buffers :class:`Layout` allocates for these tensors."""
-    return sum(_padded(_local(t)) * _local(t).element_size() for t in tensors)
+    """Bytes of host buffers :class:`Layout` allocates for these tensors (a flat buffer per dtype, whole pages)."""
+    per_dtype: dict[torch.dtype, int] = {}
+    for t in tensors:
+        local = _local(t)
+        per_dtype[local.dtype] = per_dtype.get(local.dtype, 0) + _padded(local) * local.element_size()
+    return sum(-(-n // PAGE) * PAGE for n in per_dtype.values())
 
 
 class Layout:
@@ -142,15 +147,19 @@ class Layout:
             self.views[path] = self._alloc(n, dtype, pinned, shared)[:n].view(shape)
 
     def _alloc(self, n: int, dtype: torch.dtype, pinned: bool, shared: bool) -> torch.Tensor:
-        if shared:
-            buf = _shared_empty(n, dtype)
+        """A flat buffer of ``n`` elements that starts on a page boundary and spans whole pages."""
+        nbytes = -(-max(n, 1) * torch.empty(0, dtype=dtype).element_size() // PAGE) * PAGE
+        if shared:  # (shared memory is mapped page-aligned and zero-filled)
+            buf = _shared_empty(nbytes)
             if pinned:  # shared and pinned: register the shared pages with the driver
-                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
                 self.registered = True
         else:
-            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=pinned)
+            # zeroed: the padding between views goes to disk with them (O_DIRECT spans), never stale bytes
+            buf = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pinned)
         self.buffers.append(buf)
-        return buf
+        start = 0 if shared else -buf.data_ptr() % PAGE  # (a shared DTensor buffer's view must start it)
+        return buf[start:start + nbytes].view(dtype)
 
     @staticmethod
     def key_of(leaves: list[tuple[tuple, torch.Tensor]]) -> tuple:

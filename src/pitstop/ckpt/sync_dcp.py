@@ -9,16 +9,28 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from pitstop import fsurl
 from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
+from pitstop.ckpt.rawdcp import FORMATS, RawFileSystemWriter, RawFsspecWriter
 from pitstop.ckpt.storage import ThrottledFileSystem
+from pitstop.errors import ConfigError
 
 
-def dcp_writer(path: str, throttle_mbps: float | None) -> dcp.FileSystemWriter:
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ConfigError(f"ckpt.format={fmt!r}: use raw (tensor bytes, fastest) or torch_save (what torch's own "
+                          f"FileSystemReader reads)")
+    return fmt
+
+
+def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.FileSystemWriter:
+    """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save."""
     if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True,
-                            **fsurl.options_for(path))
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        return (RawFsspecWriter if fmt == "raw" else FsspecWriter)(
+            path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True,
+            **fsurl.options_for(path))
+    writer = (RawFileSystemWriter if fmt == "raw" else dcp.FileSystemWriter)(
+        path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
     if throttle_mbps:
         writer.fs = ThrottledFileSystem(throttle_mbps)
     return writer
@@ -37,7 +49,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 class SyncDCP(CheckpointManager):
     name = "sync_dcp"
 
+    def __init__(self, format: str = "raw", **kw):
+        self.format = check_format(format)
+        super().__init__(**kw)
+
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
-        dcp.save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps), planner=planner(),
+        dcp.save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
+                 planner=planner(),
                  process_group=self.group)
         return None
