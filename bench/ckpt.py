@@ -60,6 +60,8 @@ ROWS = {  # label -> ckpt overrides, or a peer
 }
 EVERY_WARM = 2  # saves before the save-every-step runs are timed
 WARM_STEPS = 3  # steps before the first save (a run saves after ckpt.interval_steps, never at its first step)
+NEVER = 10**9   # the rows' interval: the bench decides when to save (save(r)); between saves the loop calls
+                # maybe_save every step as the runner does (async backends prepare host buffers there)
 
 
 # ---- peers ----------------------------------------------------------------------------------------------
@@ -117,7 +119,7 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
             return None
 
     cls = TitanPinned if kind == "titan" else TorchSave
-    return cls(dir=ckpt_dir, interval_steps=1, keep_last_k=2, throttle_mbps=throttle_mbps)
+    return cls(dir=ckpt_dir, interval_steps=NEVER, keep_last_k=2, throttle_mbps=throttle_mbps)
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps
     from pitstop.runner import Batches, Runner
 
     spec = ROWS.get(row, row)
-    ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + ["ckpt.interval_steps=1", "ckpt.keep_last_k=2"]
+    ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + [f"ckpt.interval_steps={NEVER}", "ckpt.keep_last_k=2"]
     if row == "none":
         ckpt = ["ckpt=none"]
     cfg = compose([*BASE, *MODELS[model], *ckpt, f"trainer.max_steps={steps}", f"run_dir={run_dir}", *extra])
@@ -144,8 +146,15 @@ def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps
 
 
 def step(r) -> None:
+    """One training step and the runner's per-step ``maybe_save`` (never due: the bench saves with save())."""
     r.train_step(r.batches)
     r.progress.step += 1
+    r.ckpt.maybe_save(r.target, r.step)
+
+
+def save(r) -> float:
+    """A save now (as on a preemption notice); returns the seconds the call blocked."""
+    return r.ckpt.maybe_save(r.target, r.step, force=True).blocked
 
 
 def state_tensors(r) -> list:
@@ -186,7 +195,7 @@ def measure_save(r) -> dict:
     timed one by one (the baseline for the extra loop time, see :func:`extra_loop_time`)."""
     before = r.ledger.seconds["checkpoint"]
     t0 = time.perf_counter()
-    block = r.ckpt.maybe_save(r.target, r.step).blocked  # interval_steps=1: every call saves
+    block = save(r)
     n = 0
     while True:
         step(r)
@@ -197,9 +206,9 @@ def measure_save(r) -> dict:
     r.ckpt.wait()
     window = time.perf_counter() - t0
     block += r.ledger.seconds["checkpoint"] - before
-    rec = r.ckpt._done[-1] if r.ckpt._done else None
-    durable = rec.total_seconds if rec is not None and rec.total_seconds else window
     r.ckpt._report_finished()
+    rec = r.ckpt.records[-1] if getattr(r.ckpt, "records", None) else None
+    durable = rec.total_seconds if rec is not None and rec.total_seconds else window
     plain = []
     for _ in range(max(n, 2)):
         t1 = time.perf_counter()
@@ -257,12 +266,12 @@ def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
         r = make_runner(model, row, d)
         for _ in range(EVERY_WARM):  # the first save allocates host buffers and may wait for a checkpoint process
             step(r)
-            r.ckpt.maybe_save(r.target, r.step)
+            save(r)
         r.ckpt.wait()
         t0 = time.perf_counter()
         for _ in range(steps):
             step(r)
-            r.ckpt.maybe_save(r.target, r.step)
+            save(r)
         r.ckpt.wait()
         sps = steps / (time.perf_counter() - t0)
         r.ckpt.close()
@@ -277,7 +286,7 @@ def rss_over_saves(model: str, row: str, saves: int) -> None:
     r = make_runner(model, row, d)
     marks = {}
     for i in range(1, saves + 1):
-        r.ckpt.maybe_save(r.target, r.step)
+        save(r)
         step(r)
         if i in (1, 10, saves // 2, saves):
             r.ckpt.wait()

@@ -90,3 +90,26 @@ def test_a_staged_state_saves_and_loads_with_dcp(device, tmp_path):
     loaded = {k: torch.zeros_like(v) for k, v in state["model"].items()}
     dcp.load({"model": loaded}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in state["model"].items())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_buffers_prepared_before_the_first_save_are_the_ones_it_uses(shared):
+    """The manager allocates the host buffers once the optimizer has state, in the background, so the first
+    save only copies: it reuses them (no second allocation) and its snapshot is still exact."""
+    model, opt = bn_model_and_optimizer("cpu")
+    train_step(model, opt, "cpu")
+    stager = HostStager(torch.device("cpu"), shared=shared)
+    try:
+        stager.prepare(app_state(model, opt))
+        stager.synchronize_staging()
+        assert stager.allocations == 1
+        pages = [b.data_ptr() for b in stager.layout.buffers]
+        train_step(model, opt, "cpu")
+        state = app_state(model, opt)
+        expected = flat(state)
+        stager.snapshot_in_call(model.buffers())
+        staged = flat(stager.stage(state).result())
+        assert stager.allocations == 1 and [b.data_ptr() for b in stager.layout.buffers] == pages
+        assert all(torch.equal(staged[k], v) for k, v in expected.items() if isinstance(v, torch.Tensor))
+    finally:
+        stager.close()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, Target, one_line
+from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, SaveResult, Target, one_line
 from pitstop.ckpt.staging import HostStager, Layout, layout_bytes, staged_leaves
 from pitstop.ckpt.sync_dcp import check_format, dcp_writer, planner
 from pitstop.errors import CheckpointError, ConfigError
@@ -70,6 +70,7 @@ class AsyncDCP(CheckpointManager):
         log.info("%s: %s checkpointer; staging: %s", self.name, kind, self.stager.describe())
         self._warmup: tuple[Future, str] | None = None
         self._shm_checked = False
+        self._prepared = False
         if self.kind == AsyncCheckpointerType.PROCESS:
             self._start_checkpoint_process()
 
@@ -99,6 +100,18 @@ class AsyncDCP(CheckpointManager):
             shutil.rmtree(scratch, ignore_errors=True)
         _lower_priority()
 
+    def maybe_save(self, target: Target, step: int, **kw: Any) -> SaveResult:
+        result = super().maybe_save(target, step, **kw)
+        if result.started is None and self.stager is not None and self.stager.layout is None and not self._prepared \
+                and getattr(target.optimizer, "state", None):
+            # The optimizer has state now (a step ran), so the state's layout is final: allocate the host buffers
+            # in the background while training goes on, not in the first save (which then took 2-6x a later one)
+            self._prepared = True
+            state = dict(zip(("model", "optim"), self._state_dicts(target)))
+            self._check_shared_memory(state)
+            self.stager.prepare(state)
+        return result
+
     def _app_state(self, target: Target) -> dict:
         state = super()._app_state(target)
         self.stager.snapshot_in_call(target.model.buffers())
@@ -117,19 +130,9 @@ class AsyncDCP(CheckpointManager):
         if kind == AsyncCheckpointerType.PROCESS:
             self._replace_dead_checkpoint_process()
             _lower_priority()
-        if self.stager.shared and not self._shm_checked:  # (every rank decides the same: one collective, once)
-            problem = _shared_memory_problem(app_state, self.stager)
-            if self.strategy.any(problem is not None):
-                problem = problem or "ckpt.checkpointer=process: shared memory is too small on another rank"
-                if self.checkpointer != "auto":
-                    raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir "
-                                          f"with medium: Memory) or use ckpt.checkpointer=thread")
-                log.warning("%s; writing from a thread of this process instead", problem)
-                snapshot, self.stager = self.stager, HostStager(self.strategy.device, shared=False, pinned=self.pinned)
-                self.stager._in_call = snapshot._in_call  # (set for this save by _app_state)
-                snapshot.close()
-                self.kind = kind = AsyncCheckpointerType.THREAD
-            self._shm_checked = True
+        self._check_shared_memory(app_state)
+        if self.kind == AsyncCheckpointerType.THREAD:  # (shared memory too small: a thread writes from now on)
+            kind = AsyncCheckpointerType.THREAD
         out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
                              planner=planner(), process_group=self.group, async_checkpointer_type=kind,
                              async_stager=self.stager)
@@ -140,6 +143,24 @@ class AsyncDCP(CheckpointManager):
             return Pending(record, upload=out)
         # AsyncSaveResponse: staging continues in the background
         return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
+
+    def _check_shared_memory(self, state: dict) -> None:
+        """Before host buffers are allocated in shared memory: is there room for them?  Every rank decides the
+        same (one collective, once per run)."""
+        if not self.stager.shared or self._shm_checked:
+            return
+        problem = _shared_memory_problem(state, self.stager)
+        if self.strategy.any(problem is not None):
+            problem = problem or "ckpt.checkpointer=process: shared memory is too small on another rank"
+            if self.checkpointer != "auto":
+                raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir "
+                                      f"with medium: Memory) or use ckpt.checkpointer=thread")
+            log.warning("%s; writing from a thread of this process instead", problem)
+            snapshot, self.stager = self.stager, HostStager(self.strategy.device, shared=False, pinned=self.pinned)
+            self.stager._in_call = snapshot._in_call  # (set for this save by _app_state, if it is one)
+            snapshot.close()
+            self.kind = AsyncCheckpointerType.THREAD
+        self._shm_checked = True
 
     def _replace_dead_checkpoint_process(self) -> None:
         """A checkpoint process that died (killed, out of memory) fails the save it was writing; DCP would then

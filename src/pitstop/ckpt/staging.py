@@ -150,7 +150,7 @@ class Layout:
         """A flat buffer of ``n`` elements that starts on a page boundary and spans whole pages."""
         nbytes = -(-max(n, 1) * torch.empty(0, dtype=dtype).element_size() // PAGE) * PAGE
         if shared:  # (shared memory is mapped page-aligned and zero-filled)
-            buf = _shared_empty(nbytes)
+            buf = _shared_empty(nbytes).zero_()  # faulted in now, not by the first copy into it
             if pinned:  # shared and pinned: register the shared pages with the driver
                 torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
                 self.registered = True
@@ -224,6 +224,12 @@ class HostStager(AsyncStager):
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         self._future = self._pool.submit(self._stage, leaves, sources, slots, staged, ready)
         return self._future
+
+    def prepare(self, state_dict: dict) -> None:
+        """Allocate the host buffers for this state's layout now, in the background (a later :meth:`stage`
+        waits for it), so that the first save does not pay for allocating and faulting in the state's size."""
+        if self._pool is not None and self.layout is None:
+            self._future = self._pool.submit(self._layout_for, staged_leaves(state_dict))
 
     def _stage(self, leaves: list, sources: dict, slots: list, staged: dict, ready: Any) -> dict:
         layout = self._layout_for(leaves)
