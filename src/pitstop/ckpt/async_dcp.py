@@ -100,8 +100,8 @@ class AsyncDCP(CheckpointManager):
             shutil.rmtree(scratch, ignore_errors=True)
         _lower_priority()
 
-    def maybe_save(self, target: Target, step: int, **kw: Any) -> SaveResult:
-        result = super().maybe_save(target, step, **kw)
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
+        result = super().maybe_save(target, step, last=last, force=force)
         if result.started is None and self.stager is not None and self.stager.layout is None and not self._prepared \
                 and getattr(target.optimizer, "state", None):
             # The optimizer has state now (a step ran), so the state's layout is final: allocate the host buffers
