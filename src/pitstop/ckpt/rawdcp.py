@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pitstop.ckpt.staging import PAGE  # (O_DIRECT alignment of memory, file offsets and lengths)
+
 RAW = "pitstop.raw/1"
-PAGE = 4096                 # O_DIRECT alignment of memory, file offsets and lengths (covers 512-byte devices)
 DIRECT_CHUNK = 256 << 20    # bytes per O_DIRECT write call
 FORMATS = ("raw", "torch_save")
 

@@ -110,13 +110,17 @@ def _padded(local: torch.Tensor) -> int:
     return (local.numel() + per - 1) // per * per
 
 
+def whole_pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
 def layout_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of host buffers :class:`Layout` allocates for these tensors (a flat buffer per dtype, whole pages)."""
     per_dtype: dict[torch.dtype, int] = {}
     for t in tensors:
         local = _local(t)
         per_dtype[local.dtype] = per_dtype.get(local.dtype, 0) + _padded(local) * local.element_size()
-    return sum(-(-n // PAGE) * PAGE for n in per_dtype.values())
+    return sum(whole_pages(n) for n in per_dtype.values())
 
 
 class Layout:
@@ -148,7 +152,7 @@ class Layout:
 
     def _alloc(self, n: int, dtype: torch.dtype, pinned: bool, shared: bool) -> torch.Tensor:
         """A flat buffer of ``n`` elements that starts on a page boundary and spans whole pages."""
-        nbytes = -(-max(n, 1) * torch.empty(0, dtype=dtype).element_size() // PAGE) * PAGE
+        nbytes = whole_pages(max(n, 1) * torch.empty(0, dtype=dtype).element_size())
         if shared:  # (shared memory is mapped page-aligned and zero-filled)
             buf = _shared_empty(nbytes).zero_()  # faulted in now, not by the first copy into it
             if pinned:  # shared and pinned: register the shared pages with the driver

@@ -6,6 +6,7 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from pitstop import fsurl
 from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
@@ -24,8 +25,6 @@ def check_format(fmt: str) -> str:
 def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.FileSystemWriter:
     """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save."""
     if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
         return (RawFsspecWriter if fmt == "raw" else FsspecWriter)(
             path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True,
             **fsurl.options_for(path))
@@ -55,6 +54,5 @@ class SyncDCP(CheckpointManager):
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
         dcp.save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
-                 planner=planner(),
-                 process_group=self.group)
+                 planner=planner(), process_group=self.group)
         return None
