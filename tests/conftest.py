@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 from pitstop.config import compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,10 +99,45 @@ def cli_cmd(args: list[str], data_root, tmp_path, module: str = "recipe.train") 
             f"paths.output_dir={tmp_path / 'outputs'}", *args]
 
 
-def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240):
-    """Run an entry point in a subprocess (data from the shared digits shards, outputs under tmp_path)."""
-    return subprocess.run(cli_cmd(args, data_root, tmp_path, module), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+# Every command runs cold (a fresh interpreter) with PITSTOP_TESTS_COLD=1; by default warm (see tests/warm.py).
+COLD = bool(os.environ.get("PITSTOP_TESTS_COLD"))
+_server: warm.Server | None = None
+
+
+def warm_server() -> warm.Server:
+    """The session's warm server: started on first use, stopped when the session ends."""
+    global _server
+    if _server is None:
+        import tempfile
+
+        _server = warm.Server(Path(tempfile.mkdtemp(prefix="pitstop-warm-")))
+    return _server
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _server is not None:
+        _server.close()
+
+
+def run_cmd(cmd: list[str], timeout: float = 240, env: dict | None = None, cold: bool = False):
+    """``subprocess.run(cmd, capture_output=True, text=True)`` from the repo root: a warm process unless ``cold``
+    (a fresh interpreter: for what a warm one cannot show, its imports and program start)."""
+    if cold or COLD:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return warm.run(warm_server(), cmd, ROOT, env, timeout)
+
+
+def popen_cmd(cmd: list[str], cold: bool = False, **kwargs):
+    """``subprocess.Popen(cmd, text=True, **kwargs)`` from the repo root, warm unless ``cold``."""
+    if cold or COLD:
+        return subprocess.Popen(cmd, cwd=ROOT, text=True, **kwargs)
+    return warm.popen(warm_server(), cmd, ROOT, **kwargs)
+
+
+def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240,
+        env: dict | None = None, cold: bool = False):
+    """Run an entry point in its own process (data from the shared digits shards, outputs under tmp_path)."""
+    return run_cmd(cli_cmd(args, data_root, tmp_path, module), timeout, env, cold)
 
 
 def flatten(obj, tensor=lambda t: t, prefix: str = "") -> dict:

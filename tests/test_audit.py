@@ -4,9 +4,8 @@ audited in test_nodes.py; here logs written by hand pin down the rules, includin
 from __future__ import annotations
 
 import json
-import subprocess
 
-from conftest import PY, ROOT
+from conftest import PY, run_cmd
 
 
 def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
@@ -28,8 +27,7 @@ def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
 
 
 def audit(run_dir):
-    return subprocess.run([PY, "-m", "pitstop.audit", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return run_cmd([PY, "-m", "pitstop.audit", str(run_dir)], 60)
 
 
 def test_redone_steps_count_once_and_a_rank_that_did_not_come_back_loses_its_steps(tmp_path):

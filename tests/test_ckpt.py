@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, cli_cmd, flatten, read_jsonl
+from conftest import PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run_cmd
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
@@ -209,8 +209,7 @@ def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root,
     run_dir = tmp_path / "run"
     # ~0.85 MB of state at 0.5 MB/s: each save takes ~1.7 s, long enough to be killed in the middle.
     args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=10", "ckpt.throttle_mbps=0.5"]
-    proc = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         seen = wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir() and
                         partial_write_in_progress(run_dir / "checkpoints"), 120, proc)
@@ -368,8 +367,7 @@ def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_roo
             data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     out = tmp_path / "resnet18.pt"
-    e = subprocess.run([PY, "-m", "recipe.export", str(run_dir), str(out), "--dtype", "bfloat16"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    e = run_cmd([PY, "-m", "recipe.export", str(run_dir), str(out), "--dtype", "bfloat16"], 120)
     assert e.returncode == 0, e.stderr[-2000:]
     check = ("import sys, torch, torchvision\n"
              "m = torchvision.models.resnet18(num_classes=10)\n"
@@ -384,6 +382,5 @@ def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_roo
 
 @pytest.mark.slow
 def test_export_without_checkpoint_is_one_clear_line(tmp_path):
-    e = subprocess.run([PY, "-m", "recipe.export", str(tmp_path), str(tmp_path / "o.pt")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    e = run_cmd([PY, "-m", "recipe.export", str(tmp_path), str(tmp_path / "o.pt")], 120)
     assert e.returncode == 2 and e.stderr.strip().startswith("error: no complete checkpoint at or under")

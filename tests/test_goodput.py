@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, read_jsonl, refused, train
+from conftest import PY, cli, read_jsonl, refused, run_cmd, train
 from pitstop.errors import ConfigError
 from pitstop.goodput import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
 from pitstop.ledger import JOB_BUCKETS, account
@@ -78,7 +78,7 @@ def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
 @pytest.mark.slow
 def test_recipe_goodput_prints_the_published_figures():
     def run(*args):
-        return subprocess.run([PY, "-m", "recipe.goodput", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return run_cmd([PY, "-m", "recipe.goodput", *args], 60)
 
     p = run("--failures-per-day", "8.6", "--interval", "2h", "30min")
     assert p.returncode == 0, p.stderr
@@ -98,9 +98,8 @@ def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     summary, ledger = load(run_dir)
     plot = tmp_path / "scale.png"
-    p = subprocess.run([PY, "-m", "recipe.goodput", "--nodes", "1", "64", "4096", "--from", str(run_dir),
-                        "--node-mtbf", "30d", "--replace-cost", "5min", "--replace-share", "0.5", "--plot", str(plot)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run_cmd([PY, "-m", "recipe.goodput", "--nodes", "1", "64", "4096", "--from", str(run_dir),
+                 "--node-mtbf", "30d", "--replace-cost", "5min", "--replace-share", "0.5", "--plot", str(plot)], 120)
     assert p.returncode == 0, p.stderr
     from pitstop.goodput import at_scale, fmt_duration
 
@@ -118,8 +117,7 @@ def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
     assert big["young_daly"] == pytest.approx(math.sqrt(2 * c * 30 * 86400 / 4096))
     no_restart = tmp_path / "clean"
     assert cli([*RUN, f"run_dir={no_restart}", "ckpt=sync_save"], data_root, tmp_path).returncode == 0
-    p = subprocess.run([PY, "-m", "recipe.goodput", "--nodes", "--from", str(no_restart)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = run_cmd([PY, "-m", "recipe.goodput", "--nodes", "--from", str(no_restart)], 60)
     assert p.returncode == 1 and "never restarted, so R is unknown" in p.stderr.strip().splitlines()[-1]
 
 
@@ -353,13 +351,12 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     import signal as sig
     import time
 
-    from conftest import cli_cmd
+    from conftest import cli_cmd, popen_cmd
 
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", "strategy=ddp", "ckpt=async_dcp", "ckpt.interval_steps=10",
             "trainer.max_steps=400", "trainer.max_restarts=2"]
-    p = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and p.poll() is None:
         steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
@@ -400,12 +397,11 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
     import subprocess
     import time
 
-    from conftest import cli_cmd
+    from conftest import cli_cmd, popen_cmd
 
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=1000", "trainer.max_restarts=2"]
-    proc = subprocess.Popen(cli_cmd(args, data_root, tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until it trains (a step past 5 is in the ledger)
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, cli_cmd, read_jsonl
+from conftest import PY, cli, cli_cmd, popen_cmd, read_jsonl
 
 pytestmark = pytest.mark.slow  # every test here starts agents and ranks in subprocesses
 
@@ -44,8 +44,7 @@ class Agent:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # (README: needed with --nnodes=MIN:MAX)
         self.log = tmp_path / f"agent_{name}.log"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=env)
+            self.proc = popen_cmd(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait(self, timeout: float = 240) -> int:
         try:

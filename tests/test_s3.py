@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli, cli_cmd
+from conftest import cli, cli_cmd, run_cmd
 from pitstop.audit import audit
 
 pytestmark = pytest.mark.slow
@@ -129,8 +129,7 @@ def test_checkpoints_on_s3_killed_and_resumed_are_exact(ckpt, s3, reference, dat
            f"+ckpt.storage_options.client_kwargs.endpoint_url={endpoint}"]
 
     def run(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cli_cmd([*job, *extra], data_root, tmp_path), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=240)
+        return run_cmd(cli_cmd([*job, *extra], data_root, tmp_path), 240, env)
 
     # killed at step 23: the save of step 10 is durable (a save starts only once the one before it is), that of
     # step 20 may still be uploading (an async save): the resume takes the newest complete one
@@ -177,9 +176,8 @@ def test_a_checkpoint_dir_on_s3_that_cannot_be_written_is_a_one_line_error(s3, d
         for name, key_id, secret in [("reader", key["AccessKeyId"], key["SecretAccessKey"]),
                                      ("unknown", "AKIAUNKNOWN", "pitstop-test-secret")]:
             env = {**os.environ, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
-            p = subprocess.run(cli_cmd([*job, "ckpt.dir=s3://read-only/ckpts", f"run_dir={tmp_path / name}"],
-                                       data_root, tmp_path), cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=120)
+            p = run_cmd(cli_cmd([*job, "ckpt.dir=s3://read-only/ckpts", f"run_dir={tmp_path / name}"],
+                                data_root, tmp_path), 120, env)
             last = p.stderr.strip().splitlines()[-1]
             assert p.returncode == 2 and "s3://read-only/ckpts is not writable" in last, (name, p.stderr[-2000:])
             assert "AWS_ACCESS_KEY_ID" in last and not (tmp_path / name / "summary.json").exists(), last
@@ -209,11 +207,11 @@ def test_the_slowstore_in_front_of_s3_throttles_and_fails_requests_and_training_
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     with SlowStore("", latency_ms=20, mbps=20, fail_every=5, fault_glob="*.tar",
                    upstream=os.environ["AWS_ENDPOINT_URL"]) as store:
-        p = subprocess.run(cli_cmd(["debug=tiny", "strategy=single", "trainer.max_steps=100", "logger=none",
-                                    f"data.root=s3://{BUCKET}/digits", "loader=cached",
-                                    f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
-                                    f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"],
-                                   data_root, tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        p = run_cmd(cli_cmd(["debug=tiny", "strategy=single", "trainer.max_steps=100", "logger=none",
+                             f"data.root=s3://{BUCKET}/digits", "loader=cached",
+                             f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
+                             f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"],
+                            data_root, tmp_path), 240, env)
         stats = store.stats()
     assert p.returncode == 0, p.stderr[-3000:]
     shards = {k: v for k, v in stats["paths"].items() if k.endswith(".tar")}
@@ -236,8 +234,8 @@ def test_s3_mistakes_are_one_line_errors(s3, data_root, tmp_path):
     # no credentials in the environment: said so, with the variables to set (and never read from the config)
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
-    p = subprocess.run(cli_cmd([*job, f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 'c'}"], data_root,
-                               tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = run_cmd(cli_cmd([*job, f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 'c'}"], data_root,
+                        tmp_path), 120, env)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "credentials" in last and "AWS_ACCESS_KEY_ID" in last, p.stderr[-2000:]
 
@@ -267,7 +265,6 @@ def test_a_new_user_trains_on_existing_webdataset_shards_in_s3_with_checkpoints_
     assert p.returncode == 0, p.stderr[-3000:]
     assert summary(run_dir)["resumed_from"] in (10, 20)
     assert s3.exists(f"{ckpts}/step_00000045/.metadata")  # the final save (1438 samples / 32: 45 steps)
-    p = subprocess.run([sys.executable, "-m", "pitstop.audit", str(run_dir)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = run_cmd([sys.executable, "-m", "pitstop.audit", str(run_dir)], 120)
     assert p.returncode == 0 and "every sample exactly once" in p.stdout, p.stdout + p.stderr
     assert "1438" in p.stdout.splitlines()[1], p.stdout
