@@ -27,11 +27,22 @@ SAMPLES = 4160  # (its own data dir: 64 samples per shard)
 def loaders(root: str, cache: str, limit: int, policy: str, ranks: int, workers: int, batch: int):
     from pitstop.build import build
 
-    cfg = compose(["loader=cached", "data=synthetic", f"data.root={root}", f"loader.cache_dir={cache}",
-                   f"loader.cache_limit={limit}", f"loader.cache_policy={policy}", f"loader.num_workers={workers}"])
+    cfg = compose(
+        [
+            "loader=cached",
+            "data=synthetic",
+            f"data.root={root}",
+            f"loader.cache_dir={cache}",
+            f"loader.cache_limit={limit}",
+            f"loader.cache_policy={policy}",
+            f"loader.num_workers={workers}",
+        ]
+    )
     data = build(cfg.data, _convert_="partial")
-    return [build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0, rank=r,
-                  world_size=ranks) for r in range(ranks)]
+    return [
+        build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0, rank=r, world_size=ranks)
+        for r in range(ranks)
+    ]
 
 
 def main() -> None:
@@ -46,13 +57,16 @@ def main() -> None:
     from pitstop.slowstore import SlowStore
 
     name = f"synthetic-64px-{SAMPLES}"
-    ensure_data(["data=synthetic", f"data.num_samples={SAMPLES}", "data.image_size=64",
-                 "data.prepare.samples_per_shard=64"])
+    ensure_data(
+        ["data=synthetic", f"data.num_samples={SAMPLES}", "data.image_size=64", "data.prepare.samples_per_shard=64"]
+    )
     shards = json.loads((ROOT / "data" / name / "index.json").read_text())["splits"]["train"]
     total = sum(s["bytes"] for s in shards)
     limit = int(a.share * total)
-    print(f"data: {len(shards)} train shards, {total / 1e6:.1f} MB; cache_limit {limit / 1e6:.1f} MB "
-          f"({a.share:g} of it); {a.ranks} rank(s) x {a.workers} worker(s) on this machine, batch {a.batch}")
+    print(
+        f"data: {len(shards)} train shards, {total / 1e6:.1f} MB; cache_limit {limit / 1e6:.1f} MB "
+        f"({a.share:g} of it); {a.ranks} rank(s) x {a.workers} worker(s) on this machine, batch {a.batch}"
+    )
     results = {}
     with SlowStore(str(ROOT / "data"), latency_ms=2) as srv:
         for policy in ("lru", "future"):
@@ -66,8 +80,10 @@ def main() -> None:
                     for _ in range(ls[0].steps_per_epoch()):
                         for it in its:
                             next(it)
-                    delta = {k: sum(ld.stats.get(k, 0) - b.get(k, 0) for ld, b in zip(ls, before))
-                             for k in ("bytes_from_source", "cache_hits", "cache_misses", "cache_evictions")}
+                    delta = {
+                        k: sum(ld.stats.get(k, 0) - b.get(k, 0) for ld, b in zip(ls, before))
+                        for k in ("bytes_from_source", "cache_hits", "cache_misses", "cache_evictions")
+                    }
                     rows.append(delta)
                 for it in its:
                     it.close()
@@ -77,13 +93,17 @@ def main() -> None:
     print(f"\n{'policy':8} {'epoch':>5} {'x data set from source':>23} {'hits':>6} {'misses':>7} {'evictions':>10}")
     for policy, rows in results.items():
         for e, r in enumerate(rows, 1):
-            print(f"{policy:8} {e:>5} {r['bytes_from_source'] / total:>23.2f} {r['cache_hits']:>6} "
-                  f"{r['cache_misses']:>7} {r['cache_evictions']:>10}")
+            print(
+                f"{policy:8} {e:>5} {r['bytes_from_source'] / total:>23.2f} {r['cache_hits']:>6} "
+                f"{r['cache_misses']:>7} {r['cache_evictions']:>10}"
+            )
     later = [r["bytes_from_source"] / total for r in results["future"][1:]]
     lru = [r["bytes_from_source"] / total for r in results["lru"][1:]]
     if later:
-        print(f"\nepochs 2..{a.epochs}, from source per epoch: future {max(later):.2f}x the data set (target <= 0.6), "
-              f"lru {max(lru):.2f}x -> {'OK' if max(later) <= 0.6 else 'MISSED'}")
+        print(
+            f"\nepochs 2..{a.epochs}, from source per epoch: future {max(later):.2f}x the data set (target <= 0.6), "
+            f"lru {max(lru):.2f}x -> {'OK' if max(later) <= 0.6 else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

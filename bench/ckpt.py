@@ -20,7 +20,8 @@ Per row: ``block`` is the loop's blocking time per save (inside ``maybe_save`` p
 before ``optimizer.step()``, as the runner accounts it), median of steady-state saves; ``extra`` is the loop
 time from the save until it is durable minus the same number of steps without saving (blocking + slowed
 steps); ``first`` is the first save's blocking time; ``durable`` is seconds until the save is committed.
-The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same run.  Then: the same on a
+The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same
+run.  Then: the same on a
 200 MB/s throttled target (ResNet-50), steps/s with a save after every step (steady state: the first saves
 are not timed), and RSS over many saves.  ``BENCH_DIR=/dev/shm`` puts every checkpoint on tmpfs, which takes
 the disk out of the figures.
@@ -41,13 +42,33 @@ from common import compose, ensure_data, median
 
 DATA = ["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]", "optim=adamw"]
 MODELS = {
-    "ResNet-50 (BatchNorm)": ["model=resnet18", "model._target_=torchvision.models.resnet50", "~model.in_channels", *DATA],
-    "ViT-25M (no BatchNorm)": ["model=resnet18", "model._target_=torchvision.models.VisionTransformer",
-                               "~model.in_channels", "+model.image_size=32", "+model.patch_size=4", "+model.num_layers=8",
-                               "+model.num_heads=8", "+model.hidden_dim=512", "+model.mlp_dim=2048", *DATA],
+    "ResNet-50 (BatchNorm)": [
+        "model=resnet18",
+        "model._target_=torchvision.models.resnet50",
+        "~model.in_channels",
+        *DATA,
+    ],
+    "ViT-25M (no BatchNorm)": [
+        "model=resnet18",
+        "model._target_=torchvision.models.VisionTransformer",
+        "~model.in_channels",
+        "+model.image_size=32",
+        "+model.patch_size=4",
+        "+model.num_layers=8",
+        "+model.num_heads=8",
+        "+model.hidden_dim=512",
+        "+model.mlp_dim=2048",
+        *DATA,
+    ],
 }
-BASE = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=8", "loader.num_workers=1",
-        "trainer.eval_every_steps=100000", "trainer.eval_max_batches=1"]
+BASE = [
+    "logger=none",
+    "trainer.progress_bar=false",
+    "trainer.batch_size=8",
+    "loader.num_workers=1",
+    "trainer.eval_every_steps=100000",
+    "trainer.eval_max_batches=1",
+]
 ROWS = {  # label -> ckpt overrides, or a peer
     "sync_save": ["ckpt=sync_save"],
     "sync_dcp": ["ckpt=sync_dcp"],
@@ -60,8 +81,8 @@ ROWS = {  # label -> ckpt overrides, or a peer
 }
 EVERY_WARM = 2  # saves before the save-every-step runs are timed
 WARM_STEPS = 3  # steps before the first save (a run saves after ckpt.interval_steps, never at its first step)
-NEVER = 10**9   # the rows' interval: the bench decides when to save (save(r)); between saves the loop calls
-                # maybe_save every step as the runner does (async backends prepare host buffers there)
+NEVER = 10**9  # the rows' interval: the bench decides when to save (save(r)); between saves the loop calls
+# maybe_save every step as the runner does (async backends prepare host buffers there)
 
 
 # ---- peers ----------------------------------------------------------------------------------------------
@@ -93,15 +114,21 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
         def _app_state(self, target):
             if self.model_sd is None:  # torchtitan's ModelWrapper: made once, kept
                 self.model_sd = get_model_state_dict(target.model)
-            return {"model": self.model_sd, "optim": get_optimizer_state_dict(target.model, target.optimizer),
-                    f"train.rank{self.rank}": encode_json(target.state.state_dict())}
+            return {
+                "model": self.model_sd,
+                "optim": get_optimizer_state_dict(target.model, target.optimizer),
+                f"train.rank{self.rank}": encode_json(target.state.state_dict()),
+            }
 
         def _write(self, app_state, record):
             gc.collect(1)
-            out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps,
-                                                                     "torch_save"),
-                                 process_group=self.group, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                 async_stager=self.stager)
+            out = dcp.async_save(
+                app_state,
+                storage_writer=dcp_writer(record.path, record.throttle_mbps, "torch_save"),
+                process_group=self.group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
             return Pending(record, upload=out.upload_completion, staging=out.staging_completion)
 
         def _shutdown(self):
@@ -127,7 +154,10 @@ def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps
     from pitstop.runner import Batches, Runner
 
     spec = ROWS.get(row, row)
-    ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + [f"ckpt.interval_steps={NEVER}", "ckpt.keep_last_k=2"]
+    ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + [
+        f"ckpt.interval_steps={NEVER}",
+        "ckpt.keep_last_k=2",
+    ]
     if row == "none":
         ckpt = ["ckpt=none"]
     cfg = compose([*BASE, *MODELS[model], *ckpt, f"trainer.max_steps={steps}", f"run_dir={run_dir}", *extra])
@@ -236,20 +266,28 @@ def table(model: str, rows: list[str], extra: list[str], repeats: int, tmp: str,
         for row, r in runners.items():
             results[row].append(measure_save(r))
     where = "200 MB/s throttled target" if throttled else "local disk + fsync"
-    print(f"\n## {model}: {nbytes / 1e6:.0f} MB of model+optimizer state, {where}; memory-copy bound "
-          f"{bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.1f} GB/s); {repeats} steady saves per row", flush=True)
+    print(
+        f"\n## {model}: {nbytes / 1e6:.0f} MB of model+optimizer state, {where}; memory-copy bound "
+        f"{bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.1f} GB/s); {repeats} steady saves per row",
+        flush=True,
+    )
     base = median([x["block"] for x in results["sync_save"]]) if "sync_save" in results else None
-    print(f"{'row':<28}{'block':>9}{'x memcpy':>9}{'x sync_save':>12}{'extra':>9}{'x memcpy':>9}"
-          f"{'first':>9}{'first/steady':>13}{'durable':>9}{'step':>8}")
+    print(
+        f"{'row':<28}{'block':>9}{'x memcpy':>9}{'x sync_save':>12}{'extra':>9}{'x memcpy':>9}"
+        f"{'first':>9}{'first/steady':>13}{'durable':>9}{'step':>8}"
+    )
     for row in rows:
         block = median([x["block"] for x in results[row]])
         extra_t = extra_loop_time(results[row])
         durable = median([x["durable"] for x in results[row]])
         step_t = median([t for x in results[row] for t in x["plain"]])
         vs = f"{block / base:.3f}" if base else "-"
-        print(f"{row:<28}{block * 1e3:>7.1f}ms{block / bound:>8.2f}x{vs:>11}x{extra_t * 1e3:>7.0f}ms"
-              f"{extra_t / bound:>8.1f}x{first[row]['block'] * 1e3:>7.0f}ms"
-              f"{first[row]['block'] / max(block, 1e-9):>12.1f}x{durable:>8.2f}s{step_t:>7.2f}s", flush=True)
+        print(
+            f"{row:<28}{block * 1e3:>7.1f}ms{block / bound:>8.2f}x{vs:>11}x{extra_t * 1e3:>7.0f}ms"
+            f"{extra_t / bound:>8.1f}x{first[row]['block'] * 1e3:>7.0f}ms"
+            f"{first[row]['block'] / max(block, 1e-9):>12.1f}x{durable:>8.2f}s{step_t:>7.2f}s",
+            flush=True,
+        )
     for r in runners.values():
         r.ckpt.close()
         r.close()
@@ -258,8 +296,10 @@ def table(model: str, rows: list[str], extra: list[str], repeats: int, tmp: str,
 
 
 def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
-    print(f"\n## {model}: steps/s with a save after every step ({steps} steps, after {EVERY_WARM} saves that are "
-          f"not timed: the steady state) vs no saves, local disk")
+    print(
+        f"\n## {model}: steps/s with a save after every step ({steps} steps, after {EVERY_WARM} saves that are "
+        f"not timed: the steady state) vs no saves, local disk"
+    )
     none_sps = None
     for row in ["none", *rows]:
         d = tempfile.mkdtemp(dir=tmp)
@@ -294,8 +334,12 @@ def rss_over_saves(model: str, row: str, saves: int) -> None:
             marks[i] = tree_rss_mb()
     r.ckpt.close()
     growth = marks[saves] - marks[10]
-    print(f"RSS {row:<28}" + "  ".join(f"save {k}: {v:6.0f} MB" for k, v in sorted(marks.items()))
-          + f"   growth save 10->{saves}: {growth:+.0f} MB ({100 * growth / marks[10]:+.1f}%)", flush=True)
+    print(
+        f"RSS {row:<28}"
+        + "  ".join(f"save {k}: {v:6.0f} MB" for k, v in sorted(marks.items()))
+        + f"   growth save 10->{saves}: {growth:+.0f} MB ({100 * growth / marks[10]:+.1f}%)",
+        flush=True,
+    )
     r.close()
     shutil.rmtree(d, ignore_errors=True)
 
@@ -350,8 +394,11 @@ def main() -> None:
     if "rss" in parts:
         print(f"\n## {resnet}: RSS of the trainer and its checkpoint processes over {args.rss_saves} saves", flush=True)
         for row in ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)"]:
-            out = subprocess.run([sys.executable, __file__, "--rss-only", resnet, row, "--rss-saves", str(args.rss_saves)],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-only", resnet, row, "--rss-saves", str(args.rss_saves)],
+                capture_output=True,
+                text=True,
+            )
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RSS")]
             print(lines[-1] if lines else f"{row}: failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -28,4 +28,3 @@ def median(xs):
 
 def fmt_row(cols, widths):
     return "  ".join(str(c).ljust(w) for c, w in zip(cols, widths))
-

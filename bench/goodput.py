@@ -43,8 +43,13 @@ PY = sys.executable
 
 def train(run_dir: str, overrides: list[str], timeout: float) -> tuple[int, float]:
     t0 = time.perf_counter()
-    p = subprocess.run([PY, "-m", "recipe.train", f"run_dir={run_dir}", *overrides], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [PY, "-m", "recipe.train", f"run_dir={run_dir}", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if p.returncode != 0:
         print(p.stderr[-2000:], file=sys.stderr)
     return p.returncode, time.perf_counter() - t0
@@ -65,14 +70,19 @@ def measured(run_dir: str) -> dict:
                 doc["auto_interval"] = r["ckpt_interval_seconds"]
     failures = max(doc["failures"], 0)
     return {
-        "goodput": doc["goodput"], "total": t["total"], "U": t["productive"], "failures": failures,
-        "C": t["checkpoint"] / max(saves, 1), "saves": saves,
+        "goodput": doc["goodput"],
+        "total": t["total"],
+        "U": t["productive"],
+        "failures": failures,
+        "C": t["checkpoint"] / max(saves, 1),
+        "saves": saves,
         "W": sum(writes) / len(writes) if writes else 0.0,
         "R": sum(t[k] for k in ("program_start", "init", "restore", "recovery_gap")) / len(attempts),
         "R_parts": {k: t[k] / len(attempts) for k in ("recovery_gap", "program_start", "init", "restore")},
         "e0": t["productive"] / max(t["productive"] + t["data_wait"] + t["eval"] + t["other"], 1e-9),
         "mtbf_seen": t["total"] / failures if failures else float("inf"),
-        "auto_T": doc.get("auto_interval"), "totals": t,
+        "auto_T": doc.get("auto_interval"),
+        "totals": t,
     }
 
 
@@ -89,8 +99,16 @@ def predict_first_order(U: float, e0: float, T: float, C: float, R: float, W: fl
     return U / (R + U / g) if g > 0 else 0.0
 
 
-RESTART_JOB = ["logger=none", "trainer.progress_bar=false", "trainer.max_steps=600", "ckpt=async_dcp",
-               "ckpt.interval_steps=7", "fault=random", "fault.mtbf_seconds=8", "trainer.max_restarts=100"]
+RESTART_JOB = [
+    "logger=none",
+    "trainer.progress_bar=false",
+    "trainer.max_steps=600",
+    "ckpt=async_dcp",
+    "ckpt.interval_steps=7",
+    "fault=random",
+    "fault.mtbf_seconds=8",
+    "trainer.max_restarts=100",
+]
 PARTS = ("recovery_gap", "program_start", "init", "restore")
 
 
@@ -103,8 +121,11 @@ def restarts(seed: int) -> None:
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-restart-")
     shm = tempfile.mkdtemp(prefix="pitstop-bench-local-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     rows = {}
-    variants = (("cold", ["trainer.warm_restarts=false"]), ("warm", ["trainer.warm_restarts=true"]),
-                ("warm+local", ["trainer.warm_restarts=true", f"ckpt.local.dir={shm}", "ckpt.local.interval=auto"]))
+    variants = (
+        ("cold", ["trainer.warm_restarts=false"]),
+        ("warm", ["trainer.warm_restarts=true"]),
+        ("warm+local", ["trainer.warm_restarts=true", f"ckpt.local.dir={shm}", "ckpt.local.interval=auto"]),
+    )
     try:
         for name, extra in variants:
             run_dir = os.path.join(tmp, name)
@@ -119,34 +140,59 @@ def restarts(seed: int) -> None:
             m = measured(run_dir)
             model = None
             if "local" not in name:  # wall = the first start + U / (e0 g), g with R = the restart cost
-                g = m["e0"] * exact_goodput(7 * m["U"] / 600, m["mtbf_seen"], m["C"], doc.get("restart_seconds") or 0.0,
-                                            m["W"])
+                g = m["e0"] * exact_goodput(
+                    7 * m["U"] / 600, m["mtbf_seen"], m["C"], doc.get("restart_seconds") or 0.0, m["W"]
+                )
                 start = sum(first.get(k, 0.0) for k in PARTS[1:])
                 model = m["U"] / (start + m["U"] / g) if g > 0 else 0.0
-            rows[name] = {"rc": rc, "goodput": doc["goodput"], "R": doc.get("restart_seconds") or 0.0, "model": model,
-                          "restarts": len(auto), "gap": gaps, **parts, "wall": wall,
-                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:]),
-                          "lost": doc["totals"]["lost"] / max(len(auto), 1)}
+            rows[name] = {
+                "rc": rc,
+                "goodput": doc["goodput"],
+                "R": doc.get("restart_seconds") or 0.0,
+                "model": model,
+                "restarts": len(auto),
+                "gap": gaps,
+                **parts,
+                "wall": wall,
+                "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:]),
+                "lost": doc["totals"]["lost"] / max(len(auto), 1),
+            }
             print(f"  done {name}: rc {rc}, {len(auto)} restarts, goodput {doc['goodput'] * 100:.1f}%", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    print(f"\n{'restarts':11} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
-          f"{'1st start s':>11} {'lost/fail s':>11} {'goodput':>8} {'model':>6} {'wall s':>7}")
+    print(
+        f"\n{'restarts':11} {'failures':>8} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
+        f"{'1st start s':>11} {'lost/fail s':>11} {'goodput':>8} {'model':>6} {'wall s':>7}"
+    )
     for name, r in rows.items():
         model = f"{r['model'] * 100:5.1f}%" if r["model"] is not None else "   n/a"
-        print(f"{name:11} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
-              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['lost']:>11.2f} {r['goodput'] * 100:>7.1f}% {model:>6} "
-              f"{r['wall']:>7.1f}")
+        print(
+            f"{name:11} {r['restarts']:>8} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} "
+            f"{r['init']:>7.2f} "
+            f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['lost']:>11.2f} {r['goodput'] * 100:>7.1f}% {model:>6} "
+            f"{r['wall']:>7.1f}"
+        )
     c, w, wl = rows["cold"], rows["warm"], rows["warm+local"]
-    print(f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); goodput "
-          f"{c['goodput'] * 100:.1f}% cold -> {w['goodput'] * 100:.1f}% warm -> {wl['goodput'] * 100:.1f}% warm + local "
-          f"tier (target >= 60%)")
+    print(
+        f"\nwarm R / cold R = {w['R'] / max(c['R'], 1e-9):.2f} (target <= 0.25 of the cold R); goodput "
+        f"{c['goodput'] * 100:.1f}% cold -> {w['goodput'] * 100:.1f}% warm -> {wl['goodput'] * 100:.1f}% warm + local "
+        f"tier (target >= 60%)"
+    )
     elastic()
 
 
-ELASTIC_JOB = ["logger=none", "trainer.progress_bar=false", "strategy=ddp", "trainer.max_steps=60", "ckpt=sync_save",
-               "ckpt.interval_steps=10", "fault=crash_at_step", "fault.step=25", "trainer.max_restarts=1"]
+ELASTIC_JOB = [
+    "logger=none",
+    "trainer.progress_bar=false",
+    "strategy=ddp",
+    "trainer.max_steps=60",
+    "ckpt=sync_save",
+    "ckpt.interval_steps=10",
+    "fault=crash_at_step",
+    "fault.step=25",
+    "trainer.max_restarts=1",
+]
 
 
 def elastic() -> None:
@@ -160,18 +206,29 @@ def elastic() -> None:
             rc, wall = train(run_dir, [*ELASTIC_JOB, f"trainer.warm_restarts={warm}"], 900)
             doc = json.load(open(os.path.join(run_dir, "goodput.json")))
             first, second = doc["attempts"][0]["buckets"], doc["attempts"][-1]["buckets"]
-            rows[name] = {"rc": rc, "R": doc.get("restart_seconds") or 0.0, "gap": doc["totals"]["recovery_gap"],
-                          **{k: second.get(k, 0.0) for k in PARTS[1:]}, "wall": wall,
-                          "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:])}
+            rows[name] = {
+                "rc": rc,
+                "R": doc.get("restart_seconds") or 0.0,
+                "gap": doc["totals"]["recovery_gap"],
+                **{k: second.get(k, 0.0) for k in PARTS[1:]},
+                "wall": wall,
+                "cold_start": sum(first.get(k, 0.0) for k in PARTS[1:]),
+            }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{'ddp restart':11} {'rc':>3} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
-          f"{'1st start s':>11} {'wall s':>7}")
+    print(
+        f"\n{'ddp restart':11} {'rc':>3} {'R s':>6} {'gap s':>6} {'program s':>9} {'init s':>7} {'restore s':>9} "
+        f"{'1st start s':>11} {'wall s':>7}"
+    )
     for name, r in rows.items():
-        print(f"{name:11} {r['rc']:>3} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
-              f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['wall']:>7.1f}")
-    print(f"ddp: warm R / cold R = {rows['warm']['R'] / max(rows['cold']['R'], 1e-9):.2f} (the gap is the agent's: "
-          f"it notices the failure, stops the other rank, rendezvouses again)")
+        print(
+            f"{name:11} {r['rc']:>3} {r['R']:>6.2f} {r['gap']:>6.2f} {r['program_start']:>9.2f} {r['init']:>7.2f} "
+            f"{r['restore']:>9.2f} {r['cold_start']:>11.2f} {r['wall']:>7.1f}"
+        )
+    print(
+        f"ddp: warm R / cold R = {rows['warm']['R'] / max(rows['cold']['R'], 1e-9):.2f} (the gap is the agent's: "
+        f"it notices the failure, stops the other rank, rendezvouses again)"
+    )
 
 
 def main() -> None:
@@ -197,17 +254,33 @@ def main() -> None:
         assert rc == 0, "calibration run failed"
         t = json.load(open(os.path.join(probe, "goodput.json")))["totals"]
         steps = int(a.work * 400 / t["productive"])
-        print(f"job: {steps} steps (~{a.work:.0f} s of compute; {t['productive'] / 400 * 1000:.1f} ms/step), "
-              f"failures ~ Exponential(mean {a.mtbf:g} s) seeded {a.seed}, saves through {a.throttle_mbps:g} MB/s\n")
-        job = [*base, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", "fault=random",
-               f"fault.mtbf_seconds={a.mtbf}", f"fault.seed={a.seed}", "trainer.max_restarts=500"]
+        print(
+            f"job: {steps} steps (~{a.work:.0f} s of compute; {t['productive'] / 400 * 1000:.1f} ms/step), "
+            f"failures ~ Exponential(mean {a.mtbf:g} s) seeded {a.seed}, saves through {a.throttle_mbps:g} MB/s\n"
+        )
+        job = [
+            *base,
+            f"trainer.max_steps={steps}",
+            f"trainer.eval_every_steps={steps}",
+            "fault=random",
+            f"fault.mtbf_seconds={a.mtbf}",
+            f"fault.seed={a.seed}",
+            "trainer.max_restarts=500",
+        ]
         rows, raw = [], []
         for backend in a.backends:
             for T in [*a.intervals, "auto"]:
                 run_dir = os.path.join(tmp, f"{backend}-{T}")
-                iv = ["ckpt.interval=auto"] if T == "auto" else ["ckpt.interval_steps=null", f"ckpt.interval_seconds={T}"]
-                rc, wall = train(run_dir, [*job, f"ckpt={backend}", f"ckpt.throttle_mbps={a.throttle_mbps}",
-                                           "ckpt.keep_last_k=2", *iv], 3600)
+                iv = (
+                    ["ckpt.interval=auto"]
+                    if T == "auto"
+                    else ["ckpt.interval_steps=null", f"ckpt.interval_seconds={T}"]
+                )
+                rc, wall = train(
+                    run_dir,
+                    [*job, f"ckpt={backend}", f"ckpt.throttle_mbps={a.throttle_mbps}", "ckpt.keep_last_k=2", *iv],
+                    3600,
+                )
                 if rc != 0:
                     rows.append((backend, T, None, None, None, None))
                     continue
@@ -218,16 +291,21 @@ def main() -> None:
                 p_first = predict_first_order(m["U"], m["e0"], t_eff, m["C"], m["R"], m["W"], m["mtbf_seen"])
                 rows.append((backend, T, m, p_seen, p_nominal, p_first))
                 raw.append({"backend": backend, "interval": T, **{k: v for k, v in m.items()}})
-                print(f"  done {backend:9} interval={T!s:5} goodput {m['goodput'] * 100:5.1f}%  "
-                      f"(predicted {p_seen * 100:5.1f}%), {m['failures']} failures, {wall:.0f} s", flush=True)
+                print(
+                    f"  done {backend:9} interval={T!s:5} goodput {m['goodput'] * 100:5.1f}%  "
+                    f"(predicted {p_seen * 100:5.1f}%), {m['failures']} failures, {wall:.0f} s",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "runs": raw}, f, indent=1, default=str)
-    print(f"\n{'backend':10} {'interval':>9} {'failures':>8} {'MTBF seen':>9} {'C s':>6} {'W s':>6} {'R s':>5} "
-          f"{'e0':>5} {'measured':>9} {'predicted':>9} {'diff':>6} {'pred@nominal':>12} {'1st-order':>9}")
+    print(
+        f"\n{'backend':10} {'interval':>9} {'failures':>8} {'MTBF seen':>9} {'C s':>6} {'W s':>6} {'R s':>5} "
+        f"{'e0':>5} {'measured':>9} {'predicted':>9} {'diff':>6} {'pred@nominal':>12} {'1st-order':>9}"
+    )
     worst = 0.0
     for backend, T, m, p_seen, p_nom, p_first in rows:
         if m is None:
@@ -236,9 +314,11 @@ def main() -> None:
         label = f"auto({m['auto_T']:.1f})" if T == "auto" else f"{T:g} s"
         diff = (m["goodput"] - p_seen) * 100
         worst = max(worst, abs(diff))
-        print(f"{backend:10} {label:>9} {m['failures']:>8} {m['mtbf_seen']:>9.1f} {m['C']:>6.3f} {m['W']:>6.3f} "
-              f"{m['R']:>5.2f} {m['e0']:>5.2f} {m['goodput'] * 100:>8.1f}% {p_seen * 100:>8.1f}% {diff:>+6.1f} "
-              f"{p_nom * 100:>11.1f}% {p_first * 100:>8.1f}%")
+        print(
+            f"{backend:10} {label:>9} {m['failures']:>8} {m['mtbf_seen']:>9.1f} {m['C']:>6.3f} {m['W']:>6.3f} "
+            f"{m['R']:>5.2f} {m['e0']:>5.2f} {m['goodput'] * 100:>8.1f}% {p_seen * 100:>8.1f}% {diff:>+6.1f} "
+            f"{p_nom * 100:>11.1f}% {p_first * 100:>8.1f}%"
+        )
     print(f"\nlargest |measured - predicted|: {worst:.1f} points (target <= 5)  -> {'OK' if worst <= 5 else 'MISSED'}")
     for backend in a.backends:
         fixed = [r for r in rows if r[0] == backend and r[1] != "auto" and r[2] is not None]
@@ -246,8 +326,10 @@ def main() -> None:
         if fixed and auto:
             best = max(fixed, key=lambda r: r[2]["goodput"])
             gap = (auto[0][2]["goodput"] - best[2]["goodput"]) * 100
-            print(f"{backend}: interval=auto {auto[0][2]['goodput'] * 100:.1f}% vs best fixed ({best[1]:g} s) "
-                  f"{best[2]['goodput'] * 100:.1f}%: {gap:+.1f} points  -> {'OK' if gap >= -2 else 'MISSED'}")
+            print(
+                f"{backend}: interval=auto {auto[0][2]['goodput'] * 100:.1f}% vs best fixed ({best[1]:g} s) "
+                f"{best[2]['goodput'] * 100:.1f}%: {gap:+.1f} points  -> {'OK' if gap >= -2 else 'MISSED'}"
+            )
 
 
 if __name__ == "__main__":

@@ -44,10 +44,14 @@ def main() -> None:
     assert [(g["samples"], g["sha256"]) for g in got] == [(s["samples"], s["sha256"]) for s in shards]
     ceiling = min(a.workers, len(shards)) * a.mbps
     rate = total / 1e6 / took
-    print(f"{len(shards)} shards, {total / 1e6:.0f} MB; store {a.mbps:g} MB/s per connection, {a.workers} at a time "
-          f"-> source bandwidth {ceiling:.0f} MB/s")
-    print(f"indexed in {took:.2f} s: {rate:.1f} MB/s = {rate / ceiling:.2f}x the source's bandwidth (target >= 0.8) "
-          f"-> {'OK' if rate / ceiling >= 0.8 else 'MISSED'} (sample counts and sha256 equal recipe.prepare's)")
+    print(
+        f"{len(shards)} shards, {total / 1e6:.0f} MB; store {a.mbps:g} MB/s per connection, {a.workers} at a time "
+        f"-> source bandwidth {ceiling:.0f} MB/s"
+    )
+    print(
+        f"indexed in {took:.2f} s: {rate:.1f} MB/s = {rate / ceiling:.2f}x the source's bandwidth (target >= 0.8) "
+        f"-> {'OK' if rate / ceiling >= 0.8 else 'MISSED'} (sample counts and sha256 equal recipe.prepare's)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Synthetic 224x224 JPEG shards (>= 200 MB of training shards, written once by rec
 by pitstop.slowstore (per-request latency, per-connection bandwidth: a network volume).  A training step of
 fixed cost (a sleep, like a GPU step that leaves the CPUs to the loader) follows every batch.  The step cost
 is calibrated once so the local-disk ceiling is compute-bound: --step-factor (2) x the time the loader
-needs to decode a batch from local disk.  For each pipeline, two epochs: samples/s and data-wait fraction (time blocked in
-next(batch) / wall time), plus bytes read from the source and cache hits.
+needs to decode a batch from local disk.  For each pipeline, two epochs: samples/s and data-wait fraction (time
+blocked in next(batch) / wall time), plus bytes read from the source and cache hits.
 Targets: cached epoch 2 >= 0.9x the ceiling with data-wait <= 5%; cached epoch 1 clearly above plain epoch 1.
 
 The peer rows (``--peer``): the same images in an S3 API server (moto's), behind the same throttle (the
@@ -29,15 +29,24 @@ import time
 
 from common import ROOT, compose, ensure_data
 
-STREAMING_HINT = ("pip install mosaicml-streaming (beside pitstop, see this file's docstring) and moto[server], "
-                  "s3fs (pip install -e '.[dev]')")
+STREAMING_HINT = (
+    "pip install mosaicml-streaming (beside pitstop, see this file's docstring) and moto[server], "
+    "s3fs (pip install -e '.[dev]')"
+)
 
 
 def make_loader(kind: str, root: str, batch: int, cache_dir: str | None = None, *extra: str):
     from pitstop.build import build
 
-    cfg = compose([f"loader={kind}", "data=synthetic", f"data.root={root}",
-                   *([f"loader.cache_dir={cache_dir}"] if cache_dir else []), *extra])
+    cfg = compose(
+        [
+            f"loader={kind}",
+            "data=synthetic",
+            f"data.root={root}",
+            *([f"loader.cache_dir={cache_dir}"] if cache_dir else []),
+            *extra,
+        ]
+    )
     data = build(cfg.data, _convert_="partial")
     return build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0)
 
@@ -58,8 +67,16 @@ def run(loader, epochs: int, step_s: float) -> list[dict]:
                 time.sleep(step_s)  # the training step: fixed cost, CPUs left to the loader
         wall = time.perf_counter() - t0
         delta = {k: v - before.get(k, 0) for k, v in loader.stats.items()}
-        out.append({"samples_s": n / wall, "wait": wait / wall, "wall": wall, "mb_source": delta["bytes_from_source"] / 1e6,
-                    "hits": delta.get("cache_hits", "-"), "misses": delta.get("cache_misses", "-")})
+        out.append(
+            {
+                "samples_s": n / wall,
+                "wait": wait / wall,
+                "wall": wall,
+                "mb_source": delta["bytes_from_source"] / 1e6,
+                "hits": delta.get("cache_hits", "-"),
+                "misses": delta.get("cache_misses", "-"),
+            }
+        )
     del it
     return out
 
@@ -70,10 +87,18 @@ def main() -> None:
     ap.add_argument("--mbps", type=float, default=10.0, help="MB/s per connection of the emulated store")
     ap.add_argument("--samples", type=int, default=6144)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--step-factor", type=float, default=2.0,
-                    help="step cost = this x the local decode time of a batch (> 1: compute-bound ceiling)")
-    ap.add_argument("--peer", choices=["auto", "off", "only"], default="auto",
-                    help="MosaicML streaming vs pitstop cached on a throttled S3 API (auto: when installed)")
+    ap.add_argument(
+        "--step-factor",
+        type=float,
+        default=2.0,
+        help="step cost = this x the local decode time of a batch (> 1: compute-bound ceiling)",
+    )
+    ap.add_argument(
+        "--peer",
+        choices=["auto", "off", "only"],
+        default="auto",
+        help="MosaicML streaming vs pitstop cached on a throttled S3 API (auto: when installed)",
+    )
     a = ap.parse_args()
 
     from pitstop.slowstore import SlowStore
@@ -89,9 +114,11 @@ def main() -> None:
 
     shards = json.loads(open(os.path.join(local, "index.json")).read())["splits"]["train"]
     total_mb = sum(s["bytes"] for s in shards) / 1e6
-    print(f"data: {len(shards)} train shards, {sum(s['samples'] for s in shards)} samples, {total_mb:.0f} MB "
-          f"of 224x224 JPEG; store: latency {a.latency_ms:g} ms, {a.mbps:g} MB/s per connection; "
-          f"2 workers/rank, batch {a.batch}, {os.cpu_count()} CPUs")
+    print(
+        f"data: {len(shards)} train shards, {sum(s['samples'] for s in shards)} samples, {total_mb:.0f} MB "
+        f"of 224x224 JPEG; store: latency {a.latency_ms:g} ms, {a.mbps:g} MB/s per connection; "
+        f"2 workers/rank, batch {a.batch}, {os.cpu_count()} CPUs"
+    )
     if total_mb < 200:
         print(f"warning: only {total_mb:.0f} MB; pass a larger --samples")
 
@@ -126,19 +153,29 @@ def main() -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
     ref = max(r["samples_s"] for r in ceiling)
-    print(f"{'pipeline':22} {'epoch':>5} {'samples/s':>10} {'x ceiling':>9} {'data-wait':>9} {'MB from source':>14} "
-          f"{'hits/misses':>11}")
+    print(
+        f"{'pipeline':22} {'epoch':>5} {'samples/s':>10} {'x ceiling':>9} {'data-wait':>9} {'MB from source':>14} "
+        f"{'hits/misses':>11}"
+    )
     for label, e, r in rows:
-        print(f"{label:22} {e:>5} {r['samples_s']:>10.0f} {r['samples_s'] / ref:>9.2f} {r['wait'] * 100:>8.1f}% "
-              f"{r['mb_source']:>14.0f} {str(r['hits']) + '/' + str(r['misses']):>11}")
+        print(
+            f"{label:22} {e:>5} {r['samples_s']:>10.0f} {r['samples_s'] / ref:>9.2f} {r['wait'] * 100:>8.1f}% "
+            f"{r['mb_source']:>14.0f} {str(r['hits']) + '/' + str(r['misses']):>11}"
+        )
     print()
     c2, c1, p1 = cached[1], cached[0], plain[0]
-    print(f"cached epoch 2 / ceiling: {c2['samples_s'] / ref:.2f} (target >= 0.9), data-wait {c2['wait'] * 100:.1f}% "
-          f"(target <= 5%)  -> {'OK' if c2['samples_s'] / ref >= 0.9 and c2['wait'] <= 0.05 else 'MISSED'}")
-    print(f"cached epoch 1 / plain epoch 1: {c1['samples_s'] / p1['samples_s']:.2f} (target: clearly > 1)  -> "
-          f"{'OK' if c1['samples_s'] > 1.2 * p1['samples_s'] else 'MISSED'}")
-    print(f"cold epoch (empty cache) / ceiling: auto {c1['samples_s'] / ref:.2f}, prefetch 2 "
-          f"{fixed[0]['samples_s'] / ref:.2f} (issue 13 target >= 0.95 where the store's bandwidth allows)")
+    print(
+        f"cached epoch 2 / ceiling: {c2['samples_s'] / ref:.2f} (target >= 0.9), data-wait {c2['wait'] * 100:.1f}% "
+        f"(target <= 5%)  -> {'OK' if c2['samples_s'] / ref >= 0.9 and c2['wait'] <= 0.05 else 'MISSED'}"
+    )
+    print(
+        f"cached epoch 1 / plain epoch 1: {c1['samples_s'] / p1['samples_s']:.2f} (target: clearly > 1)  -> "
+        f"{'OK' if c1['samples_s'] > 1.2 * p1['samples_s'] else 'MISSED'}"
+    )
+    print(
+        f"cold epoch (empty cache) / ceiling: auto {c1['samples_s'] / ref:.2f}, prefetch 2 "
+        f"{fixed[0]['samples_s'] / ref:.2f} (issue 13 target >= 0.95 where the store's bandwidth allows)"
+    )
 
 
 def _peer_missing() -> str | None:
@@ -160,8 +197,9 @@ def _streaming_dataset(decode_dataset, **kw):
     class MDSImages(StreamingDataset):
         def __getitem__(self, i):
             sample = super().__getitem__(i)
-            return decode_dataset.decode({"__key__": str(i), "jpg": sample["jpg"], "cls": sample["cls"]},
-                                         train=True, seed=i)
+            return decode_dataset.decode(
+                {"__key__": str(i), "jpg": sample["jpg"], "cls": sample["cls"]}, train=True, seed=i
+            )
 
     return MDSImages(**kw)
 
@@ -229,8 +267,11 @@ def peer(a, local: str, name: str, step_s: float) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     work = tempfile.mkdtemp(prefix="pitstop-bench-peer-")
     try:
         moto = f"http://127.0.0.1:{port}"
@@ -248,22 +289,38 @@ def peer(a, local: str, name: str, step_s: float) -> None:
         t0 = time.perf_counter()
         samples = _write_mds(local, os.path.join(work, "mds"), per_shard)
         fs.put(os.path.join(work, "mds"), "bench/mds", recursive=True)
-        print(f"peer: {samples} samples as {len(fs.ls('bench/mds')) - 1} MDS shards of ~{per_shard / 1e6:.0f} MB "
-              f"({time.perf_counter() - t0:.0f} s to write and upload), and the same {len(shards)} tar shards, in "
-              f"moto's S3 API behind the slowstore (latency {a.latency_ms:g} ms, {a.mbps:g} MB/s per connection)")
+        print(
+            f"peer: {samples} samples as {len(fs.ls('bench/mds')) - 1} MDS shards of ~{per_shard / 1e6:.0f} MB "
+            f"({time.perf_counter() - t0:.0f} s to write and upload), and the same {len(shards)} tar shards, in "
+            f"moto's S3 API behind the slowstore (latency {a.latency_ms:g} ms, {a.mbps:g} MB/s per connection)"
+        )
         rows = []
         with SlowStore("", latency_ms=a.latency_ms, mbps=a.mbps, upstream=moto) as store:
-            cfg = compose(["loader=cached", "data=synthetic", f"data.root=s3://bench/{name}",
-                           f"loader.cache_dir={os.path.join(work, 'pitstop-cache')}",
-                           f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"])
+            cfg = compose(
+                [
+                    "loader=cached",
+                    "data=synthetic",
+                    f"data.root=s3://bench/{name}",
+                    f"loader.cache_dir={os.path.join(work, 'pitstop-cache')}",
+                    f"+loader.storage_options.client_kwargs.endpoint_url={store.url}",
+                ]
+            )
             data = build(cfg.data, _convert_="partial")
             loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=a.batch, seed=0)
-            rows += [("pitstop cached (s3)", i + 1, r) for i, r in enumerate(_epochs(loader, 2, step_s, store,
-                                                                                  loader.steps_per_epoch()))]
+            rows += [
+                ("pitstop cached (s3)", i + 1, r)
+                for i, r in enumerate(_epochs(loader, 2, step_s, store, loader.steps_per_epoch()))
+            ]
             del loader
             os.environ["S3_ENDPOINT_URL"] = store.url
-            ds = _streaming_dataset(data, remote="s3://bench/mds", local=os.path.join(work, "streaming-cache"),
-                                    batch_size=a.batch, shuffle=True, shuffle_seed=0)
+            ds = _streaming_dataset(
+                data,
+                remote="s3://bench/mds",
+                local=os.path.join(work, "streaming-cache"),
+                batch_size=a.batch,
+                shuffle=True,
+                shuffle_seed=0,
+            )
             dl = DataLoader(ds, batch_size=a.batch, num_workers=2, persistent_workers=True)
             rows += [("mosaicml streaming (s3)", i + 1, r) for i, r in enumerate(_epochs(dl, 2, step_s, store))]
             del dl
@@ -274,10 +331,16 @@ def peer(a, local: str, name: str, step_s: float) -> None:
     print(f"{'pipeline':26} {'epoch':>5} {'samples':>7} {'samples/s':>10} {'data-wait':>9} {'MB through store':>16}")
     for label, e, r in rows:
         print(f"{label:26} {e:>5} {r['n']:>7} {r['samples_s']:>10.0f} {r['wait'] * 100:>8.1f}% {r['mb_source']:>16.0f}")
-    ours, theirs = [r for lbl, _, r in rows if lbl.startswith("pitstop")], [r for lbl, _, r in rows if lbl.startswith("mosaic")]
+    ours, theirs = (
+        [r for lbl, _, r in rows if lbl.startswith("pitstop")],
+        [r for lbl, _, r in rows if lbl.startswith("mosaic")],
+    )
     for e in (0, 1):
         ratio = ours[e]["samples_s"] / theirs[e]["samples_s"]
-        print(f"epoch {e + 1}: pitstop cached / streaming = {ratio:.2f} (target >= 1)  -> {'OK' if ratio >= 1 else 'MISSED'}")
+        print(
+            f"epoch {e + 1}: pitstop cached / streaming = {ratio:.2f} (target >= 1)  -> "
+            f"{'OK' if ratio >= 1 else 'MISSED'}"
+        )
     print()
 
 

@@ -28,8 +28,11 @@ def class_sorted_shards(out: Path) -> None:
 
     index = json.loads((ROOT / "data" / "digits" / "index.json").read_text())
     for split, per in (("train", 160), ("val", 200)):
-        samples = [smp for s in index["splits"][split]
-                   for smp in read_shard((ROOT / "data" / "digits" / s["url"]).read_bytes(), s["url"])]
+        samples = [
+            smp
+            for s in index["splits"][split]
+            for smp in read_shard((ROOT / "data" / "digits" / s["url"]).read_bytes(), s["url"])
+        ]
         samples.sort(key=lambda smp: (int(smp["cls"]), smp["__key__"]))
         with wds.ShardWriter(str(out / f"{split}-%04d.tar"), maxcount=per, verbose=0) as w:
             for i, smp in enumerate(samples):
@@ -37,10 +40,19 @@ def class_sorted_shards(out: Path) -> None:
 
 
 def data_args(shards: Path, root: Path) -> list[str]:
-    return ["data=webdataset", f"data.train='{shards}/train-{{0000..0008}}.tar'",
-            f"data.val='{shards}/val-{{0000..0001}}.tar'", "data.num_classes=10", "data.channels=1",
-            "data.image_size=8", "data.augment.pad=1", "data.augment.hflip=false", "data.mean=[0.5]",
-            "data.std=[0.5]", f"data.root={root}"]
+    return [
+        "data=webdataset",
+        f"data.train='{shards}/train-{{0000..0008}}.tar'",
+        f"data.val='{shards}/val-{{0000..0001}}.tar'",
+        "data.num_classes=10",
+        "data.channels=1",
+        "data.image_size=8",
+        "data.augment.pad=1",
+        "data.augment.hflip=false",
+        "data.mean=[0.5]",
+        "data.std=[0.5]",
+        f"data.root={root}",
+    ]
 
 
 def main() -> None:
@@ -76,10 +88,24 @@ def main() -> None:
             acc = "-"
             if a.train:
                 run = Path(tmp) / f"run{k}"
-                p = subprocess.run([sys.executable, "-m", "recipe.train", *data_args(shards, root), "model=cnn",
-                                    "trainer.epochs=4", "trainer.batch_size=32", "logger=none", "ckpt=none",
-                                    f"loader.shuffle_shards_window={k}", f"run_dir={run}"], cwd=ROOT,
-                                   capture_output=True, text=True)
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "recipe.train",
+                        *data_args(shards, root),
+                        "model=cnn",
+                        "trainer.epochs=4",
+                        "trainer.batch_size=32",
+                        "logger=none",
+                        "ckpt=none",
+                        f"loader.shuffle_shards_window={k}",
+                        f"run_dir={run}",
+                    ],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                )
                 assert p.returncode == 0, p.stderr[-2000:]
                 acc = f"{json.loads((run / 'summary.json').read_text())['metrics']['val_accuracy']:.3f}"
             print(f"{k:>6} {classes:>13.2f} {shards_per:>12.2f} {took:>12.2f} {acc:>12}")

@@ -49,8 +49,11 @@ class Mark:
 
 def settings_overrides(opt: argparse.Namespace) -> list[str]:
     """The same settings for both loops, as recipe.train overrides."""
-    out = [f"trainer.precision={opt.precision}", f"trainer.channels_last={str(opt.channels_last).lower()}",
-           f"trainer.compile={str(opt.compile).lower()}"]
+    out = [
+        f"trainer.precision={opt.precision}",
+        f"trainer.channels_last={str(opt.channels_last).lower()}",
+        f"trainer.compile={str(opt.compile).lower()}",
+    ]
     if opt.model == "resnet50":
         out += ["model=torchvision", "model.name=resnet50"]
     if opt.data == "synthetic":
@@ -65,7 +68,9 @@ def settings_overrides(opt: argparse.Namespace) -> list[str]:
 def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
     from pitstop.runner import Runner
 
-    cfg = compose([*BASE, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", f"run_dir={run_dir}", *extra])
+    cfg = compose(
+        [*BASE, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", f"run_dir={run_dir}", *extra]
+    )
     r = Runner(cfg, run_dir)
     r.setup()
     r.restore()
@@ -78,8 +83,14 @@ def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
     logging = r.ledger.seconds["logging"]
     enqueue = getattr(r.logger, "enqueue_seconds", 0.0)
     summary = r.finish()
-    return {"steps_per_s": steps / fit, "step_s": fit / steps, "steady_steps_per_s": (half.until - half.step) / (half.t_until - half.t),
-            "logging_s": logging, "enqueue_s": enqueue, "summary": summary}
+    return {
+        "steps_per_s": steps / fit,
+        "step_s": fit / steps,
+        "steady_steps_per_s": (half.until - half.step) / (half.t_until - half.t),
+        "logging_s": logging,
+        "enqueue_s": enqueue,
+        "summary": summary,
+    }
 
 
 def hand_run(steps: int, extra: list[str] = ()) -> dict:
@@ -105,18 +116,30 @@ def hand_run(steps: int, extra: list[str] = ()) -> dict:
 
     def batches():
         for epoch in itertools.count():
-            pipe = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False)
-                    .map(decode).batched(t.batch_size))
-            yield from DataLoader(pipe, batch_size=None, num_workers=cfg.loader.num_workers,
-                                  prefetch_factor=cfg.loader.prefetch_factor, pin_memory=device.type == "cuda")
+            pipe = (
+                wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False)
+                .map(decode)
+                .batched(t.batch_size)
+            )
+            yield from DataLoader(
+                pipe,
+                batch_size=None,
+                num_workers=cfg.loader.num_workers,
+                prefetch_factor=cfg.loader.prefetch_factor,
+                pin_memory=device.type == "cuda",
+            )
 
     if cfg.model._target_.endswith("torchvision_model"):
         import torchvision
 
         model = torchvision.models.get_model(cfg.model.name, weights=None, num_classes=cfg.data.num_classes)
     else:
-        model = SmallCNN(in_channels=cfg.data.channels, num_classes=cfg.data.num_classes, width=cfg.model.width,
-                         dropout=cfg.model.dropout)
+        model = SmallCNN(
+            in_channels=cfg.data.channels,
+            num_classes=cfg.data.num_classes,
+            width=cfg.model.width,
+            dropout=cfg.model.dropout,
+        )
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -173,9 +196,12 @@ def compare(label: str, steps: int, repeats: int, extra: list[str], tmp: str) ->
     runs_hand = ", ".join(f"{r['steps_per_s']:.2f}" for r in hand)
     print(f"recipe.train        steps/s  whole {f:8.2f}  steady {fs:8.2f}   runs {runs_fw}")
     print(f"hand-written loop   steps/s  whole {h:8.2f}  steady {hs:8.2f}   runs {runs_hand}")
-    print(f"ratio recipe/hand   whole {f / h:.3f}   steady {fs / hs:.3f}   "
-          f"samples/s/device {tp['samples_per_s_per_device']}   step p50 {tp.get('step_seconds_p50', 0) * 1e3:.1f} ms   "
-          f"MFU {mfu}   ({tp.get('flops_per_step') or 0:.3g} FLOP/step)", flush=True)
+    print(
+        f"ratio recipe/hand   whole {f / h:.3f}   steady {fs / hs:.3f}   "
+        f"samples/s/device {tp['samples_per_s_per_device']}   step p50 {tp.get('step_seconds_p50', 0) * 1e3:.1f} ms   "
+        f"MFU {mfu}   ({tp.get('flops_per_step') or 0:.3g} FLOP/step)",
+        flush=True,
+    )
     return fs / hs
 
 
@@ -203,7 +229,9 @@ def main() -> None:
     if args.only == "settings":
         return
     if settings == settings_overrides(ap.parse_args([])):  # default settings: bf16 autocast on CPU, reported
-        compare("trainer.precision=bf16 (autocast)", args.steps, args.repeats, [*settings, "trainer.precision=bf16"], tmp)
+        compare(
+            "trainer.precision=bf16 (autocast)", args.steps, args.repeats, [*settings, "trainer.precision=bf16"], tmp
+        )
 
     none, ml = [], []
     uri = f"sqlite:///{tmp}/mlflow.db"
@@ -211,23 +239,39 @@ def main() -> None:
     every = args.log_every
     for i in range(args.repeats):
         none.append(framework_run(args.steps, [f"trainer.log_every_steps={every}"], os.path.join(tmp, f"n{i}")))
-        ml.append(framework_run(args.steps, ["logger=mlflow", f"logger.tracking_uri={uri}", f"trainer.log_every_steps={every}"],
-                                os.path.join(tmp, f"m{i}")))
+        ml.append(
+            framework_run(
+                args.steps,
+                ["logger=mlflow", f"logger.tracking_uri={uri}", f"trainer.log_every_steps={every}"],
+                os.path.join(tmp, f"m{i}"),
+            )
+        )
     step = median([r["step_s"] for r in none])
     enq = median([r["enqueue_s"] / args.steps for r in ml])
     log_none = median([r["logging_s"] / args.steps for r in none])
     log_ml = median([r["logging_s"] / args.steps for r in ml])
     sps_none, sps_ml = median([r["steps_per_s"] for r in none]), median([r["steps_per_s"] for r in ml])
-    print(f"# MLflow logging every {every} step(s) (default 10), 9 metrics per log step, sqlite store, {args.steps} steps")
-    print(f"loop time handing metrics to MLflow: {enq * 1e6:.1f} us/step = {100 * enq / step:.3f}% of a {step * 1e3:.2f} ms step")
-    print(f"record() incl. metrics.jsonl: none {log_none * 1e6:.1f} us/step, mlflow {log_ml * 1e6:.1f} us/step "
-          f"({100 * (log_ml - log_none) / step:+.3f}% of step)")
+    print(
+        f"# MLflow logging every {every} step(s) (default 10), 9 metrics per log step, sqlite store, {args.steps} steps"
+    )
+    print(
+        f"loop time handing metrics to MLflow: {enq * 1e6:.1f} us/step = {100 * enq / step:.3f}% "
+        f"of a {step * 1e3:.2f} ms step"
+    )
+    print(
+        f"record() incl. metrics.jsonl: none {log_none * 1e6:.1f} us/step, mlflow {log_ml * 1e6:.1f} us/step "
+        f"({100 * (log_ml - log_none) / step:+.3f}% of step)"
+    )
     st_none = median([r["steady_steps_per_s"] for r in none])
     st_ml = median([r["steady_steps_per_s"] for r in ml])
-    print(f"steps/s, whole run:        logger=none {sps_none:.2f}  logger=mlflow {sps_ml:.2f}  "
-          f"({100 * (1 - sps_ml / sps_none):+.2f}%: includes the logger process starting up on the same 2 cores)")
-    print(f"steps/s, second half only: logger=none {st_none:.2f}  logger=mlflow {st_ml:.2f}  "
-          f"({100 * (1 - st_ml / st_none):+.2f}% per-step cost in steady state)")
+    print(
+        f"steps/s, whole run:        logger=none {sps_none:.2f}  logger=mlflow {sps_ml:.2f}  "
+        f"({100 * (1 - sps_ml / sps_none):+.2f}%: includes the logger process starting up on the same 2 cores)"
+    )
+    print(
+        f"steps/s, second half only: logger=none {st_none:.2f}  logger=mlflow {st_ml:.2f}  "
+        f"({100 * (1 - st_ml / st_none):+.2f}% per-step cost in steady state)"
+    )
 
 
 if __name__ == "__main__":

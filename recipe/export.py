@@ -42,8 +42,11 @@ def model_state(ckpt: str) -> dict[str, torch.Tensor]:
     reader = dcp_reader(ckpt)
     meta = reader.read_metadata().state_dict_metadata
     prefix = "model."
-    model = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    model = {
+        k[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     state = {"model": model}
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]

@@ -21,8 +21,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pitstop.goodput import (best_interval, exact_goodput, expected_goodput, fmt_duration, parse_duration,
-                             two_tier_goodput, young_daly)
+from pitstop.goodput import (
+    best_interval,
+    exact_goodput,
+    expected_goodput,
+    fmt_duration,
+    parse_duration,
+    two_tier_goodput,
+    young_daly,
+)
 
 PARTS = ("recovery_gap", "program_start", "init", "restore")
 
@@ -42,12 +49,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-cost", default="0", help="local tier: seconds the loop blocks per save")
     p.add_argument("--local-lag", default="0", help="local tier: save start -> complete")
     p.add_argument("--local-share", type=float, default=1.0, help="share of failures the local tier survives")
-    p.add_argument("--nodes", nargs="*", type=int, default=None,
-                   help="project for these node counts (none given: 1, 2, 4 ... 4096)")
-    p.add_argument("--node-mtbf", default=None, help="one node's MTBF (default: Llama 3's 8.6 failures/day on "
-                   "2,048 nodes of 8 GPUs, i.e. 238 days)")
-    p.add_argument("--from", dest="run_dir", default=None, help="take C, W and R from this run dir's "
-                   "summary.json")
+    p.add_argument(
+        "--nodes",
+        nargs="*",
+        type=int,
+        default=None,
+        help="project for these node counts (none given: 1, 2, 4 ... 4096)",
+    )
+    p.add_argument(
+        "--node-mtbf",
+        default=None,
+        help="one node's MTBF (default: Llama 3's 8.6 failures/day on 2,048 nodes of 8 GPUs, i.e. 238 days)",
+    )
+    p.add_argument("--from", dest="run_dir", default=None, help="take C, W and R from this run dir's summary.json")
     p.add_argument("--replace-cost", default="0", help="a lost node: seconds until a replacement joins, on top of R")
     p.add_argument("--replace-share", type=float, default=0.0, help="share of failures that lose a node")
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
@@ -59,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         intervals = [parse_duration(t) for t in a.interval]
         c, r, w = parse_duration(a.save_cost), parse_duration(a.restart_cost), parse_duration(a.write_lag)
         parts = {k: parse_duration(getattr(a, k)) for k in PARTS if getattr(a, k) is not None}
-        local = None if a.local_interval is None else (parse_duration(a.local_interval), parse_duration(a.local_cost),
-                                                       parse_duration(a.local_lag))
+        local = (
+            None
+            if a.local_interval is None
+            else (parse_duration(a.local_interval), parse_duration(a.local_cost), parse_duration(a.local_lag))
+        )
     except ValueError as e:
         p.error(str(e))
     if parts:
@@ -70,26 +87,34 @@ def main(argv: list[str] | None = None) -> None:
     if mtbf <= 0 or any(t <= 0 for t in intervals):
         p.error("--mtbf/--failures-per-day and --interval must be positive")
 
-    print(f"MTBF {fmt_duration(mtbf)} ({86400 / mtbf:.1f} failures/day); save cost C={fmt_duration(c)}, "
-          f"restart R={fmt_duration(r)}, write lag W={fmt_duration(w)}")
+    print(
+        f"MTBF {fmt_duration(mtbf)} ({86400 / mtbf:.1f} failures/day); save cost C={fmt_duration(c)}, "
+        f"restart R={fmt_duration(r)}, write lag W={fmt_duration(w)}"
+    )
     if parts:
         print("R = " + " + ".join(f"{k} {fmt_duration(v)}" for k, v in parts.items()))
     print(f"{'interval':>12}  {'goodput':>8}  {'exact, exponential failures':>28}")
     for t in intervals:
-        print(f"{fmt_duration(t):>12}  {expected_goodput(t, mtbf, c, r, w) * 100:7.1f}%  "
-              f"{exact_goodput(t, mtbf, c, r, w) * 100:27.1f}%")
+        print(
+            f"{fmt_duration(t):>12}  {expected_goodput(t, mtbf, c, r, w) * 100:7.1f}%  "
+            f"{exact_goodput(t, mtbf, c, r, w) * 100:27.1f}%"
+        )
     if local is not None:
         tl, cl, wl = local
-        print(f"\nwith a local tier every {fmt_duration(tl)} (blocks {fmt_duration(cl)}, complete after "
-              f"{fmt_duration(wl)}), surviving {a.local_share:.0%} of failures (Young–Daly for it: "
-              f"{fmt_duration(young_daly(cl, mtbf))}):")
+        print(
+            f"\nwith a local tier every {fmt_duration(tl)} (blocks {fmt_duration(cl)}, complete after "
+            f"{fmt_duration(wl)}), surviving {a.local_share:.0%} of failures (Young–Daly for it: "
+            f"{fmt_duration(young_daly(cl, mtbf))}):"
+        )
         for t in intervals:
             print(f"{fmt_duration(t):>12}  {two_tier_goodput(tl, t, mtbf, cl, c, r, wl, w, a.local_share) * 100:7.1f}%")
     if c > 0:
         yd, best = young_daly(c, mtbf), best_interval(mtbf, c, r, w)
-        print(f"optimal interval: Young–Daly sqrt(2*C*MTBF) = {fmt_duration(yd)} -> "
-              f"{expected_goodput(yd, mtbf, c, r, w) * 100:.1f}%; model optimum {fmt_duration(best)} -> "
-              f"{expected_goodput(best, mtbf, c, r, w) * 100:.1f}%")
+        print(
+            f"optimal interval: Young–Daly sqrt(2*C*MTBF) = {fmt_duration(yd)} -> "
+            f"{expected_goodput(yd, mtbf, c, r, w) * 100:.1f}%; model optimum {fmt_duration(best)} -> "
+            f"{expected_goodput(best, mtbf, c, r, w) * 100:.1f}%"
+        )
     else:
         print("optimal interval: as often as possible (saves are free in this scenario: set --save-cost)")
 
@@ -122,9 +147,15 @@ def measured(run_dir: str) -> tuple[float, float, float]:
     if not ckpt.get("saves"):
         raise SystemExit(f"error: --from {run_dir}: the run saved no checkpoint (ckpt=none?), so C is unknown")
     if not ledger.get("restarts"):
-        raise SystemExit(f"error: --from {run_dir}: the run never restarted, so R is unknown; run it with a fault "
-                         f"(e.g. fault=crash_at_step trainer.max_restarts=1) or give --restart-cost")
-    return float(ckpt["block_seconds_mean"]), float(ckpt.get("total_seconds_mean") or 0.0), float(ledger["restart_seconds"])
+        raise SystemExit(
+            f"error: --from {run_dir}: the run never restarted, so R is unknown; run it with a fault "
+            f"(e.g. fault=crash_at_step trainer.max_restarts=1) or give --restart-cost"
+        )
+    return (
+        float(ckpt["block_seconds_mean"]),
+        float(ckpt.get("total_seconds_mean") or 0.0),
+        float(ledger["restart_seconds"]),
+    )
 
 
 def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -141,18 +172,24 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         c, w, r = measured(a.run_dir)
     if node_mtbf <= 0 or not 0 <= a.replace_share <= 1:
         p.error("--node-mtbf must be positive and --replace-share within [0, 1]")
-    nodes = a.nodes or [2 ** k for k in range(13)]
-    print(f"per node MTBF {fmt_duration(node_mtbf)}; C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} "
-          f"(process restart){f' from {a.run_dir}' if a.run_dir else ''}; a lost node ({a.replace_share:.0%} of "
-          f"failures) adds {fmt_duration(replace)}")
+    nodes = a.nodes or [2**k for k in range(13)]
+    print(
+        f"per node MTBF {fmt_duration(node_mtbf)}; C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} "
+        f"(process restart){f' from {a.run_dir}' if a.run_dir else ''}; a lost node ({a.replace_share:.0%} of "
+        f"failures) adds {fmt_duration(replace)}"
+    )
     rows = [at_scale(n, node_mtbf, c, r, w, replace, a.replace_share, fixed) for n in nodes]
     what = f"at {fmt_duration(fixed)}" if fixed else "at best T"
-    print(f"{'nodes':>6} {'job MTBF':>10} {'fail/day':>9} {'Young-Daly':>11} {'best T':>10} "
-          f"{'goodput ' + what:>18} {'exact':>7}")
+    print(
+        f"{'nodes':>6} {'job MTBF':>10} {'fail/day':>9} {'Young-Daly':>11} {'best T':>10} "
+        f"{'goodput ' + what:>18} {'exact':>7}"
+    )
     for row in rows:
-        print(f"{row['nodes']:>6} {fmt_duration(row['mtbf']):>10} {row['failures_per_day']:>9.2f} "
-              f"{fmt_duration(row['young_daly']):>11} {fmt_duration(row['best']):>10} {row['goodput'] * 100:>17.1f}% "
-              f"{row['exact'] * 100:>6.1f}%")
+        print(
+            f"{row['nodes']:>6} {fmt_duration(row['mtbf']):>10} {row['failures_per_day']:>9.2f} "
+            f"{fmt_duration(row['young_daly']):>11} {fmt_duration(row['best']):>10} {row['goodput'] * 100:>17.1f}% "
+            f"{row['exact'] * 100:>6.1f}%"
+        )
     if a.plot:
         import matplotlib
 

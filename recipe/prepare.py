@@ -1,8 +1,8 @@
 """Write a data set as webdataset shards + index.json under ``data.root``.
 
-    python -m recipe.prepare                                   # UCI digits (the default data)
-    python -m recipe.prepare data=imagefolder data.source=DIR  # your ImageFolder tree DIR/<class>/<img>
-    python -m recipe.prepare data=synthetic data.num_samples=4096 data.image_size=224
+python -m recipe.prepare                                   # UCI digits (the default data)
+python -m recipe.prepare data=imagefolder data.source=DIR  # your ImageFolder tree DIR/<class>/<img>
+python -m recipe.prepare data=synthetic data.num_samples=4096 data.image_size=224
 """
 
 from __future__ import annotations
@@ -55,15 +55,21 @@ def digits(cfg: DictConfig) -> tuple[dict, dict]:
     images = (d.images * (255.0 / 16.0)).round().clip(0, 255).astype(np.uint8)  # 8x8, values 0..16
     train, val = _split(len(images), d.target, cfg.prepare.val_fraction, cfg.prepare.seed)
     encode = lambda i: ("png", _png(images[i]), int(d.target[i]))  # noqa: E731
-    meta = {"name": "digits", "source": "sklearn.datasets.load_digits (UCI ML handwritten digits)",
-            "num_classes": 10, "classes": [str(c) for c in range(10)]}
+    meta = {
+        "name": "digits",
+        "source": "sklearn.datasets.load_digits (UCI ML handwritten digits)",
+        "num_classes": 10,
+        "classes": [str(c) for c in range(10)],
+    }
     return {"train": _samples(train, encode), "val": _samples(val, encode)}, meta
 
 
 def imagefolder(cfg: DictConfig) -> tuple[dict, dict]:
     src = cfg.source
     if not os.path.isdir(src):
-        raise PitstopError(f"data.source {src} is not a directory; point it at an ImageFolder tree SOURCE/<class>/<image>")
+        raise PitstopError(
+            f"data.source {src} is not a directory; point it at an ImageFolder tree SOURCE/<class>/<image>"
+        )
     classes = sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise PitstopError(f"data.source {src} has no class sub-directories (expected SOURCE/<class>/<image>)")
@@ -119,15 +125,25 @@ def webdataset(data: DictConfig, storage_options: dict | None = None) -> str:
     splits = {}
     for split in ("train", "val"):
         if data.get(split):
-            urls = expand(OmegaConf.to_object(data[split]) if OmegaConf.is_list(data[split]) else str(data[split]),
-                          f"data.{split}")
+            urls = expand(
+                OmegaConf.to_object(data[split]) if OmegaConf.is_list(data[split]) else str(data[split]),
+                f"data.{split}",
+            )
             splits[split] = [u if "://" in u else os.path.abspath(u) for u in urls]
     if "train" not in splits:
-        raise PitstopError("data.train is not set: give the training shards, e.g. data.train='DIR/train-{000000..000099}.tar'")
+        raise PitstopError(
+            "data.train is not set: give the training shards, e.g. data.train='DIR/train-{000000..000099}.tar'"
+        )
     dataset = instantiate(data, _convert_="partial")
     meta = {"name": str(data.name), "num_classes": int(data.num_classes), "source": "existing webdataset shards"}
-    return index_existing(root, splits, meta, check=dataset.check, workers=int(data.prepare.workers),
-                          policy=FetchPolicy(storage_options=storage_options or {}))
+    return index_existing(
+        root,
+        splits,
+        meta,
+        check=dataset.check,
+        workers=int(data.prepare.workers),
+        policy=FetchPolicy(storage_options=storage_options or {}),
+    )
 
 
 def prepare(data: DictConfig, force: bool = False, storage_options: dict | None = None) -> str:
@@ -135,9 +151,12 @@ def prepare(data: DictConfig, force: bool = False, storage_options: dict | None 
     root = str(data.root)
     existing = data.prepare.kind == "webdataset"  # (shards that exist: indexed, not written)
     if "://" in root:
-        raise PitstopError(f"data.root {root} is remote: the index is written locally (a read-only source is "
-                           f"fine); point data.root at a local dir, then copy index.json next to the shards if you like"
-                           if existing else f"data.root {root} is remote; prepare locally, then upload the directory")
+        raise PitstopError(
+            f"data.root {root} is remote: the index is written locally (a read-only source is "
+            f"fine); point data.root at a local dir, then copy index.json next to the shards if you like"
+            if existing
+            else f"data.root {root} is remote; prepare locally, then upload the directory"
+        )
     index = os.path.join(root, INDEX_NAME)
     if os.path.isfile(index) and not force:
         log.info("%s already exist: %s (force=true rebuilds)", "index" if existing else "shards", index)
@@ -153,16 +172,22 @@ def prepare(data: DictConfig, force: bool = False, storage_options: dict | None 
     per_shard = int(data.prepare.samples_per_shard)
     infos = {name: write_split(root, name, samples, per_shard) for name, samples in splits.items()}
     path = write_index(root, infos, meta)
-    log.info("wrote %s: %s", path, ", ".join(f"{k}: {sum(s.samples for s in v)} samples in {len(v)} shards"
-                                             for k, v in infos.items()))
+    log.info(
+        "wrote %s: %s",
+        path,
+        ", ".join(f"{k}: {sum(s.samples for s in v)} samples in {len(v)} shards" for k, v in infos.items()),
+    )
     return path
 
 
 @hydra.main(config_path="../conf", config_name="prepare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        prepare(cfg.data, force=bool(cfg.force),
-                storage_options=fsurl.storage_options(cfg.get("storage_options"), "storage_options"))
+        prepare(
+            cfg.data,
+            force=bool(cfg.force),
+            storage_options=fsurl.storage_options(cfg.get("storage_options"), "storage_options"),
+        )
     except PitstopError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -33,8 +33,11 @@ def train(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.run_dir = run_dir  # single runs and sweep jobs alike: this job's own dir
         if hc.mode == RunMode.MULTIRUN:  # groups the sweep's runs in the tracker
-            cfg.sweep = {"id": os.path.basename(os.path.normpath(hc.sweep.dir)), "job": hc.job.num,
-                         "overrides": " ".join(hc.overrides.task)}
+            cfg.sweep = {
+                "id": os.path.basename(os.path.normpath(hc.sweep.dir)),
+                "job": hc.job.num,
+                "overrides": " ".join(hc.overrides.task),
+            }
     return launch.run(cfg, run_dir)  # in this process, or one process per rank
 
 

@@ -20,9 +20,20 @@ class ImageShards(ShardedDataset):
     webdataset shards (``image_keys``: the image member's extensions, first found wins; ``label_key``: the
     label's, an integer as text)."""
 
-    def __init__(self, root: str, name: str = "digits", num_classes: int = 10, channels: int = 3,
-                 image_size: int | None = None, mean=None, std=None, augment: dict | None = None,
-                 image_keys: str | list = IMAGE_EXTS, label_key: str = "cls", **kw):
+    def __init__(
+        self,
+        root: str,
+        name: str = "digits",
+        num_classes: int = 10,
+        channels: int = 3,
+        image_size: int | None = None,
+        mean=None,
+        std=None,
+        augment: dict | None = None,
+        image_keys: str | list = IMAGE_EXTS,
+        label_key: str = "cls",
+        **kw,
+    ):
         super().__init__(root, **kw)
         keys = image_keys.split(";") if isinstance(image_keys, str) else list(image_keys)
         self.image_keys, self.label_key = tuple(k.strip().lower() for k in keys if k.strip()), str(label_key)
@@ -48,15 +59,19 @@ class ImageShards(ShardedDataset):
         """The extension of the sample's image (the first of ``image_keys`` it has)."""
         ext = next((e for e in self.image_keys if e in sample), None)
         if ext is None:
-            raise ValueError(f"no image member {'/'.join(self.image_keys)} (has "
-                             f"{sorted(k for k in sample if not k.startswith('__'))}; set data.image_keys)")
+            raise ValueError(
+                f"no image member {'/'.join(self.image_keys)} (has "
+                f"{sorted(k for k in sample if not k.startswith('__'))}; set data.image_keys)"
+            )
         return ext
 
     def label(self, sample: dict) -> int:
         raw = sample.get(self.label_key)
         if raw is None:
-            raise ValueError(f"no label member .{self.label_key} (has "
-                             f"{sorted(k for k in sample if not k.startswith('__'))}; set data.label_key)")
+            raise ValueError(
+                f"no label member .{self.label_key} (has "
+                f"{sorted(k for k in sample if not k.startswith('__'))}; set data.label_key)"
+            )
         try:
             label = int(raw.decode().strip())
         except ValueError:
@@ -85,7 +100,7 @@ class ImageShards(ShardedDataset):
             h, w = x.shape[-2:]
             padded = torch.nn.functional.pad(x, (self.pad,) * 4)
             dy, dx = rng.integers(0, 2 * self.pad + 1, size=2)
-            x = padded[:, dy:dy + h, dx:dx + w]
+            x = padded[:, dy : dy + h, dx : dx + w]
         if self.hflip and rng.random() < 0.5:
             x = x.flip(-1)
         return x
@@ -98,11 +113,17 @@ class SmallCNN(nn.Module):
         super().__init__()
 
         def block(cin: int, cout: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+            )
 
         self.features = nn.Sequential(
-            block(in_channels, width), block(width, 2 * width), nn.MaxPool2d(2),
-            block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            block(in_channels, width),
+            block(width, 2 * width),
+            nn.MaxPool2d(2),
+            block(2 * width, 4 * width),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
 
@@ -120,8 +141,9 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
     return model
 
 
-def torchvision_model(name: str, num_classes: int = 10, in_channels: int = 3, image_size: int | None = None,
-                      **kwargs) -> nn.Module:
+def torchvision_model(
+    name: str, num_classes: int = 10, in_channels: int = 3, image_size: int | None = None, **kwargs
+) -> nn.Module:
     """Any torchvision classification model by name (``resnet50``, ``vit_b_16``, ``convnext_tiny``,
     ``efficientnet_b0``, ...), from scratch (never downloads weights), with ``num_classes`` outputs and its
     first convolution adapted to ``in_channels``; ``kwargs`` go to the model's builder."""
@@ -131,16 +153,24 @@ def torchvision_model(name: str, num_classes: int = 10, in_channels: int = 3, im
     if name not in names:
         import difflib
 
-        near = difflib.get_close_matches(str(name), names, n=4, cutoff=0.5) or \
-            ["resnet50", "vit_b_16", "convnext_tiny", "efficientnet_b0"]
-        raise ConfigError(f"model.name={name!r} is not a torchvision classification model; e.g. {', '.join(near[:6])} "
-                          f"(all {len(names)}: torchvision.models.list_models(module=torchvision.models))")
+        near = difflib.get_close_matches(str(name), names, n=4, cutoff=0.5) or [
+            "resnet50",
+            "vit_b_16",
+            "convnext_tiny",
+            "efficientnet_b0",
+        ]
+        raise ConfigError(
+            f"model.name={name!r} is not a torchvision classification model; e.g. {', '.join(near[:6])} "
+            f"(all {len(names)}: torchvision.models.list_models(module=torchvision.models))"
+        )
     kw = {"weights": None, "num_classes": int(num_classes), **kwargs}
     if name.startswith("vit_"):  # a ViT's positional embedding is sized for one input size
         patch = int(name.rsplit("_", 1)[1])
         if not image_size or image_size % patch:
-            raise ConfigError(f"model.name={name} needs data.image_size divisible by its patch size {patch} "
-                              f"(got {image_size}); e.g. data=synthetic data.image_size=224")
+            raise ConfigError(
+                f"model.name={name} needs data.image_size divisible by its patch size {patch} "
+                f"(got {image_size}); e.g. data=synthetic data.image_size=224"
+            )
         kw["image_size"] = int(image_size)
     model = torchvision.models.get_model(name, **kw)
     if in_channels != 3:
@@ -152,12 +182,27 @@ def _adapt_stem(model: nn.Module, in_channels: int, name: str) -> None:
     """Replace the first convolution (the one that reads the image) by one with ``in_channels`` inputs."""
     path, conv = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), (None, None))
     if conv is None or conv.in_channels != 3 or conv.groups != 1:
-        raise ConfigError(f"model.name={name}: found no 3-channel input convolution to adapt to "
-                          f"in_channels={in_channels}; use 3-channel data (data.channels=3)")
+        raise ConfigError(
+            f"model.name={name}: found no 3-channel input convolution to adapt to "
+            f"in_channels={in_channels}; use 3-channel data (data.channels=3)"
+        )
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                                    conv.dilation, 1, conv.bias is not None, conv.padding_mode))
+    setattr(
+        parent,
+        attr,
+        nn.Conv2d(
+            in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            1,
+            conv.bias is not None,
+            conv.padding_mode,
+        ),
+    )
 
 
 def top1_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

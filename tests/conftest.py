@@ -38,8 +38,11 @@ def make_cfg(data_root, tmp_path):
     """compose(overrides) -> cfg with debug=tiny, the shared digits shards and a fresh run dir."""
 
     def make(*overrides: str, debug: str | None = "tiny"):
-        ov = [f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp_path / 'outputs'}",
-              f"run_dir={tmp_path / 'run'}"]
+        ov = [
+            f"paths.data_dir={data_root / 'data'}",
+            f"paths.output_dir={tmp_path / 'outputs'}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
         if debug:
             ov.append(f"debug={debug}")
         cfg = compose_cfg([*ov, *overrides], tmp_path)
@@ -95,8 +98,15 @@ def image_tree(root: Path, classes=("cat", "dog", "eel"), per_class: int = 12) -
 def cli_cmd(args: list[str], data_root, tmp_path, module: str = "recipe.train") -> list[str]:
     flags = [a for a in args if a.startswith("-")]
     args = [a for a in args if not a.startswith("-")]
-    return [PY, "-m", module, *flags, f"paths.data_dir={data_root / 'data'}",
-            f"paths.output_dir={tmp_path / 'outputs'}", *args]
+    return [
+        PY,
+        "-m",
+        module,
+        *flags,
+        f"paths.data_dir={data_root / 'data'}",
+        f"paths.output_dir={tmp_path / 'outputs'}",
+        *args,
+    ]
 
 
 # Every command runs cold (a fresh interpreter) with PITSTOP_TESTS_COLD=1; by default warm (see tests/warm.py).
@@ -134,8 +144,15 @@ def popen_cmd(cmd: list[str], cold: bool = False, **kwargs):
     return warm.popen(warm_server(), cmd, ROOT, **kwargs)
 
 
-def cli(args: list[str], data_root, tmp_path, module: str = "recipe.train", timeout: int = 240,
-        env: dict | None = None, cold: bool = False):
+def cli(
+    args: list[str],
+    data_root,
+    tmp_path,
+    module: str = "recipe.train",
+    timeout: int = 240,
+    env: dict | None = None,
+    cold: bool = False,
+):
     """Run an entry point in its own process (data from the shared digits shards, outputs under tmp_path)."""
     return run_cmd(cli_cmd(args, data_root, tmp_path, module), timeout, env, cold)
 

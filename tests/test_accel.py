@@ -16,8 +16,13 @@ from conftest import cli, read_jsonl, refused, train
 CKPTS = ["none", "sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 # Every new option on at once; aot_eager compiles through dynamo + AOT autograd like inductor does, without
 # inductor's C++ builds (30 s per process on 2 cores; one test below uses inductor itself).
-ALL_ON = ["trainer.precision=bf16", "trainer.compile=true", "trainer.compile_backend=aot_eager",
-          "trainer.channels_last=true", "trainer.grad_accum_steps=2"]
+ALL_ON = [
+    "trainer.precision=bf16",
+    "trainer.compile=true",
+    "trainer.compile_backend=aot_eager",
+    "trainer.channels_last=true",
+    "trainer.grad_accum_steps=2",
+]
 
 
 def summary(run_dir) -> dict:
@@ -49,9 +54,22 @@ def references(data_root, tmp_path_factory):
 @pytest.mark.parametrize("strategy,ckpt", CASES)
 def test_all_options_on_killed_mid_accumulation_resume_bitwise(strategy, ckpt, data_root, tmp_path, references):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"strategy={strategy}", f"ckpt={ckpt}", f"run_dir={run_dir}", "trainer.max_restarts=1",
-             "fault=crash_at_step", "fault.step=7", "fault.micro_batch=1", "data.record_sample_ids=true"],
-            data_root, tmp_path, timeout=400)
+    p = cli(
+        [
+            *RUN,
+            f"strategy={strategy}",
+            f"ckpt={ckpt}",
+            f"run_dir={run_dir}",
+            "trainer.max_restarts=1",
+            "fault=crash_at_step",
+            "fault.step=7",
+            "fault.micro_batch=1",
+            "data.record_sample_ids=true",
+        ],
+        data_root,
+        tmp_path,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, ref = summary(run_dir), references(strategy)
     assert s["resumed_from"] == 4 and s["goodput"]["restarts"] == 1 and s["final_step"] == 12
@@ -70,8 +88,12 @@ def test_compiled_run_resumes_an_eager_checkpoint_and_back(data_root, tmp_path):
     run_dir = tmp_path / "run"
     base = ["debug=tiny", "ckpt=sync_dcp", "ckpt.interval_steps=4", f"run_dir={run_dir}"]
     for steps, compiled in ((4, False), (8, True), (12, False)):
-        p = cli([*base, f"trainer.max_steps={steps}", f"trainer.compile={str(compiled).lower()}"], data_root,
-                tmp_path, timeout=400)
+        p = cli(
+            [*base, f"trainer.max_steps={steps}", f"trainer.compile={str(compiled).lower()}"],
+            data_root,
+            tmp_path,
+            timeout=400,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         s = summary(run_dir)
         assert s["final_step"] == steps and s["resumed_from"] == (steps - 4 or None)
@@ -83,13 +105,22 @@ def test_compiled_run_resumes_an_eager_checkpoint_and_back(data_root, tmp_path):
 
 
 def test_model_by_name_top5_label_smoothing_throughput_and_profile(make_cfg, tmp_path):
-    cfg = make_cfg("model=torchvision", "model.name=mobilenet_v3_small", "task.label_smoothing=0.1",
-                   "trainer.profile.steps=[3,4]", "trainer.profile.memory=true", "logger=mlflow",
-                   f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = make_cfg(
+        "model=torchvision",
+        "model.name=mobilenet_v3_small",
+        "task.label_smoothing=0.1",
+        "trainer.profile.steps=[3,4]",
+        "trainer.profile.memory=true",
+        "logger=mlflow",
+        f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    )
     s = train(cfg)
     assert s["final_step"] == 12 and 0 <= s["metrics"]["val_accuracy"] <= s["metrics"]["val_top5"] <= 1
     t = s["throughput"]
-    assert t["samples_per_s_per_device"] > 0 and 0 < t["step_seconds_p50"] <= t["step_seconds_p90"] <= t["step_seconds_p99"]
+    assert (
+        t["samples_per_s_per_device"] > 0
+        and 0 < t["step_seconds_p50"] <= t["step_seconds_p90"] <= t["step_seconds_p99"]
+    )
     assert t["flops_per_step"] > 0 and t["mfu"] is None and t["mfu_note"].startswith("n/a on cpu")
     speeds = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "samples_per_s_per_device" in r]
     assert [r["step"] for r in speeds] == [4, 8, 12]
@@ -100,8 +131,9 @@ def test_model_by_name_top5_label_smoothing_throughput_and_profile(make_cfg, tmp
     run = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(s["mlflow_run_id"])
     assert "samples_per_s_per_device" in run.data.metrics and "val_top5" in run.data.metrics
     # label smoothing reaches the loss: the same run without it has another loss at step 1
-    plain = make_cfg("model=torchvision", "model.name=mobilenet_v3_small", "trainer.max_steps=1",
-                     f"run_dir={tmp_path / 'plain'}")
+    plain = make_cfg(
+        "model=torchvision", "model.name=mobilenet_v3_small", "trainer.max_steps=1", f"run_dir={tmp_path / 'plain'}"
+    )
     train(plain)
     first = [r["loss"] for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "loss" in r][0]
     assert first != [r["loss"] for r in read_jsonl(tmp_path / "plain" / "metrics.jsonl") if "loss" in r][0]
@@ -132,19 +164,28 @@ def test_no_gradient_all_reduce_on_accumulation_micro_batches(make_cfg):
     assert r.step == 3 and len(calls) == 3 * buckets  # one reduction per step, not per micro-batch
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.precision=fp16"], "trainer.precision=fp16 needs a CUDA device (this run is on CPU)"),
-    (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
-    (["trainer.compile=true", "trainer.compile_backend=nope"], "trainer.compile_backend='nope' is not a torch.compile backend"),
-    (["model=torchvision", "model.name=fasterrcnn_resnet50_fpn"], "is not a torchvision classification model"),
-    (["model=torchvision", "model.name=vit_b_16"], "needs data.image_size divisible by its patch size 16 (got 8)"),
-    (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps must be a positive integer, got 0"),
-    (["trainer.profile.steps=[10,13]"], "ends past the last step (12)"),
-    (["trainer.profile.steps=10"], "trainer.profile.steps must be [start, end] (two step numbers), got 10"),
-    (["trainer.epochs=1", "trainer.max_steps=null", "trainer.grad_accum_steps=1000"], "not one step"),
-    (["task.label_smoothing=1.5"], "task.label_smoothing must be a number in [0, 1)"),
-    (["strategy=fsdp", "strategy.mixed_precision=float16"], "strategy.mixed_precision casts to float16 but trainer.precision=fp32"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.precision=fp16"], "trainer.precision=fp16 needs a CUDA device (this run is on CPU)"),
+        (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
+        (
+            ["trainer.compile=true", "trainer.compile_backend=nope"],
+            "trainer.compile_backend='nope' is not a torch.compile backend",
+        ),
+        (["model=torchvision", "model.name=fasterrcnn_resnet50_fpn"], "is not a torchvision classification model"),
+        (["model=torchvision", "model.name=vit_b_16"], "needs data.image_size divisible by its patch size 16 (got 8)"),
+        (["trainer.grad_accum_steps=0"], "trainer.grad_accum_steps must be a positive integer, got 0"),
+        (["trainer.profile.steps=[10,13]"], "ends past the last step (12)"),
+        (["trainer.profile.steps=10"], "trainer.profile.steps must be [start, end] (two step numbers), got 10"),
+        (["trainer.epochs=1", "trainer.max_steps=null", "trainer.grad_accum_steps=1000"], "not one step"),
+        (["task.label_smoothing=1.5"], "task.label_smoothing must be a number in [0, 1)"),
+        (
+            ["strategy=fsdp", "strategy.mixed_precision=float16"],
+            "strategy.mixed_precision casts to float16 but trainer.precision=fp32",
+        ),
+    ],
+)
 def test_bad_accelerator_options_are_one_line_before_training(overrides, message, make_cfg):
     cfg = make_cfg(*overrides)
     assert message in refused(cfg)
@@ -162,7 +203,7 @@ def test_the_grad_scaler_state_travels_with_the_train_state(make_cfg):
     r.setup()
     try:
         saved = r.state.precision
-        saved.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
+        saved.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
         saved.scaler.scale(torch.ones(()))  # (the scale tensor exists once used)
         saved.scaler.update(new_scale=48.0)
         state = json.loads(json.dumps(r.state.state_dict()))
@@ -178,9 +219,15 @@ def test_the_grad_scaler_state_travels_with_the_train_state(make_cfg):
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ON_CUDA = ["debug=tiny", "trainer.deterministic=true", "ckpt.interval_steps=4"]
-CUDA_CASES = [(c, "fp32") for c in CKPTS[1:]] + [("async_dcp_pinned", "fp16"), ("async_dcp_pinned", "bf16-channels_last")]
-PRECISION = {"fp32": [], "fp16": ["trainer.precision=fp16"],
-             "bf16-channels_last": ["trainer.precision=bf16", "trainer.channels_last=true"]}
+CUDA_CASES = [(c, "fp32") for c in CKPTS[1:]] + [
+    ("async_dcp_pinned", "fp16"),
+    ("async_dcp_pinned", "bf16-channels_last"),
+]
+PRECISION = {
+    "fp32": [],
+    "fp16": ["trainer.precision=fp16"],
+    "bf16-channels_last": ["trainer.precision=bf16", "trainer.channels_last=true"],
+}
 
 
 @pytest.mark.cuda
@@ -191,8 +238,11 @@ def test_kill_and_resume_on_cuda_is_bitwise(ckpt, precision, data_root, tmp_path
     args = [*ON_CUDA, f"ckpt={ckpt}", *PRECISION[precision]]
     ref = cli([*args, f"run_dir={tmp_path / 'ref'}"], data_root, tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    p = cli([*args, f"run_dir={tmp_path / 'run'}", "trainer.max_restarts=1", "fault=crash_at_step", "fault.step=6"],
-            data_root, tmp_path)
+    p = cli(
+        [*args, f"run_dir={tmp_path / 'run'}", "trainer.max_restarts=1", "fault=crash_at_step", "fault.step=6"],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, r = summary(tmp_path / "run"), summary(tmp_path / "ref")
     assert s["resumed_from"] == 4 and s["params_sha256"] == r["params_sha256"]
@@ -202,8 +252,17 @@ def test_kill_and_resume_on_cuda_is_bitwise(ckpt, precision, data_root, tmp_path
 @needs_cuda
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_nccl_with_one_process_per_device(strategy, data_root, tmp_path):
-    p = cli([*ON_CUDA, f"strategy={strategy}", "strategy.nproc_per_node=1", "ckpt=async_dcp_pinned",
-             f"run_dir={tmp_path / 'run'}"], data_root, tmp_path)
+    p = cli(
+        [
+            *ON_CUDA,
+            f"strategy={strategy}",
+            "strategy.nproc_per_node=1",
+            "ckpt=async_dcp_pinned",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "backend cpu:gloo,cuda:nccl" in (tmp_path / "run" / "train.log").read_text()
     assert summary(tmp_path / "run")["world_size"] == 1
@@ -215,8 +274,13 @@ def test_the_device_check_script_says_what_it_skipped_and_passes_without_a_gpu(t
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run(["bash", str(root / "bench" / "device_check.sh")], capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)})
+    p = subprocess.run(
+        ["bash", str(root / "bench" / "device_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)},
+    )
     assert p.returncode == 0, p.stderr
     rows = [ln for ln in p.stdout.splitlines() if ln.startswith("| ") and "skipped" in ln]
     assert len(rows) == 3 and all("no CUDA device here" in r for r in rows)

@@ -15,8 +15,19 @@ def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
     for attempt, resumed, world, ranks in attempts:
         for rank, steps in ranks.items():
             f = files.setdefault(rank, open(run_dir / f"samples.rank{rank}.jsonl", "a"))
-            f.write(json.dumps({"attempt": attempt, "resumed_from": resumed, "rank": rank, "world_size": world,
-                                "epoch_samples": samples, "epochs": epochs}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "resumed_from": resumed,
+                        "rank": rank,
+                        "world_size": world,
+                        "epoch_samples": samples,
+                        "epochs": epochs,
+                    }
+                )
+                + "\n"
+            )
             for step, keys in steps.items():
                 f.write(json.dumps({"step": step, "keys": keys}) + "\n")
     for f in files.values():
@@ -40,8 +51,9 @@ def test_redone_steps_count_once_and_a_rank_that_did_not_come_back_loses_its_ste
     assert p.returncode == 0 and "every sample exactly once" in p.stdout, p.stdout + p.stderr
     # a resume that went back behind an earlier one (a corrupt newest checkpoint): attempt 2's steps after it drop
     a3 = {0: {2: ["b", "f"], 3: ["c", "g"], 4: ["d", "h"]}}
-    write_run(tmp_path / "fallback", [(1.0, 0, 2, a1), (2.0, 2, 1, a2), (3.0, 1, 1, a3)], {1: 0, 2: 0, 3: 0, 4: 0},
-              epochs=1)
+    write_run(
+        tmp_path / "fallback", [(1.0, 0, 2, a1), (2.0, 2, 1, a2), (3.0, 1, 1, a3)], {1: 0, 2: 0, 3: 0, 4: 0}, epochs=1
+    )
     assert audit(tmp_path / "fallback").returncode == 0
 
 

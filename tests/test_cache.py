@@ -44,8 +44,10 @@ def index(data_root) -> dict:
 
 
 def refs(data_root, url: str) -> list[ShardRef]:
-    return [ShardRef(f"{url}/digits/{s['url']}", s["bytes"], s["sha256"], s["samples"])
-            for s in index(data_root)["splits"]["train"]]
+    return [
+        ShardRef(f"{url}/digits/{s['url']}", s["bytes"], s["sha256"], s["samples"])
+        for s in index(data_root)["splits"]["train"]
+    ]
 
 
 def epoch(loader) -> list[tuple[list[str], object]]:
@@ -84,12 +86,21 @@ def test_one_download_per_shard_per_machine_with_concurrent_processes(data_root,
 
 
 def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(data_root, tmp_path, store):
-    local = epoch(PlainLoader(ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10,
-                                          channels=1, augment={"pad": 1}), "train", batch_size=64, seed=5))
+    local = epoch(
+        PlainLoader(
+            ImageShards(
+                root=str(data_root / "data" / "digits"), name="digits", num_classes=10, channels=1, augment={"pad": 1}
+            ),
+            "train",
+            batch_size=64,
+            seed=5,
+        )
+    )
     total = sum(s["bytes"] for s in index(data_root)["splits"]["train"])
     for e in (1, 2):  # a fresh loader per "epoch 1 of a new job": epoch 2 reads only the cache
-        loader = CachedLoader(remote_digits(store.url), "train", batch_size=64, seed=5, num_workers=2,
-                              cache_dir=str(tmp_path / "cache"))
+        loader = CachedLoader(
+            remote_digits(store.url), "train", batch_size=64, seed=5, num_workers=2, cache_dir=str(tmp_path / "cache")
+        )
         got = epoch(loader)
         assert [k for k, _ in got] == [k for k, _ in local]
         assert all(x.equal(y) for (_, x), (_, y) in zip(got, local))
@@ -137,8 +148,16 @@ def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp
     # Half of all requests fail (every 3rd a 503, every 4th cut short; one counter for all concurrent
     # requests), so one shard can draw 4 failures in a row: give it 9 attempts (odds ~1/500 per shard).
     with SlowStore(str(data_root / "data"), fail_every=3, truncate_every=4, fault_glob="*.tar") as srv:
-        loader = CachedLoader(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=2,
-                              cache_dir=str(tmp_path / "cache"), backoff=0.01, retries=8)
+        loader = CachedLoader(
+            remote_digits(srv.url),
+            "train",
+            batch_size=64,
+            seed=0,
+            num_workers=2,
+            cache_dir=str(tmp_path / "cache"),
+            backoff=0.01,
+            retries=8,
+        )
         keys = [k for ks, _ in epoch(loader) for k in ks]
     assert len(keys) == len(set(keys)) == 1438
     assert loader.stats["fetch_retries"] > 0
@@ -150,8 +169,9 @@ def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp
 def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, tmp_path):
     with SlowStore(str(data_root / "data"), truncate_every=1, fault_glob="*.tar") as srv:
         for cls, kw in ((CachedLoader, {"cache_dir": str(tmp_path / "cache")}), (PlainLoader, {})):
-            loader = cls(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1,
-                         backoff=0.01, **kw)
+            loader = cls(
+                remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1, backoff=0.01, **kw
+            )
             with pytest.raises(DataError) as err:
                 epoch(loader)
             msg = str(err.value)
@@ -163,8 +183,17 @@ def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, t
 
 def test_unreachable_source_is_retried_then_named(data_root, tmp_path):
     srv = SlowStore(str(data_root / "data")).start()
-    loader = CachedLoader(remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0,
-                          cache_dir=str(tmp_path / "cache"), retries=2, backoff=0.05, read_timeout=2)
+    loader = CachedLoader(
+        remote_digits(srv.url),
+        "train",
+        batch_size=64,
+        seed=0,
+        num_workers=0,
+        cache_dir=str(tmp_path / "cache"),
+        retries=2,
+        backoff=0.05,
+        read_timeout=2,
+    )
     srv.stop()  # the index was read; now the "network volume" goes away
     t0 = time.monotonic()
     with pytest.raises(DataError, match=rf"cannot read shard {srv.url}/digits/train-\d+\.tar after 3 attempts"):
@@ -192,8 +221,15 @@ def test_full_cache_disk_evicts_idle_shards_and_finishes(data_root, tmp_path, st
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:  # 2 MiB holds two of the ~0.73 MB shards: no limit configured, the disk itself is the limit
-        loader = CachedLoader(remote_digits(store.url), "train", batch_size=64, seed=0, num_workers=0,
-                              prefetch_shards=1, cache_dir=str(disk))
+        loader = CachedLoader(
+            remote_digits(store.url),
+            "train",
+            batch_size=64,
+            seed=0,
+            num_workers=0,
+            prefetch_shards=1,
+            cache_dir=str(disk),
+        )
         keys = [k for ks, _ in epoch(loader) for k in ks]
         assert len(keys) == len(set(keys)) == 1438
         assert loader.stats["cache_evictions"] >= 5 and not list(disk.glob("*.part.*"))
@@ -204,9 +240,21 @@ def test_full_cache_disk_evicts_idle_shards_and_finishes(data_root, tmp_path, st
 @pytest.mark.slow
 def test_killed_ddp_job_over_http_resumes_on_one_rank_and_consumes_each_sample_once(data_root, tmp_path, store):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    common = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader=cached", "loader.num_workers=1",
-              f"loader.cache_dir={cache}", f"data.root={store.url}/digits", "data.record_sample_ids=true",
-              "ckpt=sync_dcp", "ckpt.interval_steps=10", f"run_dir={run_dir}", "fault=crash_at_step", "fault.step=13"]
+    common = [
+        "debug=tiny",
+        "trainer.max_steps=40",
+        "trainer.batch_size=32",
+        "loader=cached",
+        "loader.num_workers=1",
+        f"loader.cache_dir={cache}",
+        f"data.root={store.url}/digits",
+        "data.record_sample_ids=true",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=10",
+        f"run_dir={run_dir}",
+        "fault=crash_at_step",
+        "fault.step=13",
+    ]
     p = cli([*common, "strategy=ddp"], data_root, tmp_path)
     assert p.returncode != 0 and (run_dir / "checkpoints" / "step_00000010").is_dir()
     p = cli([*common, "strategy=single"], data_root, tmp_path)
@@ -274,15 +322,17 @@ def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tm
     names = {os.path.basename(cache.path(r)) for r in refs(data_root, store.url)}
     assert set().union(*futures) == names  # next epoch reads every shard, so between them they name all
     it.close()
-    lru = CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "l"),
-                       cache_policy="lru")
+    lru = CachedLoader(
+        remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "l"), cache_policy="lru"
+    )
     it = iter(lru)
     next(it)
     it.close()
     assert not list((tmp_path / "l" / ".future").glob("*.json"))  # (lru: nothing to publish)
     with pytest.raises(ConfigError, match=r"loader\.cache_policy='mru'"):
-        CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "x"),
-                     cache_policy="mru")
+        CachedLoader(
+            remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "x"), cache_policy="mru"
+        )
 
 
 def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store):
@@ -310,5 +360,11 @@ def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store
         assert source.depth <= 2, (source._download_s, source._shard_s)
         source.close()
     with pytest.raises(ConfigError, match=r"loader\.prefetch_shards='lots'"):
-        CachedLoader(remote_digits(store.url), "train", batch_size=32, seed=3,
-                     cache_dir=str(tmp_path / "x"), prefetch_shards="lots")
+        CachedLoader(
+            remote_digits(store.url),
+            "train",
+            batch_size=32,
+            seed=3,
+            cache_dir=str(tmp_path / "x"),
+            prefetch_shards="lots",
+        )

@@ -15,8 +15,13 @@ from conftest import PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
-RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=64", "loader.num_workers=2",
-       "trainer.eval_every_steps=20"]
+RUN = [
+    "debug=tiny",
+    "trainer.max_steps=40",
+    "trainer.batch_size=64",
+    "loader.num_workers=2",
+    "trainer.eval_every_steps=20",
+]
 
 
 def summary(run_dir) -> dict:
@@ -46,8 +51,14 @@ def reference(data_root, tmp_path_factory):
 def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     # saves at 5, 10, ...: killed at 27, it resumes from 25, mid-epoch (the data loader restarts its workers)
-    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=5", "fault=crash_at_step",
-            "fault.step=27"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        f"ckpt={backend}",
+        "ckpt.interval_steps=5",
+        "fault=crash_at_step",
+        "fault.step=27",
+    ]
     first = cli(args, data_root, tmp_path)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     assert not (run_dir / "summary.json").exists()
@@ -70,8 +81,15 @@ def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_pat
     that process, which outlives the trainer: then step 30 is complete, marker last, and the resume takes it.
     Seen once in a full-suite run; the final parameters are the same either way.)"""
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=5", "ckpt.throttle_mbps=0.5",
-            "fault=crash_at_step", "fault.step=30"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        f"ckpt={backend}",
+        "ckpt.interval_steps=5",
+        "ckpt.throttle_mbps=0.5",
+        "fault=crash_at_step",
+        "fault.step=30",
+    ]
     assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
     finished = (run_dir / "checkpoints" / "step_00000030" / ".metadata").exists()
     assert not finished or backend == "async_dcp_pinned"  # a thread writer dies with the trainer
@@ -90,8 +108,9 @@ def checkpoint_tensors(path: Path) -> dict:
 
     out_file = path.parent / f"{path.name}.pt"
     to_torch_save(str(path), str(out_file))
-    return flatten(torch.load(out_file, weights_only=True),
-                   lambda t: (t.dtype, tuple(t.shape), t.contiguous().numpy().tobytes()))
+    return flatten(
+        torch.load(out_file, weights_only=True), lambda t: (t.dtype, tuple(t.shape), t.contiguous().numpy().tobytes())
+    )
 
 
 def runner_at_step_one(cfg):
@@ -112,7 +131,9 @@ def one_step(r) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["async_dcp", "async_dcp_pinned"])
-def test_a_background_staged_checkpoint_of_a_batchnorm_model_is_the_synchronous_one_bitwise(backend, make_cfg, tmp_path):
+def test_a_background_staged_checkpoint_of_a_batchnorm_model_is_the_synchronous_one_bitwise(
+    backend, make_cfg, tmp_path
+):
     """ResNet-18's BatchNorm statistics change in the next step's forward while its parameters and AdamW state
     are still being copied in the background: every saved tensor must still be the saved step's, so each
     checkpoint equals, tensor by tensor and bit for bit, the synchronous save of the same step.
@@ -155,9 +176,18 @@ def test_a_killed_checkpoint_process_fails_only_its_save_and_the_next_save_works
 
     from pitstop.ckpt import layout
 
-    r = runner_at_step_one(make_cfg("model=resnet18", "optim=adamw", "ckpt=async_dcp_pinned", "ckpt.interval_steps=1",
-                                    "ckpt.keep_last_k=0", "ckpt.on_error=warn", "ckpt.throttle_mbps=20",
-                                    "trainer.max_steps=50"))
+    r = runner_at_step_one(
+        make_cfg(
+            "model=resnet18",
+            "optim=adamw",
+            "ckpt=async_dcp_pinned",
+            "ckpt.interval_steps=1",
+            "ckpt.keep_last_k=0",
+            "ckpt.on_error=warn",
+            "ckpt.throttle_mbps=20",
+            "trainer.max_steps=50",
+        )
+    )
     ckpt_dir = tmp_path / "run" / "checkpoints"
     try:
         r.ckpt._warmup[0].result(timeout=120)  # the checkpoint process is up (a save before is a thread's)
@@ -211,16 +241,25 @@ def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root,
     args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=10", "ckpt.throttle_mbps=0.5"]
     proc = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        seen = wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir() and
-                        partial_write_in_progress(run_dir / "checkpoints"), 120, proc)
+        seen = wait_for(
+            lambda: (
+                (run_dir / "checkpoints" / "step_00000010").is_dir()
+                and partial_write_in_progress(run_dir / "checkpoints")
+            ),
+            120,
+            proc,
+        )
         assert seen, f"never saw a write in progress; rc={proc.poll()}"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    partial = [d.name for d in (run_dir / "checkpoints").glob("step_*")
-               if not ((d / ".metadata").exists() or (d / "COMMITTED").exists())]
+    partial = [
+        d.name
+        for d in (run_dir / "checkpoints").glob("step_*")
+        if not ((d / ".metadata").exists() or (d / "COMMITTED").exists())
+    ]
     assert partial, "the kill should have left a partial checkpoint dir"
     second = cli(args, data_root, tmp_path, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -232,8 +271,15 @@ def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root,
 @pytest.mark.slow
 def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_dcp", "ckpt.interval_steps=8", "ckpt.keep_last_k=0",
-            "fault=crash_at_step", "fault.step=35"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=8",
+        "ckpt.keep_last_k=0",
+        "fault=crash_at_step",
+        "fault.step=35",
+    ]
     assert cli(args, data_root, tmp_path).returncode == -signal.SIGKILL
     ckpts = run_dir / "checkpoints"
     assert sorted(d.name for d in ckpts.iterdir()) == [f"step_{s:08d}" for s in (8, 16, 24, 32)]
@@ -255,8 +301,11 @@ def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tm
 @pytest.mark.slow
 def test_retention_keeps_newest_k_complete(data_root, tmp_path):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=5", "ckpt.keep_last_k=2"],
-            data_root, tmp_path)
+    p = cli(
+        [*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=5", "ckpt.keep_last_k=2"],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_00000035", "step_00000040"]
     saves = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "ckpt_block_seconds" in r]
@@ -292,16 +341,30 @@ def test_changed_seed_or_data_refuses_to_resume_unless_model_only(data_root, tmp
     line = p.stderr.strip().splitlines()[-1]
     assert "seed changed" in line and "step_00000040" in line and "load_model_only" in line
     assert (run_dir / "goodput.json").read_text() == account  # a refused resume is no attempt of the job
-    p = cli([*base, "seed=99", "ckpt.load_model_only=true", "ckpt.load=40", "ckpt.save_last=false",
-             "ckpt.interval_steps=1000"], data_root, tmp_path)
+    p = cli(
+        [
+            *base,
+            "seed=99",
+            "ckpt.load_model_only=true",
+            "ckpt.load=40",
+            "ckpt.save_last=false",
+            "ckpt.interval_steps=1000",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "loaded model weights only" in (run_dir / "train.log").read_text()
 
 
 def mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 @pytest.mark.slow
@@ -312,9 +375,21 @@ def test_full_disk_mid_save_never_commits_and_keeps_older(on_error, data_root, t
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         run_dir = tmp_path / "run"
-        p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=14", "ckpt=sync_dcp", f"ckpt.dir={disk}",
-                 "ckpt.interval_steps=4", "ckpt.keep_last_k=0", "ckpt.save_last=false", f"ckpt.on_error={on_error}"],
-                data_root, tmp_path)
+        p = cli(
+            [
+                *RUN,
+                f"run_dir={run_dir}",
+                "trainer.max_steps=14",
+                "ckpt=sync_dcp",
+                f"ckpt.dir={disk}",
+                "ckpt.interval_steps=4",
+                "ckpt.keep_last_k=0",
+                "ckpt.save_last=false",
+                f"ckpt.on_error={on_error}",
+            ],
+            data_root,
+            tmp_path,
+        )
         names = sorted(d.name for d in disk.iterdir() if d.name.startswith("step_"))
         assert names == ["step_00000004", "step_00000008"]  # the failed one was removed, not committed
         assert all((disk / n / ".metadata").exists() for n in names)
@@ -339,15 +414,33 @@ def test_a_checkpoint_process_without_enough_shared_memory(checkpointer, data_ro
     import shlex
 
     run_dir = tmp_path / "run"
-    cmd = cli_cmd(["debug=tiny", "model=resnet18", "optim=adamw", "trainer.max_steps=4", f"run_dir={run_dir}",
-                   "ckpt=async_dcp_pinned", "ckpt.interval_steps=2", f"ckpt.checkpointer={checkpointer}"],
-                  data_root, tmp_path)
+    cmd = cli_cmd(
+        [
+            "debug=tiny",
+            "model=resnet18",
+            "optim=adamw",
+            "trainer.max_steps=4",
+            f"run_dir={run_dir}",
+            "ckpt=async_dcp_pinned",
+            "ckpt.interval_steps=2",
+            f"ckpt.checkpointer={checkpointer}",
+        ],
+        data_root,
+        tmp_path,
+    )
     script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {shlex.join(cmd)}"
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     if p.returncode != 0 and "mount" in (p.stderr.splitlines() or [""])[0]:
         pytest.skip(f"cannot mount a small /dev/shm here: {p.stderr.strip()[:200]}")
-    needs = "ckpt.checkpointer=process needs 128 MiB of shared memory for its host buffers, but /dev/shm has 16 MiB free"
+    needs = (
+        "ckpt.checkpointer=process needs 128 MiB of shared memory for its host buffers, but /dev/shm has 16 MiB free"
+    )
     if checkpointer == "process":
         assert p.returncode == 2, p.stderr[-3000:]
         last = p.stderr.strip().splitlines()[-1]
@@ -363,19 +456,24 @@ def test_a_checkpoint_process_without_enough_shared_memory(checkpointer, data_ro
 @pytest.mark.parametrize("backend", ["sync_save", "async_dcp"])
 def test_export_loads_strictly_into_plain_torchvision_resnet18(backend, data_root, tmp_path):
     run_dir = tmp_path / "run"
-    p = cli(["debug=tiny", "trainer.max_steps=2", f"run_dir={run_dir}", "experiment=digits_resnet18", f"ckpt={backend}"],
-            data_root, tmp_path)
+    p = cli(
+        ["debug=tiny", "trainer.max_steps=2", f"run_dir={run_dir}", "experiment=digits_resnet18", f"ckpt={backend}"],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     out = tmp_path / "resnet18.pt"
     e = run_cmd([PY, "-m", "recipe.export", str(run_dir), str(out), "--dtype", "bfloat16"], 120)
     assert e.returncode == 0, e.stderr[-2000:]
-    check = ("import sys, torch, torchvision\n"
-             "m = torchvision.models.resnet18(num_classes=10)\n"
-             f"sd = torch.load({str(out)!r}, weights_only=True)\n"
-             "assert all(v.dtype == torch.bfloat16 for v in sd.values() if v.is_floating_point())\n"
-             "m.load_state_dict(sd, strict=True)\n"
-             "assert not any(k.startswith(('pitstop', 'recipe')) for k in sys.modules)\n"
-             "print('ok')\n")
+    check = (
+        "import sys, torch, torchvision\n"
+        "m = torchvision.models.resnet18(num_classes=10)\n"
+        f"sd = torch.load({str(out)!r}, weights_only=True)\n"
+        "assert all(v.dtype == torch.bfloat16 for v in sd.values() if v.is_floating_point())\n"
+        "m.load_state_dict(sd, strict=True)\n"
+        "assert not any(k.startswith(('pitstop', 'recipe')) for k in sys.modules)\n"
+        "print('ok')\n"
+    )
     r = subprocess.run([PY, "-I", "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 

@@ -22,9 +22,9 @@ def state() -> dict:
         "model": {
             "w": torch.randn(5, 3),
             "half": torch.randn(4, 6).to(torch.bfloat16),
-            "view_at_offset": flat[10:22].view(3, 4),          # how HostStager stages: views of one flat buffer
-            "transposed": torch.randn(3, 5).t(),               # not contiguous
-            "steps": torch.tensor(7, dtype=torch.int64),       # 0-dim
+            "view_at_offset": flat[10:22].view(3, 4),  # how HostStager stages: views of one flat buffer
+            "transposed": torch.randn(3, 5).t(),  # not contiguous
+            "steps": torch.tensor(7, dtype=torch.int64),  # 0-dim
             "mask": torch.tensor([True, False, True]),
             "empty": torch.zeros(0, 4),
         },
@@ -101,8 +101,9 @@ def test_staged_host_buffers_go_to_disk_in_page_spans_and_load_bitwise(tmp_path)
     stager = HostStager(torch.device("cpu"), shared=False)
     try:
         staged = stager.stage(live).result()
-        tensors = [t for t in staged["model"].values()] + [t for s in staged["optim"]["state"].values()
-                                                           for t in s.values()]
+        tensors = [t for t in staged["model"].values()] + [
+            t for s in staged["optim"]["state"].values() for t in s.values()
+        ]
         items = [(type("Item", (), {"type": WriteItemType.TENSOR})(), t) for t in tensors]
         regions, rest = page_regions(items + [(items[0][0], staged["train.rank0"])])
         assert len(regions) == 2 and [t for _, t in rest] == [staged["train.rank0"]]  # float32 and int64 buffers
@@ -110,8 +111,10 @@ def test_staged_host_buffers_go_to_disk_in_page_spans_and_load_bitwise(tmp_path)
         dcp.save(staged, storage_writer=dcp_writer(str(tmp_path), None, "raw"), no_dist=True)
     finally:
         stager.close()
-    loaded = {"model": {k: torch.zeros_like(v) for k, v in live["model"].items()},
-              "train.rank0": torch.zeros(5, dtype=torch.uint8)}
+    loaded = {
+        "model": {k: torch.zeros_like(v) for k, v in live["model"].items()},
+        "train.rank0": torch.zeros(5, dtype=torch.uint8),
+    }
     dcp.load(loaded, storage_reader=dcp_reader(str(tmp_path)), no_dist=True)
     assert all(torch.equal(loaded["model"][k], v) for k, v in live["model"].items())
     assert torch.equal(loaded["train.rank0"], live["train.rank0"])

@@ -14,8 +14,13 @@ import pytest
 from conftest import cli, read_jsonl, train
 from pitstop.errors import ConfigError
 
-RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=64", "loader.num_workers=2",
-       "trainer.eval_every_steps=20"]
+RUN = [
+    "debug=tiny",
+    "trainer.max_steps=40",
+    "trainer.batch_size=64",
+    "loader.num_workers=2",
+    "trainer.eval_every_steps=20",
+]
 
 
 def local_args(shm: Path, every: int = 3) -> list[str]:
@@ -55,9 +60,9 @@ def test_saves_go_to_both_tiers_on_their_own_intervals_and_a_finished_run_frees_
     cfg = make_cfg("trainer.max_steps=12", "ckpt=sync_dcp", "ckpt.interval_steps=5", *local_args(shm, 2))
     s = train(cfg)
     c = s["checkpoint"]
-    assert c["saves"] == 3 and c["local_saves"] == 4       # durable 5, 10, 12; local 2, 4, 6, 8 (10 is durable)
+    assert c["saves"] == 3 and c["local_saves"] == 4  # durable 5, 10, 12; local 2, 4, 6, 8 (10 is durable)
     assert c["local_failures"] == 0 and c["local_block_seconds_mean"] > 0
-    assert not list(shm.glob("*/step_*"))                  # done: the final durable save supersedes the tmpfs copies
+    assert not list(shm.glob("*/step_*"))  # done: the final durable save supersedes the tmpfs copies
     rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
     assert sorted(r["step"] for r in rows if "ckpt_local_total_seconds" in r) == [2, 4, 6, 8]
 
@@ -66,8 +71,15 @@ def test_saves_go_to_both_tiers_on_their_own_intervals_and_a_finished_run_frees_
 @pytest.mark.parametrize("backend", ["sync_save", "async_dcp"])
 def test_a_killed_run_resumes_from_the_local_tier_exactly(backend, data_root, tmp_path, reference):
     run_dir, shm = tmp_path / "run", tmp_path / "shm"
-    args = [*RUN, f"run_dir={run_dir}", f"ckpt={backend}", "ckpt.interval_steps=20", *local_args(shm),
-            "fault=crash_at_step", "fault.step=35"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        f"ckpt={backend}",
+        "ckpt.interval_steps=20",
+        *local_args(shm),
+        "fault=crash_at_step",
+        "fault.step=35",
+    ]
     assert cli(args, data_root, tmp_path).returncode != 0
     assert local_steps(shm) == ["step_00000030", "step_00000033"]  # kept 2; older than the durable 20 purged
     p = cli(args, data_root, tmp_path)
@@ -79,14 +91,21 @@ def test_a_killed_run_resumes_from_the_local_tier_exactly(backend, data_root, tm
 @pytest.mark.slow
 def test_a_local_tier_that_is_gone_or_corrupt_falls_back(data_root, tmp_path, reference):
     run_dir, shm = tmp_path / "run", tmp_path / "shm"
-    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_dcp", "ckpt.interval_steps=20", *local_args(shm),
-            "fault=crash_at_step", "fault.step=35"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=20",
+        *local_args(shm),
+        "fault=crash_at_step",
+        "fault.step=35",
+    ]
     assert cli(args, data_root, tmp_path).returncode != 0
     newest = next(shm.glob("*/step_00000033"))
     for f in newest.glob("*.distcp"):
-        f.write_bytes(b"garbage")                       # corrupt: the older local one (30) is used
+        f.write_bytes(b"garbage")  # corrupt: the older local one (30) is used
     p = cli([*args[:-2], "fault=crash_at_step", "fault.step=36"], data_root, tmp_path)
-    assert p.returncode != 0                            # (killed again, once per run dir and step)
+    assert p.returncode != 0  # (killed again, once per run dir and step)
     log = (run_dir / "train.log").read_text()
     assert "step_00000033 failed to load" in log and "(step 30, local tier)" in log
     subprocess.run(["rm", "-rf", str(shm)], check=True)  # another machine: no local tier at all
@@ -100,14 +119,26 @@ def test_a_local_tier_that_is_gone_or_corrupt_falls_back(data_root, tmp_path, re
 def test_a_full_local_tier_fails_its_saves_but_not_the_run(data_root, tmp_path):
     with tmpfs(tmp_path / "shm", "size=1200k") as shm:
         run_dir = tmp_path / "run"
-        p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=12", "ckpt=sync_dcp", "ckpt.interval_steps=10",
-                 f"ckpt.local.dir={shm}", "ckpt.local.interval_steps=2", "ckpt.local.keep_last_k=3"], data_root, tmp_path)
+        p = cli(
+            [
+                *RUN,
+                f"run_dir={run_dir}",
+                "trainer.max_steps=12",
+                "ckpt=sync_dcp",
+                "ckpt.interval_steps=10",
+                f"ckpt.local.dir={shm}",
+                "ckpt.local.interval_steps=2",
+                "ckpt.local.keep_last_k=3",
+            ],
+            data_root,
+            tmp_path,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         c = summary(run_dir)["checkpoint"]
         assert c["saves"] == 2 and c["failures"] == 0 and c["local_failures"] >= 1
         assert "local-tier checkpoint at step" in (run_dir / "train.log").read_text()
         assert "the durable tier is unaffected" in (run_dir / "train.log").read_text()
-        for d in shm.glob("*/step_*"):                  # whatever is left is complete
+        for d in shm.glob("*/step_*"):  # whatever is left is complete
             assert (d / ".metadata").exists(), d
 
 
@@ -115,21 +146,36 @@ def test_a_full_local_tier_fails_its_saves_but_not_the_run(data_root, tmp_path):
 def test_a_read_only_local_tier_is_switched_off_with_a_warning(data_root, tmp_path):
     with tmpfs(tmp_path / "shm", "ro,size=1m") as shm:
         run_dir = tmp_path / "run"
-        p = cli([*RUN, f"run_dir={run_dir}", "trainer.max_steps=6", "ckpt=sync_save", "ckpt.interval_steps=3",
-                 *local_args(shm, 2)], data_root, tmp_path)
+        p = cli(
+            [
+                *RUN,
+                f"run_dir={run_dir}",
+                "trainer.max_steps=6",
+                "ckpt=sync_save",
+                "ckpt.interval_steps=3",
+                *local_args(shm, 2),
+            ],
+            data_root,
+            tmp_path,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         log = (run_dir / "train.log").read_text()
         assert "local checkpoint tier off: ckpt.local.dir" in log and "is not writable" in log
         assert summary(run_dir)["checkpoint"]["saves"] == 2 and "local_saves" not in summary(run_dir)["checkpoint"]
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["ckpt.local.dir=${run_dir}/checkpoints/fast", "ckpt.local.interval_steps=2"], "overlaps ckpt.dir"),
-    (["ckpt.local.dir=/dev/shm/x"], "the local tier has no interval"),
-    (["ckpt.local.dir=/dev/shm/x", "ckpt.local.interval_steps=-1"], "ckpt.local.interval_steps must be a positive"),
-    (["ckpt=async_dcp", "ckpt.local.dir=/dev/shm/x", "ckpt.local.interval_steps=2", "ckpt.local.keep_last_k=1"],
-     "ckpt.local.keep_last_k must be an integer >= 2 with async saves"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["ckpt.local.dir=${run_dir}/checkpoints/fast", "ckpt.local.interval_steps=2"], "overlaps ckpt.dir"),
+        (["ckpt.local.dir=/dev/shm/x"], "the local tier has no interval"),
+        (["ckpt.local.dir=/dev/shm/x", "ckpt.local.interval_steps=-1"], "ckpt.local.interval_steps must be a positive"),
+        (
+            ["ckpt=async_dcp", "ckpt.local.dir=/dev/shm/x", "ckpt.local.interval_steps=2", "ckpt.local.keep_last_k=1"],
+            "ckpt.local.keep_last_k must be an integer >= 2 with async saves",
+        ),
+    ],
+)
 def test_bad_local_tier_settings_are_one_line_errors(make_cfg, overrides, expected):
     with pytest.raises(ConfigError, match=expected) as err:
         train(make_cfg("ckpt=sync_save", *overrides))
@@ -138,8 +184,16 @@ def test_bad_local_tier_settings_are_one_line_errors(make_cfg, overrides, expect
 
 @pytest.mark.slow
 def test_ddp_resumes_from_the_local_tier_exactly(data_root, tmp_path):
-    common = ["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
-              "trainer.eval_every_steps=12", "strategy=ddp", "ckpt=async_dcp", "ckpt.interval_steps=10"]
+    common = [
+        "debug=tiny",
+        "trainer.max_steps=24",
+        "trainer.batch_size=32",
+        "loader.num_workers=1",
+        "trainer.eval_every_steps=12",
+        "strategy=ddp",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=10",
+    ]
     ref = tmp_path / "ref"
     assert cli([*common, f"run_dir={ref}", "ckpt=none"], data_root, tmp_path).returncode == 0
     run_dir, shm = tmp_path / "run", tmp_path / "shm"

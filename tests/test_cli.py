@@ -33,7 +33,11 @@ def test_multirun_sweep_over_two_options(data_root, tmp_path):
     targets = set()
     for d in jobs:
         assert json.loads((d / "summary.json").read_text())["final_step"] == 4
-        targets.add(next(line for line in (d / ".hydra" / "config.yaml").read_text().splitlines() if "torch.optim." in line).strip())
+        targets.add(
+            next(
+                line for line in (d / ".hydra" / "config.yaml").read_text().splitlines() if "torch.optim." in line
+            ).strip()
+        )
     assert targets == {"_target_: torch.optim.SGD", "_target_: torch.optim.AdamW"}
 
 
@@ -58,12 +62,18 @@ def test_missing_data_dir_is_one_line_with_the_command(data_root, tmp_path):
     assert "python -m recipe.prepare data=digits" in line and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("optim.lr=abc", "optim.lr must be a positive number, got 'abc'"),
-    ("trainer.batch_size=-4", "trainer.batch_size must be a positive integer, got -4"),
-    ("trainer.batch_size=many",  # a type: refused by the schema while Hydra composes
-     "Error merging override trainer.batch_size=many; Value 'many' of type 'str' could not be converted to Integer"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("optim.lr=abc", "optim.lr must be a positive number, got 'abc'"),
+        ("trainer.batch_size=-4", "trainer.batch_size must be a positive integer, got -4"),
+        (
+            "trainer.batch_size=many",  # a type: refused by the schema while Hydra composes
+            "Error merging override trainer.batch_size=many; "
+            "Value 'many' of type 'str' could not be converted to Integer",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_bad_values_fail_before_training(data_root, tmp_path, override, expected):
     p = cli(["debug=tiny", override, f"run_dir={tmp_path / 'r'}"], data_root, tmp_path)
@@ -76,7 +86,9 @@ def test_prepare_cli_is_idempotent(data_root, tmp_path):
     p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
     assert p.returncode == 0, p.stderr[-2000:]
     index = json.loads((tmp_path / "d" / "index.json").read_text())
-    assert sum(s["samples"] for s in index["splits"]["train"]) + sum(s["samples"] for s in index["splits"]["val"]) == 1797
+    assert (
+        sum(s["samples"] for s in index["splits"]["train"]) + sum(s["samples"] for s in index["splits"]["val"]) == 1797
+    )
     assert len(index["splits"]["train"]) == 8 and all(len(s["sha256"]) == 64 for s in index["splits"]["train"])
     p = cli([f"data.root={tmp_path}/d"], data_root, tmp_path, module="recipe.prepare")
     assert p.returncode == 0 and "already exist" in p.stdout + p.stderr
@@ -84,8 +96,7 @@ def test_prepare_cli_is_idempotent(data_root, tmp_path):
 
 @pytest.mark.slow
 def test_slurm_launcher_config_composes(data_root, tmp_path):
-    p = cli(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "debug=tiny", "--cfg=hydra"],
-            data_root, tmp_path)
+    p = cli(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "debug=tiny", "--cfg=hydra"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "SlurmLauncher" in p.stdout and "partition: gpu" in p.stdout and "gpus_per_node: 8" in p.stdout
 
@@ -93,29 +104,63 @@ def test_slurm_launcher_config_composes(data_root, tmp_path):
 @pytest.mark.slow
 def test_sweep_through_the_submitit_launcher(data_root, tmp_path):
     # submitit's local executor runs the same code path as SLURM jobs (pickled task, separate processes).
-    p = cli(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim=sgd,adamw", "debug=tiny",
-             "trainer.max_steps=3"], data_root, tmp_path, timeout=300)
+    p = cli(
+        [
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.timeout_min=5",
+            "optim=sgd,adamw",
+            "debug=tiny",
+            "trainer.max_steps=3",
+        ],
+        data_root,
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     jobs = sorted(d for d in next((tmp_path / "outputs" / "multirun").iterdir()).iterdir() if d.name.isdigit())
     assert len(jobs) == 2 and all(json.loads((d / "summary.json").read_text())["final_step"] == 3 for d in jobs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,expected", [
-    (["ckpt=async_dcp", "ckpt.checkpointer=bogus"], "error: ckpt.checkpointer='bogus': use auto, thread or process"),
-    (["ckpt=sync_dcp", "ckpt.format=zip"], "error: ckpt.format='zip': use raw (tensor bytes, fastest) or torch_save "
-                                            "(what torch's own FileSystemReader reads)"),
-    (["ckpt=sync_dcp", "ckpt.interval_steps=abc"],
-     "error: Error merging override ckpt.interval_steps=abc; Value 'abc' of type 'str' could not be converted to Integer"),
-    (["loader.num_workers=-1"], "error: loader.num_workers must be an integer >= 0, got -1"),
-    (["strategy=ddp", "strategy.nproc_per_node=0"], "error: strategy.nproc_per_node must be a positive integer, got 0"),
-    (["fault=crash_at_step", "fault.step=abc"],
-     "error: Error merging override fault.step=abc; Value 'abc' of type 'str' could not be converted to Integer"),
-    (["fault.step=3"], "error: Could not override 'fault.step'; Key 'step' not in 'NoFault'; "
-                       "see the option's YAML in conf/ for its keys"),
-    (["trainer.max_stepz=3"], "error: Could not override 'trainer.max_stepz'; Key 'max_stepz' not in 'Trainer'; "
-                              "see the option's YAML in conf/ for its keys"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["ckpt=async_dcp", "ckpt.checkpointer=bogus"],
+            "error: ckpt.checkpointer='bogus': use auto, thread or process",
+        ),
+        (
+            ["ckpt=sync_dcp", "ckpt.format=zip"],
+            "error: ckpt.format='zip': use raw (tensor bytes, fastest) or torch_save "
+            "(what torch's own FileSystemReader reads)",
+        ),
+        (
+            ["ckpt=sync_dcp", "ckpt.interval_steps=abc"],
+            "error: Error merging override ckpt.interval_steps=abc; "
+            "Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (["loader.num_workers=-1"], "error: loader.num_workers must be an integer >= 0, got -1"),
+        (
+            ["strategy=ddp", "strategy.nproc_per_node=0"],
+            "error: strategy.nproc_per_node must be a positive integer, got 0",
+        ),
+        (
+            ["fault=crash_at_step", "fault.step=abc"],
+            "error: Error merging override fault.step=abc; Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["fault.step=3"],
+            "error: Could not override 'fault.step'; Key 'step' not in 'NoFault'; "
+            "see the option's YAML in conf/ for its keys",
+        ),
+        (
+            ["trainer.max_stepz=3"],
+            "error: Could not override 'trainer.max_stepz'; Key 'max_stepz' not in 'Trainer'; "
+            "see the option's YAML in conf/ for its keys",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_leaves_no_progress(overrides, expected, data_root, tmp_path):
     run_dir = tmp_path / "r"
     p = cli(["debug=tiny", *overrides, f"run_dir={run_dir}"], data_root, tmp_path)

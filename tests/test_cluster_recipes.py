@@ -31,7 +31,9 @@ def test_the_kubernetes_manifest_runs_the_documented_multi_node_command(tmp_path
     cfg = compose_cfg([*command[3:], f"paths.root_dir={tmp_path}"], tmp_path)
     low, high = nnodes(cfg)
     # one pod per node, all started together; node 0's stable DNS name hosts the rendezvous on the Service's port
-    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"] == high
+    assert (
+        job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"] == high
+    )
     host, port = cfg.strategy.rdzv_endpoint.split(":")
     assert host == f"{job['metadata']['name']}-0.{pod['subdomain']}" and service["metadata"]["name"] == pod["subdomain"]
     assert service["spec"]["clusterIP"] == "None" and int(port) in [p["port"] for p in service["spec"]["ports"]]

@@ -33,8 +33,15 @@ def test_every_group_has_its_documented_options():
 def default_run(data_root, tmp_path_factory):
     """One run of the default options (shrunk by debug=tiny), shared by every test of a default option."""
     tmp = tmp_path_factory.mktemp("default")
-    cfg = compose_cfg([f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp / 'outputs'}",
-                       f"run_dir={tmp / 'run'}", "debug=tiny"], tmp)
+    cfg = compose_cfg(
+        [
+            f"paths.data_dir={data_root / 'data'}",
+            f"paths.output_dir={tmp / 'outputs'}",
+            f"run_dir={tmp / 'run'}",
+            "debug=tiny",
+        ],
+        tmp,
+    )
     return cfg, train(cfg)
 
 
@@ -61,8 +68,17 @@ def check_run(cfg, summary: dict) -> None:
 
 @pytest.mark.parametrize("model", options("model"))
 def test_model(make_cfg, default_run, model):
-    overrides = ["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]",
-                 "data.std=[0.5,0.5,0.5]", "trainer.max_steps=4"] if model == "resnet18" else []
+    overrides = (
+        [
+            "data.channels=3",
+            "data.image_size=32",
+            "data.mean=[0.5,0.5,0.5]",
+            "data.std=[0.5,0.5,0.5]",
+            "trainer.max_steps=4",
+        ]
+        if model == "resnet18"
+        else []
+    )
     check_run(*run_option("model", model, make_cfg, default_run, *overrides))
 
 
@@ -84,7 +100,9 @@ def test_loader(make_cfg, opt):
 @pytest.mark.parametrize("opt", options("strategy"))
 def test_strategy(make_cfg, default_run, opt):
     # In-process (a world of one; multi-rank runs are in test_strategy.py).
-    check_run(*run_option("strategy", opt, make_cfg, default_run, *([] if opt == "single" else ["strategy.nproc_per_node=1"])))
+    check_run(
+        *run_option("strategy", opt, make_cfg, default_run, *([] if opt == "single" else ["strategy.nproc_per_node=1"]))
+    )
 
 
 @pytest.mark.parametrize("opt", options("ckpt"))
@@ -107,7 +125,9 @@ def test_fault_none_and_crash_config(make_cfg, default_run):
 
 
 def test_trainer_epochs(make_cfg):
-    cfg = make_cfg("trainer.max_steps=null", "trainer.epochs=1", "trainer.batch_size=128", "trainer.eval_every_steps=null")
+    cfg = make_cfg(
+        "trainer.max_steps=null", "trainer.epochs=1", "trainer.batch_size=128", "trainer.eval_every_steps=null"
+    )
     summary = train(cfg)
     assert summary["epoch"] == 0 and summary["final_step"] == summary["total_steps"] > 0
     assert summary["data"]["samples"] == 1438  # one full epoch: every training sample once
@@ -129,7 +149,9 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["trainer.batch_size"] == "16" and run.data.params["model._target_"] == "recipe.vision.SmallCNN"
+    assert (
+        run.data.params["trainer.batch_size"] == "16" and run.data.params["model._target_"] == "recipe.vision.SmallCNN"
+    )
     for key in ("loss", "lr", "samples_per_s", "fetch_seconds", "compute_seconds", "val_accuracy"):
         assert key in run.data.metrics, key
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4, 8, 12]
@@ -138,8 +160,13 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
 def test_data_synthetic(make_cfg, tmp_path):
     from recipe.prepare import prepare
 
-    cfg = make_cfg("data=synthetic", "data.num_samples=80", "data.image_size=32", "data.prepare.samples_per_shard=16",
-                   f"data.root={tmp_path}/synth")
+    cfg = make_cfg(
+        "data=synthetic",
+        "data.num_samples=80",
+        "data.image_size=32",
+        "data.prepare.samples_per_shard=16",
+        f"data.root={tmp_path}/synth",
+    )
     prepare(cfg.data)
     check_run(cfg, train(cfg))
 
@@ -148,8 +175,14 @@ def test_data_imagefolder(make_cfg, tmp_path):
     from recipe.prepare import prepare
 
     src = image_tree(tmp_path / "tree")
-    cfg = make_cfg("data=imagefolder", f"data.source={src}", "data.num_classes=3", "data.image_size=16",
-                   "data.prepare.samples_per_shard=8", "data.prepare.val_fraction=0.25")
+    cfg = make_cfg(
+        "data=imagefolder",
+        f"data.source={src}",
+        "data.num_classes=3",
+        "data.image_size=16",
+        "data.prepare.samples_per_shard=8",
+        "data.prepare.val_fraction=0.25",
+    )
     prepare(cfg.data)
     summary = train(cfg)
     check_run(cfg, summary)

@@ -18,7 +18,14 @@ from pitstop.logger.base import Logger
 from pitstop.strategy.base import Strategy
 
 CONTRACTS = {"ckpt": Checkpointer, "loader": ShardLoader, "strategy": Strategy, "logger": Logger, "fault": Fault}
-REQUIRED = {"fault": {"crash_at_step": ["fault.step=3"], "stall": ["fault.step=3"], "preempt": ["fault.step=3"], "random": ["fault.mtbf_seconds=9"]}}
+REQUIRED = {
+    "fault": {
+        "crash_at_step": ["fault.step=3"],
+        "stall": ["fault.step=3"],
+        "preempt": ["fault.step=3"],
+        "random": ["fault.mtbf_seconds=9"],
+    }
+}
 
 
 def options(group: str) -> list[str]:
@@ -26,9 +33,12 @@ def options(group: str) -> list[str]:
 
 
 def contract_methods(base: type) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in inspect.getmembers(base, inspect.isfunction)
-            if getattr(fn, "__isabstractmethod__", False) or name in ("iterate_once", "state_dict", "load_state_dict",
-                                                                        "steps_per_epoch")}
+    return {
+        name: inspect.signature(fn)
+        for name, fn in inspect.getmembers(base, inspect.isfunction)
+        if getattr(fn, "__isabstractmethod__", False)
+        or name in ("iterate_once", "state_dict", "load_state_dict", "steps_per_epoch")
+    }
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in CONTRACTS for o in options(g)])
@@ -48,8 +58,13 @@ def test_every_option_implements_its_contract(group, option, make_cfg):
 
 
 # Every accelerator option on at once (tests/test_accel.py trains with them, killed and resumed, per strategy).
-ALL_ON = ["trainer.precision=bf16", "trainer.compile=true", "trainer.compile_backend=aot_eager",
-          "trainer.channels_last=true", "trainer.grad_accum_steps=2"]
+ALL_ON = [
+    "trainer.precision=bf16",
+    "trainer.compile=true",
+    "trainer.compile_backend=aot_eager",
+    "trainer.channels_last=true",
+    "trainer.grad_accum_steps=2",
+]
 
 
 @pytest.mark.parametrize("strategy", options("strategy"))
@@ -75,16 +90,19 @@ def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
     assert ckpt.root is None and ckpt.last_started is None and ckpt.stats()["saves"] == 0
 
 
-@pytest.mark.parametrize("nproc,restarts,env,mode", [
-    (1, 0, {}, LaunchMode.IN_PROCESS),
-    (1, 3, {}, LaunchMode.SUPERVISED),
-    (2, 0, {}, LaunchMode.ELASTIC),
-    (2, 3, {}, LaunchMode.ELASTIC),                          # the agent restarts the ranks
-    (2, 0, {"RANK": "1", "WORLD_SIZE": "2"}, LaunchMode.CHILD),  # under torchrun / SLURM / the agent
-    (1, 3, {"RANK": "0"}, LaunchMode.CHILD),                  # torchrun's --max-restarts, not ours
-    (1, 3, {"PITSTOP_SUPERVISED": "1"}, LaunchMode.CHILD),    # an attempt started by the supervisor
-    (1, 0, {"PITSTOP_SUPERVISED": ""}, LaunchMode.IN_PROCESS),
-])
+@pytest.mark.parametrize(
+    "nproc,restarts,env,mode",
+    [
+        (1, 0, {}, LaunchMode.IN_PROCESS),
+        (1, 3, {}, LaunchMode.SUPERVISED),
+        (2, 0, {}, LaunchMode.ELASTIC),
+        (2, 3, {}, LaunchMode.ELASTIC),  # the agent restarts the ranks
+        (2, 0, {"RANK": "1", "WORLD_SIZE": "2"}, LaunchMode.CHILD),  # under torchrun / SLURM / the agent
+        (1, 3, {"RANK": "0"}, LaunchMode.CHILD),  # torchrun's --max-restarts, not ours
+        (1, 3, {"PITSTOP_SUPERVISED": "1"}, LaunchMode.CHILD),  # an attempt started by the supervisor
+        (1, 0, {"PITSTOP_SUPERVISED": ""}, LaunchMode.IN_PROCESS),
+    ],
+)
 def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restarts, env, mode):
     assert launch_mode(nproc, restarts, env) == mode
 
@@ -96,11 +114,22 @@ def test_the_launcher_names_the_rank_that_failed_first_of_all_not_the_peer_that_
 
     lost = F(exitcode=1, timestamp=10.0, message={"message": "RuntimeError: [pair.cc:561] Connection closed by peer"})
     assert _root_failure({0: lost, 1: F(exitcode=-9, timestamp=11.0, message="")})[0] == 1
-    assert _root_failure({0: F(exitcode=1, timestamp=12.0, message="ValueError: bad"),
-                          1: F(exitcode=1, timestamp=11.0, message="KeyError: k")})[0] == 1  # else the earliest
+    assert (
+        _root_failure(
+            {
+                0: F(exitcode=1, timestamp=12.0, message="ValueError: bad"),
+                1: F(exitcode=1, timestamp=11.0, message="KeyError: k"),
+            }
+        )[0]
+        == 1
+    )  # else the earliest
     assert _root_failure({0: lost, 1: F(exitcode=75, timestamp=13.0, message="")})[0] == 1  # preempted
-    assert _root_failure({0: F(exitcode=-9, timestamp=11.0, message=""), 1: F(exitcode=124, timestamp=14.0,
-                                                                          message="")})[0] == 1  # hung
+    assert (
+        _root_failure({0: F(exitcode=-9, timestamp=11.0, message=""), 1: F(exitcode=124, timestamp=14.0, message="")})[
+            0
+        ]
+        == 1
+    )  # hung
 
 
 # ---- the schedule and the layout: pure pieces of checkpointing ------------------------------------------
@@ -138,8 +167,20 @@ def test_layout_candidates_skip_and_remove_partial_dirs_and_purge_keeps_the_newe
 # ---- evaluation in lockstep: the DDP/FSDP deadlock's cause, as a pure plan ----------------------------------
 def eval_loaders(cfg, world: int, workers: int):
     data = build(cfg.data, _convert_="partial")
-    return [build(cfg.loader, dataset=data, split="val", batch_size=64, seed=0, rank=r, world_size=world,
-                  train=False, num_workers=workers) for r in range(world)]
+    return [
+        build(
+            cfg.loader,
+            dataset=data,
+            split="val",
+            batch_size=64,
+            seed=0,
+            rank=r,
+            world_size=world,
+            train=False,
+            num_workers=workers,
+        )
+        for r in range(world)
+    ]
 
 
 def test_evaluation_spreads_shards_over_ranks_before_workers(make_cfg):
@@ -183,12 +224,18 @@ def test_a_setup_that_fails_half_way_releases_what_it_acquired(make_cfg):
 
     # The fault's check is the last step of setup: by then the process group, the checkpoint process's
     # stager and the logger exist. A config error must release all of them and leave no progress behind.
-    cfg = make_cfg("strategy=ddp", "strategy.nproc_per_node=1", "ckpt=async_dcp_pinned", "logger=mlflow",
-                   "fault=crash_at_step", "fault.step=1000")
+    cfg = make_cfg(
+        "strategy=ddp",
+        "strategy.nproc_per_node=1",
+        "ckpt=async_dcp_pinned",
+        "logger=mlflow",
+        "fault=crash_at_step",
+        "fault.step=1000",
+    )
     runner = Runner(cfg, cfg.run_dir)
     with pytest.raises(ConfigError, match=r"fault.step=1000 is after the last step \(12\)"):
         runner.run()
-    assert not dist.is_initialized()              # the process group setup() joined is gone
+    assert not dist.is_initialized()  # the process group setup() joined is gone
     assert runner.ckpt.stager is None and runner.logger is None
     left = sorted(str(p.relative_to(cfg.run_dir)) for p in Path(cfg.run_dir).rglob("*"))
-    assert left == ["checkpoints"], left          # no goodput.json, metrics.jsonl or checkpoint: nothing to resume
+    assert left == ["checkpoints"], left  # no goodput.json, metrics.jsonl or checkpoint: nothing to resume

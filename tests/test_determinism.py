@@ -32,6 +32,8 @@ def test_worker_count_does_not_change_the_samples_seen(make_cfg, tmp_path):
     run(make_cfg, tmp_path, "w1", *one_epoch, "loader.num_workers=1")
     from conftest import read_jsonl
 
-    keys = [sorted(k for r in read_jsonl(tmp_path / d / "samples.rank0.jsonl") for k in r.get("keys", []))
-            for d in ("w2", "w1")]
+    keys = [
+        sorted(k for r in read_jsonl(tmp_path / d / "samples.rank0.jsonl") for k in r.get("keys", []))
+        for d in ("w2", "w1")
+    ]
     assert keys[0] == keys[1] and len(keys[0]) == 1438 == len(set(keys[0]))

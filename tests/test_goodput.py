@@ -17,13 +17,20 @@ from pitstop.errors import ConfigError
 from pitstop.goodput import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
 from pitstop.ledger import JOB_BUCKETS, account
 
-RUN = ["debug=tiny", "trainer.max_steps=40", "trainer.batch_size=32", "loader.num_workers=1",
-       "trainer.eval_every_steps=20"]
+RUN = [
+    "debug=tiny",
+    "trainer.max_steps=40",
+    "trainer.batch_size=32",
+    "loader.num_workers=1",
+    "trainer.eval_every_steps=20",
+]
 
 
 def load(run_dir) -> tuple[dict, dict]:
-    return (json.loads((Path(run_dir) / "summary.json").read_text()),
-            json.loads((Path(run_dir) / "goodput.json").read_text()))
+    return (
+        json.loads((Path(run_dir) / "summary.json").read_text()),
+        json.loads((Path(run_dir) / "goodput.json").read_text()),
+    )
 
 
 def check_account(doc: dict) -> None:
@@ -65,8 +72,11 @@ def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
 
     m = 8.0
     # A local tier no failure survives, saving for free: the durable tier's own model.
-    assert math.isclose(two_tier_goodput(0.5, 2.5, m, 0.0, 0.05, 0.9, 0.0, 0.1, local_share=0.0),
-                        expected_goodput(2.5, m, 0.05, 0.9, 0.1), rel_tol=1e-12)
+    assert math.isclose(
+        two_tier_goodput(0.5, 2.5, m, 0.0, 0.05, 0.9, 0.0, 0.1, local_share=0.0),
+        expected_goodput(2.5, m, 0.05, 0.9, 0.1),
+        rel_tol=1e-12,
+    )
     # Cheap, frequent local saves that every failure survives (process kills): less lost work.
     one = expected_goodput(2.5, m, 0.05, 0.9, 0.1)
     two = two_tier_goodput(0.5, 2.5, m, 0.01, 0.05, 0.9, 0.0, 0.1, local_share=1.0)
@@ -93,18 +103,52 @@ def test_recipe_goodput_prints_the_published_figures():
 def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
     # A real run that saved and restarted once gives C, W and R; projected to N nodes, each failing every 30 days.
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=crash_at_step",
-             "fault.step=15", "trainer.max_restarts=1"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            f"run_dir={run_dir}",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=10",
+            "fault=crash_at_step",
+            "fault.step=15",
+            "trainer.max_restarts=1",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     summary, ledger = load(run_dir)
     plot = tmp_path / "scale.png"
-    p = run_cmd([PY, "-m", "recipe.goodput", "--nodes", "1", "64", "4096", "--from", str(run_dir),
-                 "--node-mtbf", "30d", "--replace-cost", "5min", "--replace-share", "0.5", "--plot", str(plot)], 120)
+    p = run_cmd(
+        [
+            PY,
+            "-m",
+            "recipe.goodput",
+            "--nodes",
+            "1",
+            "64",
+            "4096",
+            "--from",
+            str(run_dir),
+            "--node-mtbf",
+            "30d",
+            "--replace-cost",
+            "5min",
+            "--replace-share",
+            "0.5",
+            "--plot",
+            str(plot),
+        ],
+        120,
+    )
     assert p.returncode == 0, p.stderr
     from pitstop.goodput import at_scale, fmt_duration
 
-    c, w, r = summary["checkpoint"]["block_seconds_mean"], summary["checkpoint"]["total_seconds_mean"], \
-        ledger["restart_seconds"]
+    c, w, r = (
+        summary["checkpoint"]["block_seconds_mean"],
+        summary["checkpoint"]["total_seconds_mean"],
+        ledger["restart_seconds"],
+    )
     assert f"C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} (process restart) from {run_dir}" in p.stdout
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip() and ln.split()[0] in ("1", "64", "4096")]
     assert [row[0] for row in rows] == ["1", "64", "4096"]
@@ -122,14 +166,41 @@ def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
 
 
 def test_account_moves_redone_work_to_lost():
-    b = lambda compute, wait: {"program_start": 0.5, "init": 0.3, "restore": 0.2, "compute": compute,  # noqa: E731
-                               "data_wait": wait, "checkpoint": 0.5, "eval": 0.4, "logging": 0.0, "other": 0.1}
+    b = lambda compute, wait: {  # noqa: E731
+        "program_start": 0.5,
+        "init": 0.3,
+        "restore": 0.2,
+        "compute": compute,
+        "data_wait": wait,
+        "checkpoint": 0.5,
+        "eval": 0.4,
+        "logging": 0.0,
+        "other": 0.1,
+    }
     attempts = [
-        {"status": "running", "start": 0.0, "end": 11.6, "step": 25, "resumed_from": None, "auto_restart": False,
-         "buckets": b(8.0, 2.0), "marks": {"10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
-                                           "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0.4, "logging": 0}}},
-        {"status": "finished", "start": 12.6, "end": 20.0, "step": 40, "resumed_from": 20, "auto_restart": True,
-         "buckets": b(6.0, 0.5), "marks": {}},
+        {
+            "status": "running",
+            "start": 0.0,
+            "end": 11.6,
+            "step": 25,
+            "resumed_from": None,
+            "auto_restart": False,
+            "buckets": b(8.0, 2.0),
+            "marks": {
+                "10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
+                "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0.4, "logging": 0},
+            },
+        },
+        {
+            "status": "finished",
+            "start": 12.6,
+            "end": 20.0,
+            "step": 40,
+            "resumed_from": 20,
+            "auto_restart": True,
+            "buckets": b(6.0, 0.5),
+            "marks": {},
+        },
     ]
     doc = account(attempts)
     t = doc["totals"]
@@ -147,16 +218,51 @@ def test_an_attempt_killed_before_its_restore_does_not_throw_away_its_predecesso
     # Attempt 2 died in init (no restore, step 0): what attempt 1 did up to step 20 survived, because attempt
     # 3 resumed from 20. (This account once compared attempt 1 with attempt 2's step 0 and called all of
     # attempt 1's work lost: the cold-restart bench reported 5% goodput for a job that had 25%.)
-    b = lambda compute: {"program_start": 0.5, "init": 0.3, "restore": 0.2, "compute": compute,  # noqa: E731
-                         "data_wait": 0.0, "checkpoint": 0.0, "eval": 0.0, "logging": 0.0, "other": 0.0}
+    b = lambda compute: {  # noqa: E731
+        "program_start": 0.5,
+        "init": 0.3,
+        "restore": 0.2,
+        "compute": compute,
+        "data_wait": 0.0,
+        "checkpoint": 0.0,
+        "eval": 0.0,
+        "logging": 0.0,
+        "other": 0.0,
+    }
     attempts = [
-        {"status": "running", "start": 0.0, "end": 9.0, "step": 25, "restored": True, "resumed_from": None,
-         "auto_restart": False, "buckets": b(8.0), "marks": {"20": {"compute": 6.0, "data_wait": 0, "eval": 0,
-                                                                       "logging": 0}}},
-        {"status": "running", "start": 9.5, "end": 10.3, "step": 0, "restored": False, "resumed_from": None,
-         "auto_restart": True, "buckets": {"program_start": 0.5, "init": 0.3}, "marks": {}},
-        {"status": "finished", "start": 10.5, "end": 17.5, "step": 40, "restored": True, "resumed_from": 20,
-         "auto_restart": True, "buckets": b(6.0), "marks": {}},
+        {
+            "status": "running",
+            "start": 0.0,
+            "end": 9.0,
+            "step": 25,
+            "restored": True,
+            "resumed_from": None,
+            "auto_restart": False,
+            "buckets": b(8.0),
+            "marks": {"20": {"compute": 6.0, "data_wait": 0, "eval": 0, "logging": 0}},
+        },
+        {
+            "status": "running",
+            "start": 9.5,
+            "end": 10.3,
+            "step": 0,
+            "restored": False,
+            "resumed_from": None,
+            "auto_restart": True,
+            "buckets": {"program_start": 0.5, "init": 0.3},
+            "marks": {},
+        },
+        {
+            "status": "finished",
+            "start": 10.5,
+            "end": 17.5,
+            "step": 40,
+            "restored": True,
+            "resumed_from": 20,
+            "auto_restart": True,
+            "buckets": b(6.0),
+            "marks": {},
+        },
     ]
     t = account(attempts)["totals"]
     assert t["lost"] == 2.0 and t["productive"] == 6.0 + 6.0
@@ -169,9 +275,21 @@ def test_an_attempt_killed_before_its_restore_does_not_throw_away_its_predecesso
 @pytest.mark.slow
 def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_both(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=crash_at_step",
-             "fault.step=25", "trainer.max_restarts=2", "logger=mlflow",
-             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            f"run_dir={run_dir}",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=10",
+            "fault=crash_at_step",
+            "fault.step=25",
+            "trainer.max_restarts=2",
+            "logger=mlflow",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["params_sha256"] == reference[40] and s["resumed_from"] == 20
@@ -182,8 +300,14 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
     assert [a["start_method"] for a in doc["attempts"]] == ["forkserver"] * 2  # warm: forks of a pre-imported server
     assert all(a["buckets"]["program_start"] > 0 for a in doc["attempts"])
     assert all(a["buckets"]["init"] > 0 for a in doc["attempts"]) and a2["buckets"]["restore"] > 0  # a2 restored
-    assert math.isclose(doc["restart_seconds"], doc["totals"]["recovery_gap"] + sum(  # (each figure rounded)
-        a2["buckets"][k] for k in ("program_start", "init", "restore")), abs_tol=0.003)
+    assert math.isclose(
+        doc["restart_seconds"],
+        doc["totals"]["recovery_gap"]
+        + sum(  # (each figure rounded)
+            a2["buckets"][k] for k in ("program_start", "init", "restore")
+        ),
+        abs_tol=0.003,
+    )
     check_account(doc)
     assert "attempt 1 failed (killed by signal 9); restarting" in (run_dir / "train.log").read_text()
     assert "goodput" in p.stderr and "lost" in p.stderr  # the table at the end
@@ -192,8 +316,14 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
 @pytest.mark.slow
 def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    common = [*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "fault=crash_at_step",
-              "fault.step=33"]
+    common = [
+        *RUN,
+        f"run_dir={run_dir}",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=10",
+        "fault=crash_at_step",
+        "fault.step=33",
+    ]
     assert cli(common, data_root, tmp_path).returncode != 0
     p = cli(common, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -208,9 +338,21 @@ def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_
     # Seed 30891 with a 30 s MTBF draws 4.4 s for the first attempt (it dies: start-up alone takes ~4 s here)
     # and 264 s for the second (it finishes first, however slow the machine).
     run_dir = tmp_path / "run"
-    p = cli([*RUN, "trainer.max_steps=120", f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10",
-             "fault=random", "fault.mtbf_seconds=30", "fault.seed=30891", "trainer.max_restarts=3"],
-            data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            "trainer.max_steps=120",
+            f"run_dir={run_dir}",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=10",
+            "fault=random",
+            "fault.mtbf_seconds=30",
+            "fault.seed=30891",
+            "trainer.max_restarts=3",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["params_sha256"] == reference[120]
@@ -224,8 +366,20 @@ def test_an_attempt_killed_during_init_is_an_attempt_of_the_job(data_root, tmp_p
     # Seed 8694 draws 0.007 s for the first attempt (killed as soon as the fault is armed at the end of init:
     # in init or restore, before the first step) and 123 s for the second.
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "fault=random",
-             "fault.mtbf_seconds=30", "fault.seed=8694", "trainer.max_restarts=1"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            f"run_dir={run_dir}",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=10",
+            "fault=random",
+            "fault.mtbf_seconds=30",
+            "fault.seed=8694",
+            "trainer.max_restarts=1",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["params_sha256"] == reference[40]
@@ -238,8 +392,20 @@ def test_an_attempt_killed_during_init_is_an_attempt_of_the_job(data_root, tmp_p
 @pytest.mark.slow
 def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, f"run_dir={run_dir}", "ckpt=async_dcp", "ckpt.interval_steps=10", "ckpt.throttle_mbps=1",
-             "fault=during_save", "fault.step=20", "trainer.max_restarts=1"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            f"run_dir={run_dir}",
+            "ckpt=async_dcp",
+            "ckpt.interval_steps=10",
+            "ckpt.throttle_mbps=1",
+            "fault=during_save",
+            "fault.step=20",
+            "trainer.max_restarts=1",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["params_sha256"] == reference[40]
@@ -251,16 +417,19 @@ def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tm
 
 
 # ---- bad input -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,expected", [
-    (["fault=random", "fault.mtbf_seconds=-5", "trainer.max_restarts=3"], "fault.mtbf_seconds must be a positive"),
-    (["fault=random", "fault.mtbf_seconds=30"], "set trainer.max_restarts"),
-    (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
-    (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),
-    (["fault=crash_at_step", "fault.step=3", "fault.rank=2"], "fault.rank=2 but the job has 1 rank(s)"),
-    (["fault=stall", "fault.step=3"], "fault.rank=1 but the job has 1 rank(s)"),
-    (["trainer.hang.min_seconds=0"], "trainer.hang.min_seconds must be a positive number, got 0"),
-    (["ckpt=sync_save", "ckpt.interval=sometimes"], "ckpt.interval='sometimes': use auto"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["fault=random", "fault.mtbf_seconds=-5", "trainer.max_restarts=3"], "fault.mtbf_seconds must be a positive"),
+        (["fault=random", "fault.mtbf_seconds=30"], "set trainer.max_restarts"),
+        (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
+        (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),
+        (["fault=crash_at_step", "fault.step=3", "fault.rank=2"], "fault.rank=2 but the job has 1 rank(s)"),
+        (["fault=stall", "fault.step=3"], "fault.rank=1 but the job has 1 rank(s)"),
+        (["trainer.hang.min_seconds=0"], "trainer.hang.min_seconds must be a positive number, got 0"),
+        (["ckpt=sync_save", "ckpt.interval=sometimes"], "ckpt.interval='sometimes': use auto"),
+    ],
+)
 def test_inconsistent_fault_and_interval_settings_fail_before_training(make_cfg, overrides, expected):
     assert expected in refused(make_cfg(*overrides))
 
@@ -279,8 +448,19 @@ def test_auto_interval_sources_and_start_value(caplog):
 @pytest.mark.slow
 def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tmp_path):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, "trainer.max_steps=60", f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval=auto",
-             "ckpt.mtbf_seconds=2", "ckpt.keep_last_k=0"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            "trainer.max_steps=60",
+            f"run_dir={run_dir}",
+            "ckpt=sync_save",
+            "ckpt.interval=auto",
+            "ckpt.mtbf_seconds=2",
+            "ckpt.keep_last_k=0",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
     assert "ckpt.interval=auto: save every" in log and "MTBF 2.00 s: ckpt.mtbf_seconds" in log
@@ -294,9 +474,20 @@ def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tm
 @pytest.mark.slow
 def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_path):
     sweep = tmp_path / "sweep"
-    p = cli(["-m", "debug=tiny", "ckpt=sync_save,async_dcp", "optim.lr=0.05,1e30", f"hydra.sweep.dir={sweep}",
-             "logger=mlflow", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"], data_root, tmp_path,
-            timeout=400)
+    p = cli(
+        [
+            "-m",
+            "debug=tiny",
+            "ckpt=sync_save,async_dcp",
+            "optim.lr=0.05,1e30",
+            f"hydra.sweep.dir={sweep}",
+            "logger=mlflow",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        ],
+        data_root,
+        tmp_path,
+        timeout=400,
+    )
     assert p.returncode != 0  # a job failed, so the sweep did
     md = (sweep / "report.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ckpt=")]
@@ -318,11 +509,19 @@ def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_pat
 # ---- preemption notices (a real SIGTERM) --------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["single", "ddp", "ddp-rank1-restarts"])
-def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(strategy, data_root, tmp_path,
-                                                                              reference):
+def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(
+    strategy, data_root, tmp_path, reference
+):
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", f"strategy={strategy.split('-')[0]}", "ckpt=async_dcp",
-            "ckpt.interval_steps=10", "fault=preempt", "fault.step=13"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        f"strategy={strategy.split('-')[0]}",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=10",
+        "fault=preempt",
+        "fault.step=13",
+    ]
     if strategy == "ddp-rank1-restarts":
         # A notice to one rank, with restarts to spare: the job stops for a requeue (the rank hands the notice
         # to the launching process, whose agent gives it to every rank); it is not restarted in place.
@@ -330,8 +529,9 @@ def test_a_preemption_notice_saves_exits_75_and_the_same_command_loses_no_step(s
     first = cli(args, data_root, tmp_path)
     assert first.returncode == 75, first.stderr[-3000:]  # EX_TEMPFAIL: requeue, not failure
     # (rank 0 of the rank-1 case may agree before the agent's signal reaches it: "a peer's notice")
-    assert re.search(r"preempted \((SIGTERM|SIGUSR1|a peer's notice)\) at step 13: saved it",
-                     (run_dir / "train.log").read_text())
+    assert re.search(
+        r"preempted \((SIGTERM|SIGUSR1|a peer's notice)\) at step 13: saved it", (run_dir / "train.log").read_text()
+    )
     assert (run_dir / "checkpoints" / "step_00000013" / ".metadata").is_file()
     second = cli(args, data_root, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -354,12 +554,21 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     from conftest import cli_cmd, popen_cmd
 
     run_dir = tmp_path / "run"
-    args = [*RUN, f"run_dir={run_dir}", "strategy=ddp", "ckpt=async_dcp", "ckpt.interval_steps=10",
-            "trainer.max_steps=400", "trainer.max_restarts=2"]
+    args = [
+        *RUN,
+        f"run_dir={run_dir}",
+        "strategy=ddp",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=10",
+        "trainer.max_steps=400",
+        "trainer.max_restarts=2",
+    ]
     p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and p.poll() is None:
-        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+        steps = (
+            [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+        )
         if any(s >= 15 for s in steps):
             break
         time.sleep(0.2)
@@ -370,7 +579,8 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     assert "preemption notice (SIGTERM): every rank saves and stops" in log
     stopped = json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]
     assert stopped["status"] == "preempted" and re.search(
-        rf"preempted \(SIGTERM\) at step {stopped['step']}: (saved it|the save of this step is already under way)", log)
+        rf"preempted \(SIGTERM\) at step {stopped['step']}: (saved it|the save of this step is already under way)", log
+    )
     second = cli(args, data_root, tmp_path)  # the same command
     assert second.returncode == 0, second.stderr[-3000:]
     s, doc = load(run_dir)
@@ -378,10 +588,13 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     check_account(doc)
 
 
-@pytest.mark.parametrize("signals,grace,expected", [
-    (["SIGKILL"], 30, "trainer.preempt_signals: 'SIGKILL' is not a signal that can be caught"),
-    (["SIGTERM"], -1, "trainer.preempt_grace_seconds must be a number of seconds >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "signals,grace,expected",
+    [
+        (["SIGKILL"], 30, "trainer.preempt_signals: 'SIGKILL' is not a signal that can be caught"),
+        (["SIGTERM"], -1, "trainer.preempt_grace_seconds must be a number of seconds >= 0, got -1"),
+    ],
+)
 def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expected):
     from pitstop.preempt import PreemptionNotice
 
@@ -429,8 +642,14 @@ def test_a_launchers_own_handler_runs_after_the_save_submitit_requeue(make_cfg):
 
     from pitstop.ckpt import layout
 
-    cfg = make_cfg("trainer.max_steps=12", "ckpt=sync_save", "ckpt.interval_steps=100", "fault=preempt",
-                   "fault.step=5", "fault.signal=SIGUSR2")
+    cfg = make_cfg(
+        "trainer.max_steps=12",
+        "ckpt=sync_save",
+        "ckpt.interval_steps=100",
+        "fault=preempt",
+        "fault.step=5",
+        "fault.signal=SIGUSR2",
+    )
     seen = []
 
     def submitit_like(signum, frame):  # what submitit's checkpoint_and_try_requeue does, in short

@@ -19,17 +19,17 @@ def attempts(run_dir) -> list[dict]:
 
 def test_limits_come_from_measured_durations():
     w = Watchdog(factor=10, min_seconds=2, first_seconds=50)
-    assert w.limit("step") == 50                      # nothing measured yet
+    assert w.limit("step") == 50  # nothing measured yet
     with w.phase("step", timed=False):
-        w.beat()                                      # the first beat only starts the clock
+        w.beat()  # the first beat only starts the clock
         assert "step" not in w.longest
         time.sleep(0.3)
         w.beat()
-        with w.phase("checkpoint"):                   # nested: pauses the step's clock
+        with w.phase("checkpoint"):  # nested: pauses the step's clock
             time.sleep(0.05)
     assert 0.3 <= w.longest["step"] < 1.0 and w.longest["checkpoint"] >= 0.05
     assert w.limit("step") == pytest.approx(10 * w.longest["step"])
-    assert w.limit("checkpoint") == 2                 # 10 x 0.05 s is below the floor
+    assert w.limit("checkpoint") == 2  # 10 x 0.05 s is below the floor
     assert w.limit("eval") == 50
     # The native backstop: the loop's longest limit (not the current phase's: it may change meanwhile) + grace.
     assert w.backstop_seconds() == pytest.approx(10 * w.longest["step"] + w.grace)
@@ -37,12 +37,19 @@ def test_limits_come_from_measured_durations():
 
 
 def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(make_cfg, tmp_path):
-    cfg = make_cfg("trainer.max_steps=30", "fault=stall", "fault.step=5", "fault.rank=0",
-                   "trainer.hang.min_seconds=2", "ckpt=sync_save", "ckpt.interval_steps=2")
+    cfg = make_cfg(
+        "trainer.max_steps=30",
+        "fault=stall",
+        "fault.step=5",
+        "fault.rank=0",
+        "trainer.hang.min_seconds=2",
+        "ckpt=sync_save",
+        "ckpt.interval_steps=2",
+    )
     t0 = time.monotonic()
     with pytest.raises(Hung) as err:
         train(cfg)
-    assert time.monotonic() - t0 < 30                 # not the 3600 s of the stall
+    assert time.monotonic() - t0 < 30  # not the 3600 s of the stall
     msg = str(err.value)
     assert msg.startswith("hang: rank 0 made no progress in phase 'step'") and "\n" not in msg
     stacks = (Path(cfg.run_dir) / "hang.rank0.txt").read_text()
@@ -51,8 +58,12 @@ def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(ma
 
 
 def test_hang_detection_off_is_off(make_cfg):
-    cfg = make_cfg("trainer.max_steps=4", "trainer.hang.enabled=false", "trainer.hang.min_seconds=0.001",
-                   "trainer.hang.first_seconds=0.001")
+    cfg = make_cfg(
+        "trainer.max_steps=4",
+        "trainer.hang.enabled=false",
+        "trainer.hang.min_seconds=0.001",
+        "trainer.hang.first_seconds=0.001",
+    )
     assert train(cfg)["final_step"] == 4
 
 
@@ -60,9 +71,23 @@ def test_hang_detection_off_is_off(make_cfg):
 def test_a_stall_under_the_supervisor_is_restarted_and_the_job_finishes(data_root, tmp_path):
     run_dir = tmp_path / "r"
     t0 = time.monotonic()
-    p = cli(["debug=tiny", "trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=2", "fault=stall",
-             "fault.step=7", "fault.rank=0", "trainer.hang.min_seconds=3", "trainer.max_restarts=1",
-             f"run_dir={run_dir}"], data_root, tmp_path, timeout=180)
+    p = cli(
+        [
+            "debug=tiny",
+            "trainer.max_steps=30",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=2",
+            "fault=stall",
+            "fault.step=7",
+            "fault.rank=0",
+            "trainer.hang.min_seconds=3",
+            "trainer.max_restarts=1",
+            f"run_dir={run_dir}",
+        ],
+        data_root,
+        tmp_path,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert time.monotonic() - t0 < 90
     a = attempts(run_dir)
@@ -77,10 +102,25 @@ def test_a_rank_stuck_in_native_code_holding_the_gil_is_ended_by_the_native_back
     # cannot run; the faulthandler backstop it keeps armed (the loop's limit + grace) dumps the stacks and exits.
     run_dir = tmp_path / "r"
     t0 = time.monotonic()
-    p = cli(["debug=tiny", "trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=2", "fault=stall",
-             "fault.step=9", "fault.rank=0", "fault.hold_gil=true", "trainer.hang.min_seconds=3",
-             "trainer.hang.grace_seconds=3", "trainer.max_restarts=1", f"run_dir={run_dir}"],
-            data_root, tmp_path, timeout=180)
+    p = cli(
+        [
+            "debug=tiny",
+            "trainer.max_steps=30",
+            "ckpt=sync_save",
+            "ckpt.interval_steps=2",
+            "fault=stall",
+            "fault.step=9",
+            "fault.rank=0",
+            "fault.hold_gil=true",
+            "trainer.hang.min_seconds=3",
+            "trainer.hang.grace_seconds=3",
+            "trainer.max_restarts=1",
+            f"run_dir={run_dir}",
+        ],
+        data_root,
+        tmp_path,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert time.monotonic() - t0 < 90
     assert "Timeout (0:00:0" in p.stderr and "in fire" in p.stderr  # faulthandler's dump: where it was stuck
@@ -94,12 +134,28 @@ def test_a_rank_stuck_in_native_code_holding_the_gil_is_ended_by_the_native_back
 def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, tmp_path):
     run_dir = tmp_path / "r"
     t0 = time.monotonic()
-    p = cli(["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
-             "strategy=ddp", "strategy.max_restarts=1", "ckpt=sync_dcp", "ckpt.interval_steps=2",
-             "fault=stall", "fault.step=5", "fault.rank=1", "trainer.hang.min_seconds=3", f"run_dir={run_dir}"],
-            data_root, tmp_path, timeout=240)
+    p = cli(
+        [
+            "debug=tiny",
+            "trainer.max_steps=24",
+            "trainer.batch_size=32",
+            "loader.num_workers=1",
+            "strategy=ddp",
+            "strategy.max_restarts=1",
+            "ckpt=sync_dcp",
+            "ckpt.interval_steps=2",
+            "fault=stall",
+            "fault.step=5",
+            "fault.rank=1",
+            "trainer.hang.min_seconds=3",
+            f"run_dir={run_dir}",
+        ],
+        data_root,
+        tmp_path,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert time.monotonic() - t0 < 150                # not strategy.timeout (300 s) or the stall (3600 s)
+    assert time.monotonic() - t0 < 150  # not strategy.timeout (300 s) or the stall (3600 s)
     logs = (run_dir / "train.log").read_text() + (run_dir / "rank1.log").read_text()
     assert "made no progress in phase 'step'" in logs
     a = attempts(run_dir)
@@ -109,13 +165,19 @@ def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, t
 
 
 def remote(store, *extra: str) -> list[str]:
-    return [f"data.root={store.url}/digits", "loader.num_workers=2", "loader.read_timeout=3600", "trainer.max_steps=60",
-            "trainer.eval_every_steps=null", "trainer.hang.min_seconds=2", *extra]
+    return [
+        f"data.root={store.url}/digits",
+        "loader.num_workers=2",
+        "loader.read_timeout=3600",
+        "trainer.max_steps=60",
+        "trainer.eval_every_steps=null",
+        "trainer.hang.min_seconds=2",
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # (in-process, but ~30 s each)
-def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(make_cfg, data_root, tmp_path,
-                                                                                caplog):
+def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(make_cfg, data_root, tmp_path, caplog):
     # One request to the store never returns (the 3rd training-shard read): the loop waits for that worker's
     # batch, the watchdog raises DataStall, the runner restarts the workers from the current data position.
     from conftest import step_losses

@@ -16,8 +16,14 @@ from recipe.vision import ImageShards
 
 
 def digits(data_root, root=None, **kw) -> ImageShards:
-    return ImageShards(root=str(root or data_root / "data" / "digits"), name="digits", num_classes=10, channels=1,
-                       augment={"pad": 1}, **kw)
+    return ImageShards(
+        root=str(root or data_root / "data" / "digits"),
+        name="digits",
+        num_classes=10,
+        channels=1,
+        augment={"pad": 1},
+        **kw,
+    )
 
 
 def take(loader: PlainLoader, n: int) -> list[tuple[list[str], torch.Tensor]]:
@@ -108,6 +114,7 @@ def corrupt_one_image(shard_path):
                 data = b"not a png" + data[20:]
                 m.size = len(data)
             import io
+
             tar.addfile(m, io.BytesIO(data))
     return victim.split(".")[0]
 
@@ -201,8 +208,11 @@ def test_data_workers_die_with_a_killed_trainer(data_root, when, server):
     import sys
     import time
 
-    p = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, str(data_root / "data" / "digits"), when, server],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, str(data_root / "data" / "digits"), when, server],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, _ = p.communicate(timeout=60)  # returns only once every holder of the pipe (the workers too) is gone
     assert p.returncode == -9, out.decode()[-2000:]
     deadline = time.monotonic() + 10
@@ -238,8 +248,12 @@ def test_workers_fork_server_is_a_fork_of_the_trainer_before_its_threads_and_ser
 
     out = {}
     for kind in ("forked", "spawned"):
-        p = subprocess.run([sys.executable, "-c", WORKER_SERVER, str(data_root / "data" / "digits"), kind],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", WORKER_SERVER, str(data_root / "data" / "digits"), kind],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         out[kind] = json.loads(p.stdout.strip().splitlines()[-1])
         assert out[kind]["server"] == kind
@@ -275,8 +289,15 @@ def test_the_rest_of_an_epoch_is_split_over_the_ranks_sample_by_sample_in_equal_
     # kept as intervals, holes and all), every rank gets the same number of batches and nothing is dropped.
     import random
 
-    from pitstop.loader.plan import (consumed_after, count_batches, merge, rest_of_epoch, shard_order, split_rest,
-                                     stream_items)
+    from pitstop.loader.plan import (
+        consumed_after,
+        count_batches,
+        merge,
+        rest_of_epoch,
+        shard_order,
+        split_rest,
+        stream_items,
+    )
 
     rng = random.Random(0)
     for case in range(300):
@@ -287,15 +308,17 @@ def test_the_rest_of_an_epoch_is_split_over_the_ranks_sample_by_sample_in_equal_
         consumed = {}
         for p in range(partitions):  # random holes: what earlier ranks had read when the checkpoint was written
             cuts = sorted(rng.sample(range(sizes[p] + 1), k=min(4, sizes[p] + 1)))
-            consumed[p] = merge([cuts[j:j + 2] for j in range(0, len(cuts) - 1, 2)])
+            consumed[p] = merge([cuts[j : j + 2] for j in range(0, len(cuts) - 1, 2)])
         ranks, per_rank, batch = rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 3, 8, 32])
         rest = rest_of_epoch(order, counts, partitions, consumed)
         total = sum(e - f for _, _, f, e, _ in rest)
         assert total == sum(sizes) - sum(b - a for ivs in consumed.values() for a, b in ivs), case
         for drop_last in (False, True):
             streams = split_rest(rest, ranks, per_rank, batch, drop_last)
-            steps = {sum(count_batches(streams[r * per_rank + w], batch, drop_last) for w in range(per_rank))
-                     for r in range(ranks)}
+            steps = {
+                sum(count_batches(streams[r * per_rank + w], batch, drop_last) for w in range(per_rank))
+                for r in range(ranks)
+            }
             assert len(steps) == 1, (case, steps)  # every rank the same number of steps
             read = [(shard, i) for st in streams for _, shard, f, e, _ in st for i in range(f, e)]
             assert len(read) == len(set(read)), case  # nothing twice
@@ -349,8 +372,9 @@ def test_a_shrink_and_a_grow_back_read_every_sample_of_every_epoch_exactly_once(
     states = read(resume(states, 1), grow_at - 15)
     two = resume(states, 2)
     assert two[0].steps_per_epoch() == two[1].steps_per_epoch() > 0
-    left = max(0, two[0].steps_per_epoch() - two[0].batches) + sum(two[0].steps_per_epoch(e) for e in range(
-        two[0].epoch + 1, 4))
+    left = max(0, two[0].steps_per_epoch() - two[0].batches) + sum(
+        two[0].steps_per_epoch(e) for e in range(two[0].epoch + 1, 4)
+    )
     read(two, left)
     assert sorted(seen) == [0, 1, 2, 3]
     for epoch, counts in seen.items():
@@ -367,11 +391,21 @@ def test_a_shard_mixing_window_mixes_shards_and_resumes_exactly(data_root):
     from pitstop.data.shards import read_shard
 
     ds = digits(data_root)
-    shard_of = {smp["__key__"]: s.url for s in ds.index.shards("train")
-                for smp in read_shard(open(ds.index.resolve(s), "rb").read(), s.url)}
+    shard_of = {
+        smp["__key__"]: s.url
+        for s in ds.index.shards("train")
+        for smp in read_shard(open(ds.index.resolve(s), "rb").read(), s.url)
+    }
     mk = lambda window, workers=2, rank=0, world=1: PlainLoader(  # noqa: E731
-        ds, "train", batch_size=32, seed=7, num_workers=workers, rank=rank, world_size=world,
-        shuffle_shards_window=window)
+        ds,
+        "train",
+        batch_size=32,
+        seed=7,
+        num_workers=workers,
+        rank=rank,
+        world_size=world,
+        shuffle_shards_window=window,
+    )
 
     def shards_per_batch(window: int) -> float:
         loader = mk(window)

@@ -19,8 +19,15 @@ from conftest import PY, cli, cli_cmd, popen_cmd, read_jsonl
 pytestmark = pytest.mark.slow  # every test here starts agents and ranks in subprocesses
 
 # Shortened, but at the default loader (2 workers per rank) and evaluation settings.
-JOB = ["trainer.max_steps=24", "trainer.batch_size=32", "trainer.eval_every_steps=12", "ckpt=async_dcp",
-       "ckpt.interval_steps=10", "seed=21", "strategy.timeout=60"]
+JOB = [
+    "trainer.max_steps=24",
+    "trainer.batch_size=32",
+    "trainer.eval_every_steps=12",
+    "ckpt=async_dcp",
+    "ckpt.interval_steps=10",
+    "seed=21",
+    "strategy.timeout=60",
+]
 
 
 def free_port() -> int:
@@ -88,8 +95,11 @@ def descendants(pid: int) -> list[int]:
 def two_nodes(args: list[str], data_root, tmp_path, torchrun: bool = False, second: list[str] | None = None):
     """Node 0's agent first (it hosts the rendezvous store), then node 1's; both exit codes and agents."""
     port = free_port()
-    launch = [] if torchrun else ["strategy.nproc_per_node=1", "strategy.nnodes=2",
-                                  f"strategy.rdzv_endpoint=127.0.0.1:{port}"]
+    launch = (
+        []
+        if torchrun
+        else ["strategy.nproc_per_node=1", "strategy.nnodes=2", f"strategy.rdzv_endpoint=127.0.0.1:{port}"]
+    )
     flags = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     a = Agent([*launch, *args], "a", data_root, tmp_path, flags if torchrun else None)
     time.sleep(1.5)
@@ -128,15 +138,32 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
     from pitstop.audit import audit
 
     run_dir, port = tmp_path / "run", free_port()
-    args = ["strategy=ddp", "strategy.nproc_per_node=1", f"run_dir={run_dir}", "ckpt=async_dcp",
-            "ckpt.interval_steps=5", "trainer.epochs=4", "trainer.batch_size=32", "seed=21", "logger=none",
-            "data.record_sample_ids=true", "strategy.timeout=60", "strategy.cpu_threads=1"]
+    args = [
+        "strategy=ddp",
+        "strategy.nproc_per_node=1",
+        f"run_dir={run_dir}",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=5",
+        "trainer.epochs=4",
+        "trainer.batch_size=32",
+        "seed=21",
+        "logger=none",
+        "data.record_sample_ids=true",
+        "strategy.timeout=60",
+        "strategy.cpu_threads=1",
+    ]
     torchrun = None
     if launcher == "pitstop":
         args += ["strategy.nnodes=1:2", f"strategy.rdzv_endpoint=127.0.0.1:{port}", "trainer.max_restarts=3"]
     else:
-        torchrun = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                    "--max-restarts=3", "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"]
+        torchrun = [
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--max-restarts=3",
+            "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5",
+        ]
 
     def step() -> int:
         path = run_dir / "metrics.jsonl"
@@ -145,7 +172,9 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
     def until(cond, what: str, limit: float = 120) -> None:
         t = time.time()
         while not cond():
-            assert time.time() - t < limit, f"timed out waiting for {what}: {(run_dir / 'train.log').read_text()[-3000:]}"
+            assert time.time() - t < limit, (
+                f"timed out waiting for {what}: {(run_dir / 'train.log').read_text()[-3000:]}"
+            )
             time.sleep(0.05)
 
     a = Agent(args, "a", data_root, tmp_path, torchrun)
@@ -192,8 +221,11 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
     # end. Where the elastic run's ranks happened to be when the node was lost or came back does not matter: only
     # the checkpoints resumed from do, so the final parameters are the same, bit for bit.
     (r1, r2) = sorted({h["resumed_from"] for h in headers} - {0})
-    replay = [a for a in args if not a.startswith(("run_dir=", "strategy.nnodes=", "strategy.rdzv_endpoint=",
-                                                    "trainer.max_restarts="))] + [f"run_dir={tmp_path / 'replay'}"]
+    replay = [
+        a
+        for a in args
+        if not a.startswith(("run_dir=", "strategy.nnodes=", "strategy.rdzv_endpoint=", "trainer.max_restarts="))
+    ] + [f"run_dir={tmp_path / 'replay'}"]
     for world, stop, code in ((2, r1, 75), (1, r2, 75), (2, None, 0)):
         fault = ["fault=preempt", f"fault.step={stop}"] if stop else []
         p = cli([*replay, f"strategy.nproc_per_node={world}", *fault], data_root, tmp_path)
@@ -205,8 +237,11 @@ def test_each_node_downloads_each_shard_once(data_root, tmp_path):
     from pitstop.slowstore import SlowStore
 
     with SlowStore(str(data_root / "data"), latency_ms=5) as store:
-        codes, agents = two_nodes(["strategy=ddp", *JOB, "loader=cached", f"data.root={store.url}/digits",
-                                   f"run_dir={tmp_path / 'run'}"], data_root, tmp_path)
+        codes, agents = two_nodes(
+            ["strategy=ddp", *JOB, "loader=cached", f"data.root={store.url}/digits", f"run_dir={tmp_path / 'run'}"],
+            data_root,
+            tmp_path,
+        )
         assert codes == (0, 0), agents[0].output()[-3000:] + agents[1].output()[-3000:]
         requests = {p: v["requests"] for p, v in store.stats()["paths"].items() if p.endswith(".tar")}
     # 10 shards (8 train, 2 val), two nodes with a cache dir each, 2 loader workers per rank: at most one download
@@ -229,8 +264,11 @@ def test_nodes_that_disagree_are_refused_in_one_line(case, data_root, tmp_path):
     started = time.time()
     codes, agents = two_nodes(args, data_root, tmp_path, second=second)
     assert codes == (2, 2) and time.time() - started < 60
-    want = {"seed": "different configs: seed=21 on rank 0 (node 0", "run_dir": "is not shared between the nodes",
-            "cache_dir": "loader.cache_dir is shared by nodes"}[case]
+    want = {
+        "seed": "different configs: seed=21 on rank 0 (node 0",
+        "run_dir": "is not shared between the nodes",
+        "cache_dir": "loader.cache_dir is shared by nodes",
+    }[case]
     for agent in agents:
         last = [ln for ln in agent.output().splitlines() if ln.startswith("error: ")][-1]
         assert want in last, agent.output()[-3000:]
@@ -240,11 +278,25 @@ def test_nodes_that_disagree_are_refused_in_one_line(case, data_root, tmp_path):
 
 def test_a_node_that_cannot_reach_the_rendezvous_fails_within_the_timeout(data_root, tmp_path):
     started = time.time()
-    p = cli(["strategy=ddp", "strategy.nproc_per_node=1", "strategy.nnodes=2", "strategy.rdzv_endpoint=192.0.2.1:29500",
-             "strategy.timeout=5", "logger=none", f"run_dir={tmp_path / 'run'}"], data_root, tmp_path, timeout=120)
+    p = cli(
+        [
+            "strategy=ddp",
+            "strategy.nproc_per_node=1",
+            "strategy.nnodes=2",
+            "strategy.rdzv_endpoint=192.0.2.1:29500",
+            "strategy.timeout=5",
+            "logger=none",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        data_root,
+        tmp_path,
+        timeout=120,
+    )
     took = time.time() - started
     last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 2 and last.startswith("error: this node could not join the job's rendezvous at 192.0.2.1:29500")
+    assert p.returncode == 2 and last.startswith(
+        "error: this node could not join the job's rendezvous at 192.0.2.1:29500"
+    )
     assert took < 60, took
 
 

@@ -30,7 +30,7 @@ README = ROOT / "README.md"
 # Commands this machine cannot run, with why (matched by substring).
 SKIP = {
     "hydra/launcher=slurm": "needs a SLURM cluster; the same sweep path runs through hydra/launcher=submitit_local "
-                            "in test_cli.py::test_sweep_through_the_submitit_launcher",
+    "in test_cli.py::test_sweep_through_the_submitit_launcher",
 }
 # Size-shrinking overrides per entry point: replace the value where the command sets the key, else append.
 SHRINK = {
@@ -106,8 +106,11 @@ def project(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PITSTOP_CACHE_DIR": str(cwd / ".cache" / "shards")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PITSTOP_CACHE_DIR": str(cwd / ".cache" / "shards"),
+    }
     env.pop("RANK", None)
     servers: list[subprocess.Popen] = []
     yield {"cwd": cwd, "tree": str(tree), "shards": str(shards), "port": port, "env": env, "servers": servers}
@@ -127,8 +130,17 @@ def two_nodes(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProc
     procs = []
     for node in (0, 1):
         node_env = {**env, "PITSTOP_CACHE_DIR": str(cwd / f".cache_node{node}")}
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, stdin=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=node_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+        )
         time.sleep(1.5)  # node 0's agent hosts the rendezvous store
     outs = []
     for proc in procs:
@@ -151,7 +163,7 @@ def test_the_readme_has_the_commands_this_test_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[c[len("python -m "):][:60] for c in COMMANDS])
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c[len("python -m ") :][:60] for c in COMMANDS])
 def test_readme_command(cmd, project):
     skip = next((why for key, why in SKIP.items() if key in cmd), None)
     if skip:
@@ -177,8 +189,9 @@ def test_readme_command(cmd, project):
         p = two_nodes(argv, cwd, env)
     else:
         try:  # (under the suite's 900 s per test: a hung command fails with its own output, not the suite's dump)
-            p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-                               stdin=subprocess.DEVNULL)
+            p = subprocess.run(
+                argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
             pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s\n{err[-3000:]}")
@@ -190,8 +203,15 @@ def test_readme_command(cmd, project):
         new = [cwd / pinned / "summary.json"] if pinned else summaries_after(cwd, before)
         jobs = 1
         if sweep:  # a sweep: one job per combination of the comma-separated options
-            jobs = int(np.prod([len(a.split("=", 1)[1].split(",")) for a in args if "=" in a and "," in a
-                                and not a.split("=", 1)[1].startswith("[")]))
+            jobs = int(
+                np.prod(
+                    [
+                        len(a.split("=", 1)[1].split(","))
+                        for a in args
+                        if "=" in a and "," in a and not a.split("=", 1)[1].startswith("[")
+                    ]
+                )
+            )
         assert len(new) == jobs and all(s.is_file() for s in new), (line, new)
         for s in new:
             summary = json.loads(s.read_text())

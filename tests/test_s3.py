@@ -31,8 +31,12 @@ def start_server(log_dir: Path, env: dict | None = None) -> tuple[subprocess.Pop
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(log_dir / "server.log", "w")
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
     log.close()
     deadline = time.time() + 60
     while True:
@@ -49,8 +53,12 @@ def s3(data_root, tmp_path_factory):
     """An S3 API server on a free port with the digits shards uploaded; the environment points s3fs at it."""
     pytest.importorskip("s3fs")
     server, url = start_server(tmp_path_factory.mktemp("moto"))
-    env = {"AWS_ACCESS_KEY_ID": "pitstop-test", "AWS_SECRET_ACCESS_KEY": "pitstop-test-secret",
-           "AWS_ENDPOINT_URL": url, "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "pitstop-test",
+        "AWS_SECRET_ACCESS_KEY": "pitstop-test-secret",
+        "AWS_ENDPOINT_URL": url,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -75,8 +83,15 @@ def summary(run_dir: Path) -> dict:
 
 
 # Default loader settings (2 workers) and evaluation; the same job from local shards is the reference.
-JOB = ["strategy=single", "trainer.max_steps=30", "trainer.batch_size=32", "trainer.eval_every_steps=15",
-       "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true"]
+JOB = [
+    "strategy=single",
+    "trainer.max_steps=30",
+    "trainer.batch_size=32",
+    "trainer.eval_every_steps=15",
+    "ckpt.interval_steps=10",
+    "logger=none",
+    "data.record_sample_ids=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +113,10 @@ def assert_no_secret(run_dir: Path) -> None:
 @pytest.mark.parametrize("loader", ["plain", "cached"])
 def test_training_from_s3_killed_and_resumed_is_exact(loader, s3, reference, data_root, tmp_path):
     job = [*JOB, "ckpt=sync_save"]
-    run_dir, remote = tmp_path / "s3", [f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 's3'}",
-                                        f"loader={loader}"]
+    run_dir, remote = (
+        tmp_path / "s3",
+        [f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 's3'}", f"loader={loader}"],
+    )
     if loader == "cached":
         remote.append(f"loader.cache_dir={tmp_path / 'cache'}")
     crashed = cli([*job, *remote, "fault=crash_at_step", "fault.step=13"], data_root, tmp_path)
@@ -123,10 +140,18 @@ def test_checkpoints_on_s3_killed_and_resumed_are_exact(ckpt, s3, reference, dat
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     root, run_dir = f"{BUCKET}/runs/{ckpt}", tmp_path / "run"
-    job = [*JOB, f"ckpt={ckpt}", f"ckpt.dir=s3://{root}", "ckpt.keep_last_k=2", f"data.root=s3://{BUCKET}/digits",
-           "loader=cached", f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
-           f"+loader.storage_options.client_kwargs.endpoint_url={endpoint}",
-           f"+ckpt.storage_options.client_kwargs.endpoint_url={endpoint}"]
+    job = [
+        *JOB,
+        f"ckpt={ckpt}",
+        f"ckpt.dir=s3://{root}",
+        "ckpt.keep_last_k=2",
+        f"data.root=s3://{BUCKET}/digits",
+        "loader=cached",
+        f"loader.cache_dir={tmp_path / 'cache'}",
+        f"run_dir={run_dir}",
+        f"+loader.storage_options.client_kwargs.endpoint_url={endpoint}",
+        f"+ckpt.storage_options.client_kwargs.endpoint_url={endpoint}",
+    ]
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return run_cmd(cli_cmd([*job, *extra], data_root, tmp_path), 240, env)
@@ -165,34 +190,56 @@ def test_a_checkpoint_dir_on_s3_that_cannot_be_written_is_a_one_line_error(s3, d
     # moto enforces IAM after its first 4 requests: the bucket, the user, its read-only policy, its key
     server, url = start_server(tmp_path, {"INITIAL_NO_AUTH_ACTION_COUNT": "4"})
     try:
-        admin = dict(endpoint_url=url, region_name="us-east-1", aws_access_key_id="admin", aws_secret_access_key="admin")
+        admin = dict(
+            endpoint_url=url, region_name="us-east-1", aws_access_key_id="admin", aws_secret_access_key="admin"
+        )
         boto3.client("s3", **admin).create_bucket(Bucket="read-only")
         iam = boto3.client("iam", **admin)
         iam.create_user(UserName="reader")
-        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps({
-            "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName="reader",
+            PolicyName="read",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+                }
+            ),
+        )
         key = iam.create_access_key(UserName="reader")["AccessKey"]
-        for name, key_id, secret in [("reader", key["AccessKeyId"], key["SecretAccessKey"]),
-                                     ("unknown", "AKIAUNKNOWN", "pitstop-test-secret")]:
+        for name, key_id, secret in [
+            ("reader", key["AccessKeyId"], key["SecretAccessKey"]),
+            ("unknown", "AKIAUNKNOWN", "pitstop-test-secret"),
+        ]:
             env = {**os.environ, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
-            p = run_cmd(cli_cmd([*job, "ckpt.dir=s3://read-only/ckpts", f"run_dir={tmp_path / name}"],
-                                data_root, tmp_path), 120, env)
+            p = run_cmd(
+                cli_cmd([*job, "ckpt.dir=s3://read-only/ckpts", f"run_dir={tmp_path / name}"], data_root, tmp_path),
+                120,
+                env,
+            )
             last = p.stderr.strip().splitlines()[-1]
             assert p.returncode == 2 and "s3://read-only/ckpts is not writable" in last, (name, p.stderr[-2000:])
             assert "AWS_ACCESS_KEY_ID" in last and not (tmp_path / name / "summary.json").exists(), last
-        assert boto3.client("s3", **{**admin, "aws_access_key_id": key["AccessKeyId"],
-                                     "aws_secret_access_key": key["SecretAccessKey"]}).list_objects_v2(
-            Bucket="read-only").get("KeyCount") == 0  # nothing partial was left behind
+        assert (
+            boto3.client(
+                "s3",
+                **{**admin, "aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": key["SecretAccessKey"]},
+            )
+            .list_objects_v2(Bucket="read-only")
+            .get("KeyCount")
+            == 0
+        )  # nothing partial was left behind
     finally:
         server.terminate()
         server.wait(10)
 
 
 def test_credentials_in_storage_options_are_refused_before_anything_is_written(data_root, tmp_path):
-    for override in ["+ckpt.storage_options.secret=pitstop-test-secret",
-                     "+loader.storage_options.client_kwargs.aws_secret_access_key=pitstop-test-secret",
-                     "+ckpt.storage_options={key: pitstop-test-secret}"]:
+    for override in [
+        "+ckpt.storage_options.secret=pitstop-test-secret",
+        "+loader.storage_options.client_kwargs.aws_secret_access_key=pitstop-test-secret",
+        "+ckpt.storage_options={key: pitstop-test-secret}",
+    ]:
         p = cli(["debug=tiny", f"run_dir={tmp_path / 'run'}", override], data_root, tmp_path)
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 2 and "credentials never go in the config" in last, p.stderr[-2000:]
@@ -205,13 +252,28 @@ def test_the_slowstore_in_front_of_s3_throttles_and_fails_requests_and_training_
     from pitstop.slowstore import SlowStore
 
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
-    with SlowStore("", latency_ms=20, mbps=20, fail_every=5, fault_glob="*.tar",
-                   upstream=os.environ["AWS_ENDPOINT_URL"]) as store:
-        p = run_cmd(cli_cmd(["debug=tiny", "strategy=single", "trainer.max_steps=100", "logger=none",
-                             f"data.root=s3://{BUCKET}/digits", "loader=cached",
-                             f"loader.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
-                             f"+loader.storage_options.client_kwargs.endpoint_url={store.url}"],
-                            data_root, tmp_path), 240, env)
+    with SlowStore(
+        "", latency_ms=20, mbps=20, fail_every=5, fault_glob="*.tar", upstream=os.environ["AWS_ENDPOINT_URL"]
+    ) as store:
+        p = run_cmd(
+            cli_cmd(
+                [
+                    "debug=tiny",
+                    "strategy=single",
+                    "trainer.max_steps=100",
+                    "logger=none",
+                    f"data.root=s3://{BUCKET}/digits",
+                    "loader=cached",
+                    f"loader.cache_dir={tmp_path / 'cache'}",
+                    f"run_dir={tmp_path / 'run'}",
+                    f"+loader.storage_options.client_kwargs.endpoint_url={store.url}",
+                ],
+                data_root,
+                tmp_path,
+            ),
+            240,
+            env,
+        )
         stats = store.stats()
     assert p.returncode == 0, p.stderr[-3000:]
     shards = {k: v for k, v in stats["paths"].items() if k.endswith(".tar")}
@@ -227,15 +289,19 @@ def test_s3_mistakes_are_one_line_errors(s3, data_root, tmp_path):
     # a shard the index lists but the bucket lost (100 steps of 16: the whole epoch, every shard)
     s3.copy(f"{BUCKET}/digits", f"{BUCKET}/holey", recursive=True)
     s3.rm(f"{BUCKET}/holey/train-000003.tar")
-    p = cli([*job, "trainer.max_steps=100", f"data.root=s3://{BUCKET}/holey", f"run_dir={tmp_path / 'b'}"],
-            data_root, tmp_path)
+    p = cli(
+        [*job, "trainer.max_steps=100", f"data.root=s3://{BUCKET}/holey", f"run_dir={tmp_path / 'b'}"],
+        data_root,
+        tmp_path,
+    )
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode != 0 and "train-000003.tar" in last, p.stderr[-2000:]
     # no credentials in the environment: said so, with the variables to set (and never read from the config)
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
-    p = run_cmd(cli_cmd([*job, f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 'c'}"], data_root,
-                        tmp_path), 120, env)
+    p = run_cmd(
+        cli_cmd([*job, f"data.root=s3://{BUCKET}/digits", f"run_dir={tmp_path / 'c'}"], data_root, tmp_path), 120, env
+    )
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "credentials" in last and "AWS_ACCESS_KEY_ID" in last, p.stderr[-2000:]
 
@@ -256,10 +322,21 @@ def test_a_new_user_trains_on_existing_webdataset_shards_in_s3_with_checkpoints_
     index = json.loads((tmp_path / "index" / "index.json").read_text())
     assert index["splits"]["train"][0]["url"] == f"s3://{BUCKET}/wds/train-0000.tar"
     run_dir, ckpts = tmp_path / "run", f"{BUCKET}/wds-run/checkpoints"
-    job = [*data, "strategy=single", "trainer.epochs=1", "trainer.batch_size=32", "loader=cached",
-           f"loader.cache_dir={tmp_path / 'cache'}", "loader.shuffle_shards_window=4", "ckpt=async_dcp",
-           f"ckpt.dir=s3://{ckpts}", "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true",
-           f"run_dir={run_dir}"]
+    job = [
+        *data,
+        "strategy=single",
+        "trainer.epochs=1",
+        "trainer.batch_size=32",
+        "loader=cached",
+        f"loader.cache_dir={tmp_path / 'cache'}",
+        "loader.shuffle_shards_window=4",
+        "ckpt=async_dcp",
+        f"ckpt.dir=s3://{ckpts}",
+        "ckpt.interval_steps=10",
+        "logger=none",
+        "data.record_sample_ids=true",
+        f"run_dir={run_dir}",
+    ]
     assert cli([*job, "fault=crash_at_step", "fault.step=23"], data_root, tmp_path).returncode != 0
     p = cli(job, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -14,8 +14,13 @@ from pitstop.audit import audit
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
 
-RUN = ["debug=tiny", "trainer.max_steps=24", "trainer.batch_size=32", "loader.num_workers=1",
-       "trainer.eval_every_steps=12"]
+RUN = [
+    "debug=tiny",
+    "trainer.max_steps=24",
+    "trainer.batch_size=32",
+    "loader.num_workers=1",
+    "trainer.eval_every_steps=12",
+]
 
 
 def summary(run_dir) -> dict:
@@ -42,8 +47,21 @@ def test_every_strategy_with_every_ckpt_backend_at_default_settings(strategy, ck
     run_dir = tmp_path / "run"
     loader = "cached" if CKPTS.index(ckpt) % 2 else "plain"
     extra = [] if ckpt == "none" else ["ckpt.interval_steps=10"]
-    p = cli([f"strategy={strategy}", f"ckpt={ckpt}", f"loader={loader}", "trainer.epochs=2", f"run_dir={run_dir}",
-             f"paths.cache_dir={tmp_path / 'cache'}", "strategy.timeout=90", *extra], data_root, tmp_path, timeout=300)
+    p = cli(
+        [
+            f"strategy={strategy}",
+            f"ckpt={ckpt}",
+            f"loader={loader}",
+            "trainer.epochs=2",
+            f"run_dir={run_dir}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+            "strategy.timeout=90",
+            *extra,
+        ],
+        data_root,
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["strategy"] == strategy and s["final_step"] == 24
@@ -69,8 +87,16 @@ def reference(data_root, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_rank_kill_and_same_command_resumes_bitwise(strategy, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    args = [*RUN, f"strategy={strategy}", "ckpt=async_dcp", "ckpt.interval_steps=5", f"run_dir={run_dir}",
-            "fault=crash_at_step", "fault.step=13", "fault.rank=1"]
+    args = [
+        *RUN,
+        f"strategy={strategy}",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=5",
+        f"run_dir={run_dir}",
+        "fault=crash_at_step",
+        "fault.step=13",
+        "fault.rank=1",
+    ]
     first = cli(args, data_root, tmp_path)
     assert first.returncode == 2 and "rank 1 failed" in first.stderr.strip().splitlines()[-1]
     second = cli(args, data_root, tmp_path)
@@ -83,8 +109,20 @@ def test_two_rank_kill_and_same_command_resumes_bitwise(strategy, data_root, tmp
 
 def test_in_job_restart_by_the_elastic_agent(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    p = cli([*RUN, "strategy=ddp", "strategy.max_restarts=1", "ckpt=sync_dcp", "ckpt.interval_steps=5",
-             f"run_dir={run_dir}", "fault=crash_at_step", "fault.step=13"], data_root, tmp_path)
+    p = cli(
+        [
+            *RUN,
+            "strategy=ddp",
+            "strategy.max_restarts=1",
+            "ckpt=sync_dcp",
+            "ckpt.interval_steps=5",
+            f"run_dir={run_dir}",
+            "fault=crash_at_step",
+            "fault.step=13",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["resumed_from"] == 10 and s["params_sha256"] == reference[0]
@@ -109,8 +147,12 @@ def test_stalled_peer_fails_the_job_after_the_timeout_instead_of_hanging(data_ro
     import time
 
     t0 = time.monotonic()
-    p = cli([*RUN, "strategy=ddp", "strategy.timeout=8", "fault=stall", "fault.step=3", f"run_dir={tmp_path / 'r'}"],
-            data_root, tmp_path, timeout=180)
+    p = cli(
+        [*RUN, "strategy=ddp", "strategy.timeout=8", "fault=stall", "fault.step=3", f"run_dir={tmp_path / 'r'}"],
+        data_root,
+        tmp_path,
+        timeout=180,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     line = p.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank ") and "strategy.timeout=8" in line
@@ -119,7 +161,14 @@ def test_stalled_peer_fails_the_job_after_the_timeout_instead_of_hanging(data_ro
 
 def test_ddp_checkpoint_resumes_under_fsdp_bitwise(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    common = [*RUN, "ckpt=sync_dcp", "ckpt.interval_steps=5", f"run_dir={run_dir}", "fault=crash_at_step", "fault.step=13"]
+    common = [
+        *RUN,
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=5",
+        f"run_dir={run_dir}",
+        "fault=crash_at_step",
+        "fault.step=13",
+    ]
     assert cli([*common, "strategy=ddp"], data_root, tmp_path).returncode == 2
     p = cli([*common, "strategy=fsdp"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -127,12 +176,21 @@ def test_ddp_checkpoint_resumes_under_fsdp_bitwise(data_root, tmp_path, referenc
     assert s["resumed_from"] == 10 and s["strategy"] == "fsdp" and s["params_sha256"] == reference[0]
 
 
-@pytest.mark.parametrize("before,after", [(["strategy=ddp"], ["strategy=single"]),
-                                          (["strategy=single"], ["strategy=fsdp"])])
+@pytest.mark.parametrize(
+    "before,after", [(["strategy=ddp"], ["strategy=single"]), (["strategy=single"], ["strategy=fsdp"])]
+)
 def test_resharded_resume_consumes_each_sample_once(before, after, data_root, tmp_path):
     run_dir = tmp_path / "run"
-    common = [*RUN, "trainer.max_steps=40", "ckpt=sync_dcp", "ckpt.interval_steps=10", "data.record_sample_ids=true",
-              f"run_dir={run_dir}", "fault=crash_at_step", "fault.step=13"]
+    common = [
+        *RUN,
+        "trainer.max_steps=40",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=10",
+        "data.record_sample_ids=true",
+        f"run_dir={run_dir}",
+        "fault=crash_at_step",
+        "fault.step=13",
+    ]
     assert cli([*common, *before], data_root, tmp_path).returncode != 0
     p = cli([*common, *after], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -148,11 +206,26 @@ def test_resharded_resume_consumes_each_sample_once(before, after, data_root, tm
 def test_a_rank_without_val_data_still_evaluates_in_lockstep(data_root, tmp_path):
     # One val shard for 2 ranks x 2 workers: rank 1 has no val data and runs padding forwards.
     root = tmp_path / "one"
-    assert cli([f"data.root={root}", "data.prepare.samples_per_shard=400"], data_root, tmp_path,
-               module="recipe.prepare").returncode == 0
+    assert (
+        cli(
+            [f"data.root={root}", "data.prepare.samples_per_shard=400"], data_root, tmp_path, module="recipe.prepare"
+        ).returncode
+        == 0
+    )
     run_dir = tmp_path / "run"
-    p = cli(["strategy=fsdp", f"data.root={root}", "trainer.epochs=2", "logger=none", f"run_dir={run_dir}",
-             "strategy.timeout=90"], data_root, tmp_path, timeout=300)
+    p = cli(
+        [
+            "strategy=fsdp",
+            f"data.root={root}",
+            "trainer.epochs=2",
+            "logger=none",
+            f"run_dir={run_dir}",
+            "strategy.timeout=90",
+        ],
+        data_root,
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_accuracy" in r]
     assert len(evals) == 2 and all(r["val_samples"] == 359 for r in evals)
@@ -163,8 +236,20 @@ def test_time_based_async_saves_under_ddp_do_not_deadlock(ckpt, data_root, tmp_p
     # "Save due?" is agreed on the training group: on the checkpoint group it interleaved with the collectives
     # of the async writer thread and the job timed out at the second save.
     run_dir = tmp_path / "run"
-    p = cli(["debug=tiny", "trainer.max_steps=60", "strategy=ddp", f"ckpt={ckpt}", "ckpt.interval_steps=null",
-             "ckpt.interval_seconds=0.2", "strategy.timeout=60", f"run_dir={run_dir}"], data_root, tmp_path)
+    p = cli(
+        [
+            "debug=tiny",
+            "trainer.max_steps=60",
+            "strategy=ddp",
+            f"ckpt={ckpt}",
+            "ckpt.interval_steps=null",
+            "ckpt.interval_seconds=0.2",
+            "strategy.timeout=60",
+            f"run_dir={run_dir}",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["final_step"] == 60 and s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
@@ -176,8 +261,20 @@ def test_fsdp_saves_through_a_checkpoint_process_from_shared_host_buffers(data_r
     buffer to the checkpoint process crashed the trainer (SIGSEGV while pickling it). Every save after the
     checkpoint process is up goes through it here (ResNet-18: many DTensors, BatchNorm buffers)."""
     run_dir = tmp_path / "run"
-    p = cli(["debug=tiny", "model=resnet18", "trainer.max_steps=16", "strategy=fsdp", "ckpt=async_dcp_pinned",
-             "ckpt.checkpointer=process", "ckpt.interval_steps=2", f"run_dir={run_dir}"], data_root, tmp_path)
+    p = cli(
+        [
+            "debug=tiny",
+            "model=resnet18",
+            "trainer.max_steps=16",
+            "strategy=fsdp",
+            "ckpt=async_dcp_pinned",
+            "ckpt.checkpointer=process",
+            "ckpt.interval_steps=2",
+            f"run_dir={run_dir}",
+        ],
+        data_root,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)
     assert s["checkpoint"]["saves"] == 8 and s["checkpoint"]["failures"] == 0

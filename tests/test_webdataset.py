@@ -45,9 +45,19 @@ def shards(data_root, tmp_path_factory) -> Path:
 
 
 def data_args(shards: Path, root: Path) -> list[str]:
-    return ["data=webdataset", f"data.train='{shards}/train-{{0000..0008}}.tar'", f"data.val='{shards}/val-{{0000..0001}}.tar'",
-            "data.num_classes=10", "data.channels=1", "data.image_size=8", "data.augment.pad=1",
-            "data.augment.hflip=false", "data.mean=[0.5]", "data.std=[0.5]", f"data.root={root}"]
+    return [
+        "data=webdataset",
+        f"data.train='{shards}/train-{{0000..0008}}.tar'",
+        f"data.val='{shards}/val-{{0000..0001}}.tar'",
+        "data.num_classes=10",
+        "data.channels=1",
+        "data.image_size=8",
+        "data.augment.pad=1",
+        "data.augment.hflip=false",
+        "data.mean=[0.5]",
+        "data.std=[0.5]",
+        f"data.root={root}",
+    ]
 
 
 def test_existing_shards_are_indexed_resumably_and_trained_on_exactly(shards, data_root, tmp_path):
@@ -69,9 +79,18 @@ def test_existing_shards_are_indexed_resumably_and_trained_on_exactly(shards, da
     assert json.loads((root / "index.json").read_text()) == index
     # Train on them at default loader settings (2 workers, evaluation), killed and resumed: exactly once.
     run_dir = tmp_path / "run"
-    job = [*data_args(shards, root), "strategy=single", "model=cnn", "trainer.epochs=1", "trainer.batch_size=32",
-           "ckpt=sync_save", "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true",
-           f"run_dir={run_dir}"]
+    job = [
+        *data_args(shards, root),
+        "strategy=single",
+        "model=cnn",
+        "trainer.epochs=1",
+        "trainer.batch_size=32",
+        "ckpt=sync_save",
+        "ckpt.interval_steps=10",
+        "logger=none",
+        "data.record_sample_ids=true",
+        f"run_dir={run_dir}",
+    ]
     assert cli([*job, "fault=crash_at_step", "fault.step=13"], data_root, tmp_path).returncode != 0
     p = cli(job, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -32,10 +32,30 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ["torch", "torch._dynamo", "torchvision", "hydra", "omegaconf", "fsspec", "webdataset", "PIL.Image",
-           "pitstop.cli", "pitstop.runner", "pitstop.launch", "pitstop.goodput", "pitstop.report", "pitstop.audit",
-           "pitstop.ckpt.async_dcp", "pitstop.ckpt.sync_dcp", "pitstop.loader.cached", "pitstop.loader.plain",
-           "recipe.train", "recipe.vision", "recipe.prepare", "recipe.goodput"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torchvision",
+    "hydra",
+    "omegaconf",
+    "fsspec",
+    "webdataset",
+    "PIL.Image",
+    "pitstop.cli",
+    "pitstop.runner",
+    "pitstop.launch",
+    "pitstop.goodput",
+    "pitstop.report",
+    "pitstop.audit",
+    "pitstop.ckpt.async_dcp",
+    "pitstop.ckpt.sync_dcp",
+    "pitstop.loader.cached",
+    "pitstop.loader.plain",
+    "recipe.train",
+    "recipe.vision",
+    "recipe.prepare",
+    "recipe.goodput",
+]
 
 
 # ---------------------------------------------------------------------------------------------- the server side
@@ -144,21 +164,33 @@ class Server:
         self.path = str(directory / "warm.sock")
         self.log = directory / "warm.log"
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, self.path],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         line = self.proc.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"warm server did not start: {line!r} {self.log.read_text()[-3000:]}")
 
-    def start(self, module: str, args: list[str], cwd: str | Path, env: dict | None, fds: list[int],
-              new_session: bool = False) -> "WarmProcess":
-        request = {"module": module, "args": list(args), "cwd": str(cwd), "env": dict(os.environ if env is None
-                                                                                          else env),
-                   "new_session": new_session}
+    def start(
+        self, module: str, args: list[str], cwd: str | Path, env: dict | None, fds: list[int], new_session: bool = False
+    ) -> "WarmProcess":
+        request = {
+            "module": module,
+            "args": list(args),
+            "cwd": str(cwd),
+            "env": dict(os.environ if env is None else env),
+            "new_session": new_session,
+        }
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        conn.sendmsg([json.dumps(request).encode()],
-                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+        conn.sendmsg(
+            [json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        )
         return WarmProcess(conn)
 
     def close(self) -> None:
@@ -215,8 +247,11 @@ class WarmProcess:
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         out: dict[str, str] = {}
-        readers = [threading.Thread(target=lambda k=k, s=s: out.__setitem__(k, s.read()), daemon=True)
-                   for k, s in (("stdout", self.stdout), ("stderr", self.stderr)) if s is not None]
+        readers = [
+            threading.Thread(target=lambda k=k, s=s: out.__setitem__(k, s.read()), daemon=True)
+            for k, s in (("stdout", self.stdout), ("stderr", self.stderr))
+            if s is not None
+        ]
         for t in readers:
             t.start()
         self.wait(timeout)
@@ -270,8 +305,16 @@ def _fd_for(spec, default_mode: str) -> tuple[int, object | None]:
     return os.dup(spec.fileno()), None
 
 
-def popen(server: Server, argv: list[str], cwd, env=None, stdin=subprocess.DEVNULL, stdout=None, stderr=None,
-          start_new_session: bool = False) -> WarmProcess:
+def popen(
+    server: Server,
+    argv: list[str],
+    cwd,
+    env=None,
+    stdin=subprocess.DEVNULL,
+    stdout=None,
+    stderr=None,
+    start_new_session: bool = False,
+) -> WarmProcess:
     """``subprocess.Popen(argv, ...)`` for ``argv = [python, "-m", MODULE, *ARGS]`` (text mode), warm."""
     if len(argv) < 3 or argv[1] != "-m":
         raise ValueError(f"warm processes run python -m MODULE ...; got {argv[:3]}")

@@ -57,8 +57,10 @@ def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
                 resumed[attempt] = int(r["resumed_from"])
                 rank = int(r["rank"])
             elif attempt is None:
-                raise SystemExit(f"error: {name} has steps before any attempt header: it was written by an older "
-                                 f"pitstop; audit runs that this version trained")
+                raise SystemExit(
+                    f"error: {name} has steps before any attempt header: it was written by an older "
+                    f"pitstop; audit runs that this version trained"
+                )
             else:
                 rows.append((attempt, rank, int(r["step"]), int(r.get("micro", 1)), r["keys"]))
     order = sorted(resumed)
@@ -124,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         note += f" e.g. {', '.join(r.examples)}" if r.examples else ""
         print(f"{r.epoch:>5} {r.expected:>9} {r.once:>9} {r.repeated:>9} {r.missing:>9}{note}")
     bad = [r for r in rows if not r.ok]
-    print("every sample exactly once" if not bad else f"FAILED: epochs {[r.epoch for r in bad]} have repeated or "
-          f"missing samples")
+    print(
+        "every sample exactly once"
+        if not bad
+        else f"FAILED: epochs {[r.epoch for r in bad]} have repeated or missing samples"
+    )
     return 1 if bad else 0
 
 

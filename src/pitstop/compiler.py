@@ -32,14 +32,20 @@ def check(backend: str, mode: str | None) -> None:
 
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
-        raise ConfigError(f"trainer.compile_backend={backend!r} is not a torch.compile backend here; "
-                          f"use one of {', '.join(b for b in backends if 'TESTING' not in b)}")
+        raise ConfigError(
+            f"trainer.compile_backend={backend!r} is not a torch.compile backend here; "
+            f"use one of {', '.join(b for b in backends if 'TESTING' not in b)}"
+        )
     modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
     if mode is not None and mode not in modes:
-        raise ConfigError(f"trainer.compile_mode={mode!r} is not a torch.compile mode; use null or one of {', '.join(modes)}")
+        raise ConfigError(
+            f"trainer.compile_mode={mode!r} is not a torch.compile mode; use null or one of {', '.join(modes)}"
+        )
     if mode is not None and backend != "inductor":
-        raise ConfigError(f"trainer.compile_mode={mode!r} is an inductor option; set trainer.compile_backend=inductor "
-                          f"or trainer.compile_mode=null")
+        raise ConfigError(
+            f"trainer.compile_mode={mode!r} is an inductor option; set trainer.compile_backend=inductor "
+            f"or trainer.compile_mode=null"
+        )
 
 
 def compile_model(model: nn.Module, backend: str, mode: str | None) -> nn.Module:
@@ -47,8 +53,11 @@ def compile_model(model: nn.Module, backend: str, mode: str | None) -> nn.Module
     if mode is not None:
         kw["mode"] = mode
     model.compile(**kw)
-    log.info("model compiled in place (backend %s%s): compilation runs at the first steps", backend,
-             f", mode {mode}" if mode else "")
+    log.info(
+        "model compiled in place (backend %s%s): compilation runs at the first steps",
+        backend,
+        f", mode {mode}" if mode else "",
+    )
     return model
 
 

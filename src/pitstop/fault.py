@@ -45,8 +45,8 @@ class FaultContext:
     world_size: int
     total_steps: int
     max_restarts: int
-    start_wall: float          # when this process started (time.time())
-    checkpointer: Any          # pitstop.ckpt.base.Checkpointer: its root and the step of the newest save started
+    start_wall: float  # when this process started (time.time())
+    checkpointer: Any  # pitstop.ckpt.base.Checkpointer: its root and the step of the newest save started
     grad_accum_steps: int = 1  # micro-batches per step
 
 
@@ -82,8 +82,9 @@ class NoFault(Fault):
 
     def bind(self, ctx: FaultContext) -> None:
         if not 0 <= int(self.rank) < ctx.world_size:
-            raise ConfigError(f"fault.rank={self.rank} but the job has {ctx.world_size} rank(s); "
-                              f"use 0..{ctx.world_size - 1}")
+            raise ConfigError(
+                f"fault.rank={self.rank} but the job has {ctx.world_size} rank(s); use 0..{ctx.world_size - 1}"
+            )
         self.ctx = ctx
 
     def after_step(self, step: int) -> None:
@@ -110,20 +111,32 @@ class CrashAtStep(NoFault):
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
         if self.step > ctx.total_steps:
-            raise ConfigError(f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
-                              f"would never fire; lower fault.step")
+            raise ConfigError(
+                f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
+                f"would never fire; lower fault.step"
+            )
         if self.micro_batch is not None and self.micro_batch >= ctx.grad_accum_steps:
-            raise ConfigError(f"fault.micro_batch={self.micro_batch} needs trainer.grad_accum_steps > "
-                              f"{self.micro_batch} (it is {ctx.grad_accum_steps}): the fault would never fire")
+            raise ConfigError(
+                f"fault.micro_batch={self.micro_batch} needs trainer.grad_accum_steps > "
+                f"{self.micro_batch} (it is {ctx.grad_accum_steps}): the fault would never fire"
+            )
 
     def after_step(self, step: int) -> None:
-        if self.micro_batch is None and step == self.step and self.ctx.rank == self.rank \
-                and _first_time(self.ctx.run_dir, self.key()):
+        if (
+            self.micro_batch is None
+            and step == self.step
+            and self.ctx.rank == self.rank
+            and _first_time(self.ctx.run_dir, self.key())
+        ):
             self.fire()
 
     def after_micro_batch(self, step: int, micro_batch: int) -> None:
-        if micro_batch == self.micro_batch and step == self.step and self.ctx.rank == self.rank \
-                and _first_time(self.ctx.run_dir, self.key()):
+        if (
+            micro_batch == self.micro_batch
+            and step == self.step
+            and self.ctx.rank == self.rank
+            and _first_time(self.ctx.run_dir, self.key())
+        ):
             self.fire()
 
     def key(self) -> str:
@@ -146,8 +159,13 @@ class StallAtStep(CrashAtStep):
         self.seconds, self.hold_gil = float(seconds), bool(hold_gil)
 
     def fire(self) -> None:
-        log.warning("fault injection: rank %d stalls for %.0f s at step %d%s", self.rank, self.seconds, self.step,
-                    " holding the GIL" if self.hold_gil else "")
+        log.warning(
+            "fault injection: rank %d stalls for %.0f s at step %d%s",
+            self.rank,
+            self.seconds,
+            self.step,
+            " holding the GIL" if self.hold_gil else "",
+        )
         if self.hold_gil:  # libc sleep() through ctypes.PyDLL: a native call that keeps the GIL
             import ctypes
 
@@ -189,8 +207,10 @@ class RandomFault(NoFault):
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
         if ctx.max_restarts < 1:
-            raise ConfigError("fault=random kills every attempt eventually; set trainer.max_restarts (e.g. 100) "
-                              "so the job is restarted and can finish")
+            raise ConfigError(
+                "fault=random kills every attempt eventually; set trainer.max_restarts (e.g. 100) "
+                "so the job is restarted and can finish"
+            )
         if ctx.rank != self.rank:
             return
         import numpy as np

@@ -15,9 +15,13 @@ from typing import Any
 from pitstop.errors import ConfigError
 
 SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential")
-CREDENTIAL_ENV = {"s3": "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for another S3 API)",
-                  "gs": "GOOGLE_APPLICATION_CREDENTIALS", "gcs": "GOOGLE_APPLICATION_CREDENTIALS",
-                  "az": "AZURE_STORAGE_CONNECTION_STRING", "abfs": "AZURE_STORAGE_CONNECTION_STRING"}
+CREDENTIAL_ENV = {
+    "s3": "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for another S3 API)",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "AZURE_STORAGE_CONNECTION_STRING",
+    "abfs": "AZURE_STORAGE_CONNECTION_STRING",
+}
 
 
 def is_url(path: Any) -> bool:
@@ -37,13 +41,24 @@ def credential_vars(url: str) -> str:
 def is_permission_error(e: BaseException) -> bool:
     """Wrong or missing credentials, or no permission (as s3fs, gcsfs or botocore say it)."""
     text = f"{type(e).__name__} {e}".lower()
-    return isinstance(e, PermissionError) or any(w in text for w in (
-        "credentials", "access denied", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch",
-        "forbidden", "security token"))
+    return isinstance(e, PermissionError) or any(
+        w in text
+        for w in (
+            "credentials",
+            "access denied",
+            "accessdenied",
+            "invalidaccesskeyid",
+            "signaturedoesnotmatch",
+            "forbidden",
+            "security token",
+        )
+    )
 
 
 def credentials_hint(url: str) -> str:
-    return f"check the credentials in the environment ({credential_vars(url)}); pitstop never takes them from the config"
+    return (
+        f"check the credentials in the environment ({credential_vars(url)}); pitstop never takes them from the config"
+    )
 
 
 def storage_options(options: Any, key: str) -> dict:
@@ -55,8 +70,10 @@ def storage_options(options: Any, key: str) -> dict:
     if OmegaConf.is_config(options):
         options = OmegaConf.to_container(options, resolve=True)
     if not isinstance(options, dict):
-        raise ConfigError(f"{key} must be a mapping of fsspec options (e.g. {{client_kwargs: {{endpoint_url: URL}}}}), "
-                          f"got {options!r}")
+        raise ConfigError(
+            f"{key} must be a mapping of fsspec options (e.g. {{client_kwargs: {{endpoint_url: URL}}}}), "
+            f"got {options!r}"
+        )
 
     def walk(node: dict, where: str) -> None:
         for k, v in node.items():
@@ -106,8 +123,10 @@ def _looks_secret(name: str) -> bool:
 
 
 def _refusal(name: str, then: str) -> str:
-    return (f"{name}: credentials never go in the config (it is saved with the run); set them in the environment "
-            f"instead (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and {then}")
+    return (
+        f"{name}: credentials never go in the config (it is saved with the run); set them in the environment "
+        f"instead (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and {then}"
+    )
 
 
 def filesystem(url: str, options: dict | None = None) -> tuple[Any, str]:

@@ -25,8 +25,9 @@ log = logging.getLogger("pitstop.goodput")
 ASSUMED_MTBF = 86400.0  # one failure a day, until a better figure is known
 
 
-def expected_goodput(interval: float, mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0,
-                     write_lag: float = 0.0) -> float:
+def expected_goodput(
+    interval: float, mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0, write_lag: float = 0.0
+) -> float:
     t, c = float(interval), float(save_cost)
     if t <= 0 or mtbf <= 0:
         return 0.0
@@ -35,8 +36,9 @@ def expected_goodput(interval: float, mtbf: float, save_cost: float = 0.0, resta
     return max(0.0, useful * (1.0 - lost))
 
 
-def exact_goodput(interval: float, mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0,
-                  write_lag: float = 0.0) -> float:
+def exact_goodput(
+    interval: float, mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0, write_lag: float = 0.0
+) -> float:
     """Long-run goodput when failures are exponential (memoryless) and strike any time, restarts included.
 
     Each attempt survives its restart with probability exp(-R/M) and then keeps cycle k (its save durable at
@@ -52,15 +54,24 @@ def exact_goodput(interval: float, mtbf: float, save_cost: float = 0.0, restart_
     return t * math.exp(-(restart_cost + write_lag) / mtbf) / (mtbf * math.expm1((t + c) / mtbf))
 
 
-def two_tier_goodput(local_interval: float, durable_interval: float, mtbf: float, local_cost: float = 0.0,
-                     durable_cost: float = 0.0, restart_cost: float = 0.0, local_lag: float = 0.0,
-                     durable_lag: float = 0.0, local_share: float = 1.0) -> float:
+def two_tier_goodput(
+    local_interval: float,
+    durable_interval: float,
+    mtbf: float,
+    local_cost: float = 0.0,
+    durable_cost: float = 0.0,
+    restart_cost: float = 0.0,
+    local_lag: float = 0.0,
+    durable_lag: float = 0.0,
+    local_share: float = 1.0,
+) -> float:
     """First order, with a local tier (``ckpt.local``) saving every ``local_interval`` seconds of work next to
     the durable one: both tiers' saves block the loop; a failure the local tier survives (a share
     ``local_share`` of them: a crashed or killed process, a hang) loses half a local cycle, one it does not
     survive (the node is gone) half a durable cycle::
 
-        goodput = (1 - C_l/(T_l + C_l) - C_d/(T_d + C_d)) * (1 - (R + p ((T_l+C_l)/2 + W_l) + (1-p) ((T_d+C_d)/2 + W_d)) / M)
+        goodput = (1 - C_l/(T_l + C_l) - C_d/(T_d + C_d))
+                  * (1 - (R + p ((T_l+C_l)/2 + W_l) + (1-p) ((T_d+C_d)/2 + W_d)) / M)
 
     With ``local_share=0`` it is :func:`expected_goodput` of the durable tier alone (plus the local saves' cost)."""
     tl, td, p = float(local_interval), float(durable_interval), min(max(float(local_share), 0.0), 1.0)
@@ -83,8 +94,16 @@ def best_interval(mtbf: float, save_cost: float = 0.0, restart_cost: float = 0.0
     return max(grid, key=lambda t: expected_goodput(t, mtbf, save_cost, restart_cost, write_lag))
 
 
-def at_scale(nodes: int, node_mtbf: float, save_cost: float, restart_cost: float, write_lag: float = 0.0,
-             replace_cost: float = 0.0, replace_share: float = 0.0, interval: float | None = None) -> dict:
+def at_scale(
+    nodes: int,
+    node_mtbf: float,
+    save_cost: float,
+    restart_cost: float,
+    write_lag: float = 0.0,
+    replace_cost: float = 0.0,
+    replace_share: float = 0.0,
+    interval: float | None = None,
+) -> dict:
     """The job on ``nodes`` nodes, each failing on average every ``node_mtbf`` seconds (independently: the
     job's MTBF is ``node_mtbf / nodes``). A share ``replace_share`` of the failures takes a node away (a
     replacement must join: ``replace_cost`` more than a process restart ``restart_cost``); the rest restart the
@@ -93,11 +112,20 @@ def at_scale(nodes: int, node_mtbf: float, save_cost: float, restart_cost: float
     r = restart_cost + replace_share * replace_cost
     best = best_interval(mtbf, save_cost, r, write_lag)
     t = interval if interval is not None else best
-    return {"nodes": nodes, "mtbf": mtbf, "failures_per_day": 86400.0 / mtbf, "restart": r,
-            "young_daly": young_daly(save_cost, mtbf), "best": best, "interval": t,
-            # (free saves: save continuously, only the restarts cost)
-            "goodput": expected_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else max(0.0, 1 - (r + write_lag) / mtbf),
-            "exact": exact_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else math.exp(-(r + write_lag) / mtbf)}
+    return {
+        "nodes": nodes,
+        "mtbf": mtbf,
+        "failures_per_day": 86400.0 / mtbf,
+        "restart": r,
+        "young_daly": young_daly(save_cost, mtbf),
+        "best": best,
+        "interval": t,
+        # (free saves: save continuously, only the restarts cost)
+        "goodput": expected_goodput(t, mtbf, save_cost, r, write_lag)
+        if t > 0
+        else max(0.0, 1 - (r + write_lag) / mtbf),
+        "exact": exact_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else math.exp(-(r + write_lag) / mtbf),
+    }
 
 
 _UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400}
@@ -130,16 +158,27 @@ class AutoInterval:
     than 10%). An async save is never due before the previous one is durable, so T >= W.
     """
 
-    def __init__(self, mtbf: float | None, source: str, observed_failures: int = 0, observed_seconds: float = 0.0,
-                 key: str = "ckpt.interval"):
+    def __init__(
+        self,
+        mtbf: float | None,
+        source: str,
+        observed_failures: int = 0,
+        observed_seconds: float = 0.0,
+        key: str = "ckpt.interval",
+    ):
         self.key = key
         if mtbf is None and observed_failures > 0 and observed_seconds > 0:
-            mtbf, source = observed_seconds / observed_failures, f"{observed_failures} failure(s) observed in this run dir"
+            mtbf, source = (
+                observed_seconds / observed_failures,
+                f"{observed_failures} failure(s) observed in this run dir",
+            )
         if mtbf is None:
             mtbf, source = ASSUMED_MTBF, "assumed: no MTBF known yet (set ckpt.mtbf_seconds)"
-            log.info(f"{key}=auto: no MTBF known yet (ckpt.mtbf_seconds, fault.mtbf_seconds, or failures "
-                     "observed in this run dir); assuming one failure a day until one is; first save after step 1 "
-                     "to measure its cost")
+            log.info(
+                f"{key}=auto: no MTBF known yet (ckpt.mtbf_seconds, fault.mtbf_seconds, or failures "
+                "observed in this run dir); assuming one failure a day until one is; first save after step 1 "
+                "to measure its cost"
+            )
         self.mtbf, self.source = float(mtbf), source
         self.seconds: float | None = None  # None until a save cost is measured
 
@@ -147,7 +186,12 @@ class AutoInterval:
         t = max(young_daly(save_cost, self.mtbf), write_seconds, 1e-3)
         if self.seconds is not None and abs(t - self.seconds) <= 0.1 * self.seconds:
             return self.seconds  # small drifts of the running average do not move the interval
-        log.info(f"{self.key}=auto: save every %s (blocking cost %.3f s per save, MTBF %s: %s)",
-                 fmt_duration(t), save_cost, fmt_duration(self.mtbf), self.source)
+        log.info(
+            f"{self.key}=auto: save every %s (blocking cost %.3f s per save, MTBF %s: %s)",
+            fmt_duration(t),
+            save_cost,
+            fmt_duration(self.mtbf),
+            self.source,
+        )
         self.seconds = t
         return t

@@ -54,11 +54,11 @@ def nproc(cfg: DictConfig) -> int:
 
 
 class LaunchMode(str, Enum):
-    IN_PROCESS = "in_process"   # one rank, run right here
-    SUPERVISED = "supervised"   # one rank in a child process, started again when it dies (trainer.max_restarts)
-    ELASTIC = "elastic"         # strategy.nproc_per_node ranks, started (and restarted) by torch's elastic agent
-    CHILD = "child"             # this process already is one rank or attempt that a launcher started (torchrun,
-                                # SLURM, the elastic agent, pitstop's supervisor): run it, restarts are theirs
+    IN_PROCESS = "in_process"  # one rank, run right here
+    SUPERVISED = "supervised"  # one rank in a child process, started again when it dies (trainer.max_restarts)
+    ELASTIC = "elastic"  # strategy.nproc_per_node ranks, started (and restarted) by torch's elastic agent
+    CHILD = "child"  # this process already is one rank or attempt that a launcher started (torchrun,
+    # SLURM, the elastic agent, pitstop's supervisor): run it, restarts are theirs
 
 
 def started_by_launcher(env: Mapping[str, str]) -> bool:
@@ -104,8 +104,11 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     endpoint, run_id = _rendezvous(cfg, run_dir, max_nodes)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
-                                                           RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from pitstop.preempt import JobNotice, parse_signals
@@ -126,60 +129,87 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=n, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": timeout, "read_timeout": timeout, "timeout": timeout,
-                      "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
-                      "keep_alive_interval": 1, "keep_alive_max_attempt": 5},
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=n,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={
+            "join_timeout": timeout,
+            "read_timeout": timeout,
+            "timeout": timeout,
+            "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 5,
+        },
         max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
-        monitor_interval=0.2, start_method=method, shutdown_timeout=int(grace) + 30,
+        monitor_interval=0.2,
+        start_method=method,
+        shutdown_timeout=int(grace) + 30,
         signals_to_handle=",".join(torch_handles),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
     )
     nodes = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
-    log.info("launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)", n, nodes, endpoint,
-             config.max_restarts)
+    log.info(
+        "launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)",
+        n,
+        nodes,
+        endpoint,
+        config.max_restarts,
+    )
     notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig)).install()
     try:
-        results = elastic_launch(config, worker)(OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start,
-                                                 os.getpid())
+        results = elastic_launch(config, worker)(
+            OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start, os.getpid()
+        )
     except RendezvousClosedError:
-        raise PitstopError(f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
-                           f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
-                           f"the same one resumes from its checkpoints)") from None
+        raise PitstopError(
+            f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
+            f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
+            f"the same one resumes from its checkpoints)"
+        ) from None
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:
-        raise PitstopError(f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
-                           f"{timeout} s ({type(e).__name__}: {_first_line_of(e)}); start node 0 first, check the "
-                           f"address and that strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} nodes "
-                           f"come up") from None
+        raise PitstopError(
+            f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
+            f"{timeout} s ({type(e).__name__}: {_first_line_of(e)}); start node 0 first, check the "
+            f"address and that strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} nodes "
+            f"come up"
+        ) from None
     except SignalException as e:
         if e.sigval not in notices:
             raise
-        raise Preempted(f"preempted after a notice ({e.sigval.name}); run the same command again to resume "
-                        f"({run_dir})") from None
+        raise Preempted(
+            f"preempted after a notice ({e.sigval.name}); run the same command again to resume ({run_dir})"
+        ) from None
     except ChildFailedError as e:
         rank, failure = _root_failure(e.failures)
         if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
         if getattr(failure, "exitcode", None) == HUNG_EXIT:
-            raise PitstopError(f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
-                               f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log") from None
+            raise PitstopError(
+                f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
+                f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log"
+            ) from None
         why = _first_line(failure)
         if "timeout" in why.lower() or "timed out" in why.lower():
             why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
         silent = _silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
         if silent and _lost_peer(why):  # the agent saw the peer's error first
-            raise PitstopError(f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
-                               f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
-                               f"{run_dir}/train.log and rank*.log") from None
+            raise PitstopError(
+                f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
+                f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
+                f"{run_dir}/train.log and rank*.log"
+            ) from None
         raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
     finally:
         notice.close()
     return results[min(results)]  # keyed by global rank: this node's first
 
 
-def worker(cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None,
-           agent: int | None = None) -> dict:
+def worker(
+    cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None, agent: int | None = None
+) -> dict:
     """The entry point of each rank: a fork of the agent's pre-imported server (``method`` forkserver: warm)
     or a fresh interpreter (spawn). ``agent``: the launching process, told of a preemption notice."""
     from pitstop.runner import Runner
@@ -221,8 +251,16 @@ def warm_context(cfg: DictConfig) -> Any:
     # Imported lazily by every attempt: torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's
     # init here), fsspec by the data index (~0.3 s), pitstop.goodput at the end. What the entry point imports
     # too (each child runs it again as __mp_main__).
-    modules = {"torch", "torch._dynamo", "fsspec", "pitstop.goodput", "pitstop.runner", "pitstop.launch",
-               *entry_point_imports(), *target_modules(cfg)}
+    modules = {
+        "torch",
+        "torch._dynamo",
+        "fsspec",
+        "pitstop.goodput",
+        "pitstop.runner",
+        "pitstop.launch",
+        *entry_point_imports(),
+        *target_modules(cfg),
+    }
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(sorted(modules))
     return ctx
@@ -269,8 +307,7 @@ def _job_start() -> float:
     return time.time() - _import_seconds
 
 
-def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float,
-              grace: float = 30.0) -> dict:
+def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float, grace: float = 30.0) -> dict:
     import json
 
     errors = error_file(run_dir)
@@ -280,8 +317,11 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
         # /proc's process start times is too coarse for sub-second restarts).
         start = job_start if attempt == 0 else time.time()
-        child = ctx.Process(target=_supervised, args=(cfg_yaml, run_dir, attempt, start, ctx.get_start_method()),
-                            name=f"pitstop-attempt{attempt}")
+        child = ctx.Process(
+            target=_supervised,
+            args=(cfg_yaml, run_dir, attempt, start, ctx.get_start_method()),
+            name=f"pitstop-attempt{attempt}",
+        )
         child.start()
         try:
             child.join()
@@ -305,10 +345,17 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
         if code == 2:
             raise ConfigError(why)
         if attempt < max_restarts:
-            log.warning("attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
-                        attempt + 1, why, attempt + 1, max_restarts)
-    raise PitstopError(f"the job failed {max_restarts + 1} times (last: {why}); "
-                       f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log")
+            log.warning(
+                "attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
+                attempt + 1,
+                why,
+                attempt + 1,
+                max_restarts,
+            )
+    raise PitstopError(
+        f"the job failed {max_restarts + 1} times (last: {why}); "
+        f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log"
+    )
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -372,8 +419,10 @@ def _check_capacity(cfg: DictConfig, n: int) -> None:
     else:
         have, what = os.cpu_count() or 1, "CPU cores"
     if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
-        raise ConfigError(f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
-                          f"lower it or set strategy.oversubscribe=true")
+        raise ConfigError(
+            f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
+            f"lower it or set strategy.oversubscribe=true"
+        )
 
 
 def _rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str]:
@@ -383,16 +432,20 @@ def _rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str
     endpoint = OmegaConf.select(cfg, "strategy.rdzv_endpoint", default=None)
     slurm_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", "1") or 1)  # srun's step (submitit's tasks)
     if slurm_nodes > max_nodes:
-        raise ConfigError(f"this SLURM job step runs on {slurm_nodes} nodes but strategy.nnodes="
-                          f"{OmegaConf.select(cfg, 'strategy.nnodes')}; set strategy.nnodes={slurm_nodes} "
-                          f"(= hydra.launcher.nodes) and strategy.rdzv_endpoint=slurm")
+        raise ConfigError(
+            f"this SLURM job step runs on {slurm_nodes} nodes but strategy.nnodes="
+            f"{OmegaConf.select(cfg, 'strategy.nnodes')}; set strategy.nnodes={slurm_nodes} "
+            f"(= hydra.launcher.nodes) and strategy.rdzv_endpoint=slurm"
+        )
     if endpoint == "slurm":
         endpoint = slurm_endpoint(os.environ, OmegaConf.select(cfg, "strategy.master_port", default=None))
     if max_nodes == 1 and not endpoint:
         return f"127.0.0.1:{_port(cfg)}", f"pitstop-{uuid.uuid4().hex[:8]}"
     if not endpoint or ":" not in str(endpoint):
-        raise ConfigError(f"strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} needs "
-                          f"strategy.rdzv_endpoint=HOST:PORT (node 0's address), got {endpoint!r}")
+        raise ConfigError(
+            f"strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} needs "
+            f"strategy.rdzv_endpoint=HOST:PORT (node 0's address), got {endpoint!r}"
+        )
     import hashlib
 
     name = os.path.basename(os.path.normpath(run_dir))
@@ -404,8 +457,9 @@ def slurm_endpoint(env: Mapping[str, str], port: int | None = None) -> str:
     and a port derived from the job id (two jobs sharing a node do not collide), or ``strategy.master_port``."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
-        raise ConfigError("strategy.rdzv_endpoint=slurm outside a SLURM allocation (no SLURM_JOB_NODELIST); "
-                          "give HOST:PORT")
+        raise ConfigError(
+            "strategy.rdzv_endpoint=slurm outside a SLURM allocation (no SLURM_JOB_NODELIST); give HOST:PORT"
+        )
     return f"{first_host(nodelist)}:{int(port or 20000 + int(env.get('SLURM_JOB_ID', '0') or 0) % 20000)}"
 
 
@@ -432,13 +486,20 @@ def _port(cfg: DictConfig) -> int:
         try:
             s.bind(("127.0.0.1", int(want or 0)))
         except OSError as e:
-            raise ConfigError(f"strategy.master_port={want} is not free ({e.strerror}); pick another or leave it null") from None
+            raise ConfigError(
+                f"strategy.master_port={want} is not free ({e.strerror}); pick another or leave it null"
+            ) from None
         return s.getsockname()[1]
 
 
 # A rank that failed only because a peer went away: what it says explains nothing.
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe",
-              "communicator was aborted")
+_LOST_PEER = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "broken pipe",
+    "communicator was aborted",
+)
 
 
 def _lost_peer(message: str) -> bool:
@@ -449,6 +510,7 @@ def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that explains the others: a preempted or hung rank, else one killed or failing on its own,
     before ranks that then lost their peer (the earliest of a kind; a killed rank's exit may be noticed after
     its peer's error, so the earliest failure alone can name the wrong rank)."""
+
     def rank_of(item: tuple[int, Any]) -> tuple[int, float]:
         failure = item[1]
         code = getattr(failure, "exitcode", None)

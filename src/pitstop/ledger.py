@@ -118,10 +118,20 @@ class GoodputLog:
         self.ledger, self.enabled, self.heartbeat = ledger, enabled, heartbeat
         self.previous = self._read_attempts()
         self.attempt: dict[str, Any] = {
-            "attempt": len(self.previous) + 1, "pid": os.getpid(), "start": round(ledger.start_wall, 3),
-            "end": None, "status": "running", "auto_restart": _auto_restart(), "restored": False, "resumed_from": None,
+            "attempt": len(self.previous) + 1,
+            "pid": os.getpid(),
+            "start": round(ledger.start_wall, 3),
+            "end": None,
+            "status": "running",
+            "auto_restart": _auto_restart(),
+            "restored": False,
+            "resumed_from": None,
             "start_method": os.environ.get("PITSTOP_START_METHOD"),  # forkserver: a warm restart (supervisor)
-            "step": 0, "saves": 0, "buckets": {}, "marks": {}}
+            "step": 0,
+            "saves": 0,
+            "buckets": {},
+            "marks": {},
+        }
         self._last_write, self._interval = 0.0, heartbeat
         # On record from the start: an attempt killed during init (or restore) still has its time accounted
         # and counts as an attempt (the next one's recovery gap starts where this record ends).
@@ -181,8 +191,7 @@ class GoodputLog:
             self.write(step)
 
     def write(self, step: int, status: str = "running") -> dict:
-        self.attempt.update(step=step, status=status, end=round(time.time(), 3),
-                            buckets=self.ledger.split())
+        self.attempt.update(step=step, status=status, end=round(time.time(), 3), buckets=self.ledger.split())
         doc = {"attempts": [*self.previous, self.attempt]}
         doc.update(account(doc["attempts"]))
         if self.enabled:
@@ -199,8 +208,10 @@ class GoodputLog:
 
 def _auto_restart() -> bool:
     """Started by a supervisor or the elastic agent after a failure (not by a person)."""
-    return int(os.environ.get("PITSTOP_RESTART_COUNT", "0") or 0) > 0 or \
-        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return (
+        int(os.environ.get("PITSTOP_RESTART_COUNT", "0") or 0) > 0
+        or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    )
 
 
 def _restored(attempt: dict) -> bool:
@@ -221,7 +232,7 @@ def account(attempts: list[dict]) -> dict[str, Any]:
     restart_costs = []
     for i, a in enumerate(attempts):
         b = a.get("buckets") or {}
-        nxt = next((n for n in attempts[i + 1:] if _restored(n)), None)
+        nxt = next((n for n in attempts[i + 1 :] if _restored(n)), None)
         lost = {k: 0.0 for k in WORK}
         if nxt is not None:
             resume = nxt.get("resumed_from") or 0
@@ -250,19 +261,24 @@ def account(attempts: list[dict]) -> dict[str, Any]:
     total = sum(t.values())
     totals = {k: round(v, 3) for k, v in t.items()}
     totals["total"] = round(total, 3)
-    return {"totals": totals, "goodput": round(t["productive"] / total, 4) if total > 0 else 0.0,
-            "attempts_count": len(attempts),
-            "restarts": max(0, len(attempts) - 1),
-            "restart_seconds": round(sum(restart_costs) / len(restart_costs), 3) if restart_costs else None,
-            "failures": sum(1 for a in attempts[:-1] if a.get("status") != "finished")
-            + (1 if attempts and attempts[-1].get("status") == "failed" else 0)}
+    return {
+        "totals": totals,
+        "goodput": round(t["productive"] / total, 4) if total > 0 else 0.0,
+        "attempts_count": len(attempts),
+        "restarts": max(0, len(attempts) - 1),
+        "restart_seconds": round(sum(restart_costs) / len(restart_costs), 3) if restart_costs else None,
+        "failures": sum(1 for a in attempts[:-1] if a.get("status") != "finished")
+        + (1 if attempts and attempts[-1].get("status") == "failed" else 0),
+    }
 
 
 def table(doc: dict) -> str:
     """A short, aligned text table of the job's buckets."""
     totals, total = doc["totals"], doc["totals"]["total"] or 1e-9
-    lines = [f"goodput {doc['goodput'] * 100:.1f}% over {total:.1f} s wall clock, "
-             f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"]
+    lines = [
+        f"goodput {doc['goodput'] * 100:.1f}% over {total:.1f} s wall clock, "
+        f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"
+    ]
     for k in JOB_BUCKETS:
         lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
     if doc.get("restart_seconds") is not None:

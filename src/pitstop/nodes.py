@@ -26,10 +26,21 @@ from pitstop.config import flatten
 from pitstop.errors import ConfigError
 
 # Keys that may differ between nodes: where things are on this node, how many ranks and threads it runs.
-NODE_LOCAL = ("run_dir", "paths", "ckpt.dir", "loader.cache_dir", "ckpt.local.dir", "logger.tracking_uri",
-              "strategy.nproc_per_node",
-              "strategy.cpu_threads", "strategy.master_port", "strategy.oversubscribe", "trainer.progress_bar",
-              "sweep", "hydra")
+NODE_LOCAL = (
+    "run_dir",
+    "paths",
+    "ckpt.dir",
+    "loader.cache_dir",
+    "ckpt.local.dir",
+    "logger.tracking_uri",
+    "strategy.nproc_per_node",
+    "strategy.cpu_threads",
+    "strategy.master_port",
+    "strategy.oversubscribe",
+    "trainer.progress_bar",
+    "sweep",
+    "hydra",
+)
 
 
 def node_id() -> str:
@@ -82,28 +93,37 @@ def disagreement(ranks: list[dict]) -> str | None:
         diff = _diff(first["config"], view["config"])
         if diff:
             key, a, b = diff
-            return (f"the nodes were started with different configs: {key}={a} on rank 0 ({first['node']}) but "
-                    f"{key}={b} on rank {r} ({view['node']}); start every node with the same overrides")
+            return (
+                f"the nodes were started with different configs: {key}={a} on rank 0 ({first['node']}) but "
+                f"{key}={b} on rank {r} ({view['node']}); start every node with the same overrides"
+            )
     for r, view in enumerate(ranks):
         for i, (path, seen) in enumerate(view["dirs"]):
             if not seen:
                 what = "run_dir" if i == 0 else "ckpt.dir"
-                return (f"{what} is not shared between the nodes: rank {r} ({view['node']}) does not see rank 0's "
-                        f"files in {path} (rank 0's: {first['dirs'][i][0]}); put it on a filesystem every node "
-                        f"mounts")
+                return (
+                    f"{what} is not shared between the nodes: rank {r} ({view['node']}) does not see rank 0's "
+                    f"files in {path} (rank 0's: {first['dirs'][i][0]}); put it on a filesystem every node "
+                    f"mounts"
+                )
     for view in ranks:
         others = [g for g in view["cache_markers"] if g != view["group_rank"]]
         if others:
-            return (f"loader.cache_dir is shared by nodes {view['group_rank']} and {others[0]} ({view['node']}): it "
-                    f"must be node-local (each node keeps its own copy of the shards); give each node its own, "
-                    f"e.g. PITSTOP_CACHE_DIR on a local disk")
+            return (
+                f"loader.cache_dir is shared by nodes {view['group_rank']} and {others[0]} ({view['node']}): it "
+                f"must be node-local (each node keeps its own copy of the shards); give each node its own, "
+                f"e.g. PITSTOP_CACHE_DIR on a local disk"
+            )
     return None
 
 
 def flat_config(cfg: DictConfig) -> dict[str, str]:
     """The resolved config as ``{dotted.key: value}``, without the node-local keys."""
-    return {k: v for k, v in flatten(cfg).items()
-            if not any(k == local or k.startswith(local + ".") for local in NODE_LOCAL)}
+    return {
+        k: v
+        for k, v in flatten(cfg).items()
+        if not any(k == local or k.startswith(local + ".") for local in NODE_LOCAL)
+    }
 
 
 def _diff(a: dict[str, str], b: dict[str, str]) -> tuple[str, str, str] | None:

@@ -27,12 +27,17 @@ class Precision:
     def __init__(self, name: str, device: torch.device, *, strategy_casts: bool = False):
         """``strategy_casts``: the strategy applies the dtype itself (FSDP's mixed-precision policy)."""
         if name not in DTYPES:
-            hint = " (fp8 training needs Transformer Engine/torchao float8 layers, which pitstop does not wire)" \
-                if str(name).lower().startswith("fp8") else ""
+            hint = (
+                " (fp8 training needs Transformer Engine/torchao float8 layers, which pitstop does not wire)"
+                if str(name).lower().startswith("fp8")
+                else ""
+            )
             raise ConfigError(f"trainer.precision={name!r} is not supported{hint}; use one of {', '.join(DTYPES)}")
         if name == "fp16" and device.type == "cpu":
-            raise ConfigError("trainer.precision=fp16 needs a CUDA device (this run is on CPU); "
-                              "use trainer.precision=bf16 or fp32 on CPU")
+            raise ConfigError(
+                "trainer.precision=fp16 needs a CUDA device (this run is on CPU); "
+                "use trainer.precision=bf16 or fp32 on CPU"
+            )
         if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"trainer.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp16")
         self.name, self.device, self.dtype = name, device, DTYPES[name]

@@ -37,8 +37,9 @@ def parse_signals(names: Any) -> list[signal.Signals]:
         key = str(name).upper()
         key = key if key.startswith("SIG") else f"SIG{key}"
         if key not in signal.Signals.__members__ or key in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(f"trainer.preempt_signals: {name!r} is not a signal that can be caught; "
-                              f"use e.g. [SIGTERM, SIGUSR1]")
+            raise ConfigError(
+                f"trainer.preempt_signals: {name!r} is not a signal that can be caught; use e.g. [SIGTERM, SIGUSR1]"
+            )
         out.append(signal.Signals[key])
     return out
 
@@ -89,8 +90,11 @@ class PreemptionNotice(_Handlers):
             log.warning("preemption notice (%s): finishing this step, then saving and exiting", self.received.name)
             # (Not SIGTERM or SIGINT: with those the agent itself stops ranks, e.g. the peers of a failed rank;
             # a scheduler's SIGTERM reaches every process of the job, the agent's too.)
-            if self._agent is not None and self._agent != os.getpid() and \
-                    self.received not in (signal.SIGTERM, signal.SIGINT):
+            if (
+                self._agent is not None
+                and self._agent != os.getpid()
+                and self.received not in (signal.SIGTERM, signal.SIGINT)
+            ):
                 try:
                     os.kill(self._agent, signum)
                 except OSError:  # (gone, or not ours to signal: the ranks still save and exit 75)
@@ -106,8 +110,11 @@ class PreemptionNotice(_Handlers):
             return
         previous = self._previous.get(self.received)
         if callable(previous) and previous not in (signal.default_int_handler,):
-            log.warning("handing the %s notice on to the handler installed before pitstop's (%s)",
-                        self.received.name, getattr(previous, "__qualname__", previous))
+            log.warning(
+                "handing the %s notice on to the handler installed before pitstop's (%s)",
+                self.received.name,
+                getattr(previous, "__qualname__", previous),
+            )
             previous(int(self.received), None)
 
 

@@ -29,16 +29,22 @@ class StepProfiler:
         self._prof: Any = None
         if steps is None:
             return
-        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__len__") or len(steps) != 2 \
-                or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
+        if (
+            isinstance(steps, (str, bytes))
+            or not hasattr(steps, "__len__")
+            or len(steps) != 2
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
+        ):
             shown = list(steps) if hasattr(steps, "__iter__") and not isinstance(steps, str) else steps
             raise ConfigError(f"trainer.profile.steps must be [start, end] (two step numbers), got {shown!r}")
         start, end = int(steps[0]), int(steps[1])
         if not 1 <= start <= end:
             raise ConfigError(f"trainer.profile.steps=[{start}, {end}]: need 1 <= start <= end")
         if end > total_steps:
-            raise ConfigError(f"trainer.profile.steps=[{start}, {end}] ends past the last step ({total_steps}); "
-                              f"choose a window within 1..{total_steps}")
+            raise ConfigError(
+                f"trainer.profile.steps=[{start}, {end}] ends past the last step ({total_steps}); "
+                f"choose a window within 1..{total_steps}"
+            )
         self.window = (start, end)
 
     def before_step(self, step: int) -> None:
@@ -47,8 +53,12 @@ class StepProfiler:
             return
         if step > self.window[0]:  # resumed past the window's start: nothing to profile in this attempt
             if step <= self.window[1] and self._prof is None and not getattr(self, "_told", False):
-                log.warning("trainer.profile.steps=[%d, %d]: this attempt starts at step %d, inside the window; "
-                            "no trace (profile a later window)", *self.window, step)
+                log.warning(
+                    "trainer.profile.steps=[%d, %d]: this attempt starts at step %d, inside the window; "
+                    "no trace (profile a later window)",
+                    *self.window,
+                    step,
+                )
                 self._told = True
             return
         from torch.profiler import ProfilerActivity, profile

@@ -27,9 +27,19 @@ from pitstop.metrics import write_json_atomic, write_text_atomic
 log = logging.getLogger("pitstop.report")
 
 BUCKETS = JOB_BUCKETS
-COLORS = {"productive": "#2e7d32", "data_wait": "#f9a825", "checkpoint": "#1565c0", "eval": "#7b1fa2",
-          "program_start": "#4e342e", "init": "#795548", "restore": "#a1887f", "recovery_gap": "#ff7043",
-          "compile": "#bcaaa4", "lost": "#c62828", "other": "#9e9e9e"}
+COLORS = {
+    "productive": "#2e7d32",
+    "data_wait": "#f9a825",
+    "checkpoint": "#1565c0",
+    "eval": "#7b1fa2",
+    "program_start": "#4e342e",
+    "init": "#795548",
+    "restore": "#a1887f",
+    "recovery_gap": "#ff7043",
+    "compile": "#bcaaa4",
+    "lost": "#c62828",
+    "other": "#9e9e9e",
+}
 
 
 def _read_json(path: str) -> dict | None:
@@ -79,15 +89,21 @@ def collect(sweep_dir: str) -> list[dict[str, Any]]:
             totals = g.get("totals") or {}
             total = totals.get("total") or s.get("wall_clock", {}).get("total") or 0.0
             row.update(
-                status="ok", goodput=g.get("goodput"), total_s=total, totals=totals,
-                checkpoint_s=totals.get("checkpoint"), restarts=g.get("restarts", 0), failures=g.get("failures", 0),
+                status="ok",
+                goodput=g.get("goodput"),
+                total_s=total,
+                totals=totals,
+                checkpoint_s=totals.get("checkpoint"),
+                restarts=g.get("restarts", 0),
+                failures=g.get("failures", 0),
                 restart_s=g.get("restart_seconds"),
                 data_wait=(totals.get("data_wait", 0.0) / total) if total else None,
                 samples_per_s=(s.get("samples_seen", 0) / total) if total else None,
                 accuracy=(s.get("metrics") or {}).get("val_accuracy"),
                 per_device=(s.get("throughput") or {}).get("samples_per_s_per_device"),
                 step_p50_ms=_ms((s.get("throughput") or {}).get("step_seconds_p50")),
-                mfu=(s.get("throughput") or {}).get("mfu"))
+                mfu=(s.get("throughput") or {}).get("mfu"),
+            )
         rows.append(row)
     varying = _varying_keys(rows)
     for row in rows:
@@ -101,8 +117,11 @@ def _varying_keys(rows: list[dict]) -> set[str]:
         for o in row["overrides"]:
             k, _, v = o.partition("=")
             values.setdefault(k, set()).add(v)
-    varying = {k for k, vs in values.items() if len(vs) > 1 or any(k not in
-               {o.partition("=")[0] for o in r["overrides"]} for r in rows)}
+    varying = {
+        k
+        for k, vs in values.items()
+        if len(vs) > 1 or any(k not in {o.partition("=")[0] for o in r["overrides"]} for r in rows)
+    }
     return varying or set(values)
 
 
@@ -126,13 +145,21 @@ def _fmt(v: Any, kind: str) -> str:
     return str(v)
 
 
-COLUMNS = [("configuration", "label", "str"), ("status", "status", "str"), ("goodput", "goodput", "pct"),
-           ("ckpt stall s", "checkpoint_s", "f2"), ("data wait", "data_wait", "pct"),
-           ("samples/s", "samples_per_s", "f1"), ("samples/s/device (steps)", "per_device", "f1"),
-           ("step p50 ms", "step_p50_ms", "f1"), ("MFU", "mfu", "mfu"),
-           ("val acc", "accuracy", "acc"), ("restarts", "restarts", "str"),
-           ("R s/restart", "restart_s", "f2"),
-           ("wall s", "total_s", "f1")]
+COLUMNS = [
+    ("configuration", "label", "str"),
+    ("status", "status", "str"),
+    ("goodput", "goodput", "pct"),
+    ("ckpt stall s", "checkpoint_s", "f2"),
+    ("data wait", "data_wait", "pct"),
+    ("samples/s", "samples_per_s", "f1"),
+    ("samples/s/device (steps)", "per_device", "f1"),
+    ("step p50 ms", "step_p50_ms", "f1"),
+    ("MFU", "mfu", "mfu"),
+    ("val acc", "accuracy", "acc"),
+    ("restarts", "restarts", "str"),
+    ("R s/restart", "restart_s", "f2"),
+    ("wall s", "total_s", "f1"),
+]
 
 
 def write_report(sweep_dir: str) -> list[dict]:
@@ -148,27 +175,63 @@ def write_report(sweep_dir: str) -> list[dict]:
         if r["status"] != "ok":
             cells[1] = f"FAILED: {r['error']}".replace("|", "/")
         md.write("| " + " | ".join(cells) + " |\n")
-    md.write("\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json). "
-             "samples/s/device (steps) = samples per second of training steps on one device (fetch + compute; MFU "
-             "against the device's peak, n/a on CPU). "
-             "R = restart cost per automatic restart: recovery gap + program start + init + restore + compile. Every job is "
-             "charged a program start (interpreter + imports): jobs that ran after the first in one process "
-             "(in-process sweeps) are charged the one their process measured, as if started alone. "
-             "![breakdown](report.png)\n")
+    md.write(
+        "\ngoodput = productive compute / wall clock summed over restarts (each job's goodput.json). "
+        "samples/s/device (steps) = samples per second of training steps on one device (fetch + compute; MFU "
+        "against the device's peak, n/a on CPU). "
+        "R = restart cost per automatic restart: recovery gap + program start + init + restore + compile. Every job is "
+        "charged a program start (interpreter + imports): jobs that ran after the first in one process "
+        "(in-process sweeps) are charged the one their process measured, as if started alone. "
+        "![breakdown](report.png)\n"
+    )
     write_text_atomic(os.path.join(sweep_dir, "report.md"), md.getvalue(), fsync=False)
 
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["job", "configuration", "status", "error", "goodput", "checkpoint_s", "data_wait_fraction",
-                "samples_per_s", "val_accuracy", "restarts", "failures", "restart_seconds", "wall_s",
-                "samples_per_s_per_device", "step_p50_ms", "mfu",
-                *[f"{b}_s" for b in BUCKETS]])
+    w.writerow(
+        [
+            "job",
+            "configuration",
+            "status",
+            "error",
+            "goodput",
+            "checkpoint_s",
+            "data_wait_fraction",
+            "samples_per_s",
+            "val_accuracy",
+            "restarts",
+            "failures",
+            "restart_seconds",
+            "wall_s",
+            "samples_per_s_per_device",
+            "step_p50_ms",
+            "mfu",
+            *[f"{b}_s" for b in BUCKETS],
+        ]
+    )
     for r in rows:
         t = r.get("totals") or {}
-        w.writerow([r["job"], r["label"], r["status"], r.get("error", ""), r.get("goodput"), r.get("checkpoint_s"),
-                    r.get("data_wait"), r.get("samples_per_s"), r.get("accuracy"), r.get("restarts"),
-                    r.get("failures"), r.get("restart_s"), r.get("total_s"), r.get("per_device"), r.get("step_p50_ms"),
-                    r.get("mfu"), *[t.get(b) for b in BUCKETS]])
+        w.writerow(
+            [
+                r["job"],
+                r["label"],
+                r["status"],
+                r.get("error", ""),
+                r.get("goodput"),
+                r.get("checkpoint_s"),
+                r.get("data_wait"),
+                r.get("samples_per_s"),
+                r.get("accuracy"),
+                r.get("restarts"),
+                r.get("failures"),
+                r.get("restart_s"),
+                r.get("total_s"),
+                r.get("per_device"),
+                r.get("step_p50_ms"),
+                r.get("mfu"),
+                *[t.get(b) for b in BUCKETS],
+            ]
+        )
     write_text_atomic(os.path.join(sweep_dir, "report.csv"), buf.getvalue(), fsync=False)
     _plot(rows, os.path.join(sweep_dir, "report.png"))
     return rows
@@ -181,8 +244,9 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [r["label"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.55 * len(rows)), sharey=True,
-                                   gridspec_kw={"width_ratios": [3, 1.3]})
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(12, 1.2 + 0.55 * len(rows)), sharey=True, gridspec_kw={"width_ratios": [3, 1.3]}
+    )
     y = list(range(len(rows)))
     for i, r in enumerate(rows):
         t, total = r.get("totals") or {}, r.get("total_s") or 0.0
@@ -193,8 +257,13 @@ def _plot(rows: list[dict], path: str) -> None:
         left = 0.0
         for b in BUCKETS:
             frac = (t.get(b) or 0.0) / total
-            ax1.barh(i, frac, left=left, color=COLORS[b], label=b if i == next(
-                j for j, rr in enumerate(rows) if rr["status"] == "ok") else None)
+            ax1.barh(
+                i,
+                frac,
+                left=left,
+                color=COLORS[b],
+                label=b if i == next(j for j, rr in enumerate(rows) if rr["status"] == "ok") else None,
+            )
             left += frac
         ax1.text(0.01, i, f"{r['goodput'] * 100:.1f}%", va="center", color="white", fontweight="bold", fontsize=9)
         ax2.barh(i, r.get("samples_per_s") or 0.0, color="#455a64")
@@ -228,8 +297,11 @@ class SweepReport(Callback):
         if job_return is not None and job_return.status == JobStatus.FAILED:
             err = job_return._return_value
             line = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
-            write_json_atomic(os.path.join(config.hydra.runtime.output_dir, "failed.json"),
-                              {"error": f"{type(err).__name__}: {line}" if not _is_pitstop(err) else line}, fsync=False)
+            write_json_atomic(
+                os.path.join(config.hydra.runtime.output_dir, "failed.json"),
+                {"error": f"{type(err).__name__}: {line}" if not _is_pitstop(err) else line},
+                fsync=False,
+            )
         self._write(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -73,9 +73,14 @@ class TrainState:
         return self._fingerprint
 
     def state_dict(self) -> dict:
-        state = {"step": self.progress.step, "samples_seen": self.progress.samples_seen,
-                 "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-                 "fingerprint": self._fingerprint}
+        state = {
+            "step": self.progress.step,
+            "samples_seen": self.progress.samples_seen,
+            "loader": self.loader.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "fingerprint": self._fingerprint,
+        }
         scaler = self.precision.state_dict()
         if scaler:  # fp16: the loss scale and its growth tracker
             state["scaler"] = scaler
@@ -143,8 +148,13 @@ class Runner:
         self._preempted = False
         self.goodput: GoodputLog | None = None
         hang = cfg.trainer.hang
-        self.watchdog = Watchdog(enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
-                                 first_seconds=hang.first_seconds, grace=hang.grace_seconds)
+        self.watchdog = Watchdog(
+            enabled=hang.enabled,
+            factor=hang.factor,
+            min_seconds=hang.min_seconds,
+            first_seconds=hang.first_seconds,
+            grace=hang.grace_seconds,
+        )
 
     @property
     def step(self) -> int:
@@ -167,9 +177,9 @@ class Runner:
         hold.callback(self.watchdog.start(int(os.environ.get("RANK", 0)), self.run_dir, self._on_hang, launched))
         with self.ledger.measure("init"), self.watchdog.phase("setup"):
             self.preempt = PreemptionNotice(cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds)
-            hold.callback(self.preempt.install())          # a notice from here on stops the job after a step
+            hold.callback(self.preempt.install())  # a notice from here on stops the job after a step
             self.strategy = build(cfg.strategy)
-            hold.callback(self.strategy.teardown)          # released last: the others may still need the group
+            hold.callback(self.strategy.teardown)  # released last: the others may still need the group
             self.strategy.setup()
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             main = self.strategy.is_main
@@ -192,9 +202,14 @@ class Runner:
                 compiler.compile_model(self.model, t.compile_backend, t.compile_mode)
             self.compile_clock = compiler.CompileClock() if t.compile else None
             self.optimizer = build(cfg.optim.optimizer)(self.model.parameters())
-            common = dict(dataset=self.data, batch_size=cfg.trainer.batch_size, seed=cfg.seed,
-                          rank=self.strategy.rank, world_size=self.strategy.world_size,
-                          pin_memory=self.strategy.pin_memory)
+            common = dict(
+                dataset=self.data,
+                batch_size=cfg.trainer.batch_size,
+                seed=cfg.seed,
+                rank=self.strategy.rank,
+                world_size=self.strategy.world_size,
+                pin_memory=self.strategy.pin_memory,
+            )
             self.loader = build(cfg.loader, split="train", train=True, **common)
             self.eval_loader = build(cfg.loader, split=cfg.trainer.eval_split, train=False, **common)
             self.total_steps = self._total_steps()
@@ -204,21 +219,40 @@ class Runner:
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
             hold.callback(self.metrics_file.close)
             self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
-            hold.callback(self._close_logger, "FAILED")    # a no-op once finish() closed it
+            hold.callback(self._close_logger, "FAILED")  # a no-op once finish() closed it
             self.ckpt = build(cfg.ckpt)
             hold.callback(self._release_ckpt)
-            self.ckpt.setup(self.strategy, self.report, fault_mtbf=OmegaConf.select(cfg, "fault.mtbf_seconds"),
-                            failures=self.goodput.failures(), job_seconds=self.goodput.job_seconds())
+            self.ckpt.setup(
+                self.strategy,
+                self.report,
+                fault_mtbf=OmegaConf.select(cfg, "fault.mtbf_seconds"),
+                failures=self.goodput.failures(),
+                job_seconds=self.goodput.job_seconds(),
+            )
             if cfg.data.get("record_sample_ids"):
                 self._open_sample_log()
             self.fault = build(cfg.fault)
             hold.callback(self.fault.close)
-            self.fault.bind(FaultContext(
-                run_dir=self.run_dir, rank=self.strategy.rank, world_size=self.strategy.world_size,
-                total_steps=self.total_steps, max_restarts=int(cfg.trainer.get("max_restarts") or 0),
-                start_wall=self.ledger.start_wall, checkpointer=self.ckpt, grad_accum_steps=self.accum))
-            self.profiler = StepProfiler(t.profile.steps, t.profile.memory, self.run_dir, self.strategy.rank,
-                                         self.strategy.device, self.total_steps)
+            self.fault.bind(
+                FaultContext(
+                    run_dir=self.run_dir,
+                    rank=self.strategy.rank,
+                    world_size=self.strategy.world_size,
+                    total_steps=self.total_steps,
+                    max_restarts=int(cfg.trainer.get("max_restarts") or 0),
+                    start_wall=self.ledger.start_wall,
+                    checkpointer=self.ckpt,
+                    grad_accum_steps=self.accum,
+                )
+            )
+            self.profiler = StepProfiler(
+                t.profile.steps,
+                t.profile.memory,
+                self.run_dir,
+                self.strategy.rank,
+                self.strategy.device,
+                self.total_steps,
+            )
             hold.callback(self.profiler.close)
             self.throughput = Throughput(self.strategy.device, t.precision)
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
@@ -227,8 +261,10 @@ class Runner:
         """The strategy applies ``trainer.precision`` itself (FSDP's mixed-precision policy): it must agree."""
         casts = self.strategy.compute_dtype
         if casts is not None and casts != DTYPES.get(self.cfg.trainer.precision):
-            raise ConfigError(f"strategy.mixed_precision casts to {str(casts).replace('torch.', '')} but "
-                              f"trainer.precision={self.cfg.trainer.precision}; set only trainer.precision")
+            raise ConfigError(
+                f"strategy.mixed_precision casts to {str(casts).replace('torch.', '')} but "
+                f"trainer.precision={self.cfg.trainer.precision}; set only trainer.precision"
+            )
         return casts is not None
 
     def _on_hang(self, message: str) -> None:
@@ -268,8 +304,10 @@ class Runner:
         # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
         batches = self._batches_left()  # (at setup: the loader is at the start, so every epoch's batches)
         if batches < self.accum:
-            raise ConfigError(f"trainer.epochs={t.epochs} is {batches} batch(es) per rank, fewer than "
-                              f"trainer.grad_accum_steps={self.accum}: not one step; train longer or accumulate less")
+            raise ConfigError(
+                f"trainer.epochs={t.epochs} is {batches} batch(es) per rank, fewer than "
+                f"trainer.grad_accum_steps={self.accum}: not one step; train longer or accumulate less"
+            )
         return batches // self.accum
 
     def _batches_left(self) -> int:
@@ -286,17 +324,28 @@ class Runner:
         planned = planned_steps(self.scheduler) or self.total_steps
         if total != planned:
             fits = replan(self.scheduler, self.step, total)
-            log.info("resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",
-                     self.step, self.strategy.world_size, self.cfg.trainer.epochs, total, planned,
-                     "the LR schedule decays over the steps left from where it was" if fits else
-                     f"the LR schedule ({type(self.scheduler).__name__}) cannot be re-planned and keeps its length")
+            log.info(
+                "resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",
+                self.step,
+                self.strategy.world_size,
+                self.cfg.trainer.epochs,
+                total,
+                planned,
+                "the LR schedule decays over the steps left from where it was"
+                if fits
+                else f"the LR schedule ({type(self.scheduler).__name__}) cannot be re-planned and keeps its length",
+            )
         self.total_steps = total
 
     def fingerprint(self) -> dict:
         """Config parts that must not change across a resume."""
         cfg = self.cfg
-        fp = {**self.data.fingerprint(), "seed": int(cfg.seed),
-              "model": OmegaConf.to_yaml(cfg.model, resolve=True), "batch_size": int(cfg.trainer.batch_size)}
+        fp = {
+            **self.data.fingerprint(),
+            "seed": int(cfg.seed),
+            "model": OmegaConf.to_yaml(cfg.model, resolve=True),
+            "batch_size": int(cfg.trainer.batch_size),
+        }
         if self.accum != 1:  # (absent when 1: checkpoints from before the option still resume)
             fp["grad_accum_steps"] = self.accum
         return fp
@@ -312,10 +361,13 @@ class Runner:
         self._attempt_id = self.strategy.broadcast_object(round(time.time(), 6))
         self._resources.callback(f.close)
         if self.accum == 1:
-            self.loader.sample_log = lambda keys: f.write(f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"'))
+            self.loader.sample_log = lambda keys: f.write(
+                f'{{"step":{self.step + 1},"keys":{keys!r}}}\n'.replace("'", '"')
+            )
         else:  # which micro-batch of the step
             self.loader.sample_log = lambda keys: f.write(
-                f'{{"step":{self.step + 1},"micro":{self._micro},"keys":{keys!r}}}\n'.replace("'", '"'))
+                f'{{"step":{self.step + 1},"micro":{self._micro},"keys":{keys!r}}}\n'.replace("'", '"')
+            )
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -335,10 +387,19 @@ class Runner:
         self.goodput.write(self.step)
         if self._sample_file is not None:  # this attempt: where it resumed, its world, what an epoch holds
             t = self.cfg.trainer
-            self._sample_file.write(json.dumps({
-                "attempt": self._attempt_id, "resumed_from": self.resumed_from or 0, "rank": self.strategy.rank,
-                "world_size": self.strategy.world_size, "epoch_samples": self.data.index.num_samples("train"),
-                "epochs": int(t.epochs) if t.max_steps is None else None}) + "\n")
+            self._sample_file.write(
+                json.dumps(
+                    {
+                        "attempt": self._attempt_id,
+                        "resumed_from": self.resumed_from or 0,
+                        "rank": self.strategy.rank,
+                        "world_size": self.strategy.world_size,
+                        "epoch_samples": self.data.index.num_samples("train"),
+                        "epochs": int(t.epochs) if t.max_steps is None else None,
+                    }
+                )
+                + "\n"
+            )
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})
@@ -346,7 +407,9 @@ class Runner:
             tags = {"strategy": self.strategy.name, "ckpt": self.ckpt.name, "loader": self.loader.kind}
             sweep = self.cfg.get("sweep")
             if sweep:  # mlflow ui: filter tags.sweep = '<id>' and compare the jobs side by side
-                tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)})
+                tags.update(
+                    {"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)}
+                )
             self.logger.start(self.run_dir, flatten(self.cfg), tags=tags)
 
     def fit(self) -> None:
@@ -361,10 +424,10 @@ class Runner:
         # caller would otherwise keep them alive)
         with closing(batches), watch.phase("step", timed=False):  # each iteration is timed by beat()
             while self.step < self.total_steps:
-                watch.beat()                                            # 0. a step has ended (hang detection)
+                watch.beat()  # 0. a step has ended (hang detection)
                 self.profiler.before_step(self.step + 1)
                 t0 = time.perf_counter()
-                out = self.train_step(batches)                          # 1. fetch + step (syncs on loss.item())
+                out = self.train_step(batches)  # 1. fetch + step (syncs on loss.item())
                 took = time.perf_counter() - t0
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
                 compute = took - out.data_wait - out.staging - compiling
@@ -383,13 +446,13 @@ class Runner:
                 window["compute"] += compute
                 window["n"] += 1
                 self.profiler.after_step(self.step)
-                with ledger.measure("logging"):                         # 2. record
+                with ledger.measure("logging"):  # 2. record
                     self.record(out.loss, out.data_wait, compute, window, bar)
-                if self._eval_due():                                    # 3. evaluate
+                if self._eval_due():  # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps
                 with watch.phase("checkpoint"):
-                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)   # 4. save
+                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)  # 4. save
                 ledger.add("checkpoint", saved.blocked)
                 if saved.started == self.step:
                     self._flush_logs()  # what a resume would not redo is on disk
@@ -409,13 +472,21 @@ class Runner:
         why = self.preempt.received.name if self.preempt.received is not None else "a peer's notice"
         took = float(self.ckpt.stats().get("total_seconds_mean") or 0.0)  # a measured save, start -> durable
         if self.ckpt.root is None:
-            log.warning("preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, self.step)
+            log.warning(
+                "preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, self.step
+            )
         elif self.ckpt.last_started == self.step:
             log.warning("preempted (%s) at step %d: the save of this step is already under way", why, self.step)
         elif took > self.preempt.grace:
-            log.warning("preempted (%s) at step %d: a save takes ~%.1f s, more than trainer.preempt_grace_seconds=%g; "
-                        "keeping the newest complete checkpoint (step %s)", why, self.step, took, self.preempt.grace,
-                        self.ckpt.last_started)
+            log.warning(
+                "preempted (%s) at step %d: a save takes ~%.1f s, more than trainer.preempt_grace_seconds=%g; "
+                "keeping the newest complete checkpoint (step %s)",
+                why,
+                self.step,
+                took,
+                self.preempt.grace,
+                self.ckpt.last_started,
+            )
         else:
             with self.watchdog.phase("checkpoint"):
                 self.ledger.add("checkpoint", self.ckpt.maybe_save(self.target, self.step, force=True).blocked)
@@ -475,35 +546,62 @@ class Runner:
         """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
         batch, self._first_batch, self._flops_counted = self._first_batch, None, True
         # (the first meta-device pass loads torch's meta kernels, ~2 s: a restart reads the count back instead)
-        key = json.dumps([OmegaConf.to_yaml(self.cfg.model, resolve=True), str(self.cfg.task.loss),
-                          map_tensors(lambda t: [list(t.shape), str(t.dtype)], batch)],
-                         sort_keys=True, default=lambda leaf: type(leaf).__name__)
-        flops = cached_count(os.path.join(self.run_dir, "flops.json"), key, self.strategy.is_main,
-                             lambda: count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch))
+        key = json.dumps(
+            [
+                OmegaConf.to_yaml(self.cfg.model, resolve=True),
+                str(self.cfg.task.loss),
+                map_tensors(lambda t: [list(t.shape), str(t.dtype)], batch),
+            ],
+            sort_keys=True,
+            default=lambda leaf: type(leaf).__name__,
+        )
+        flops = cached_count(
+            os.path.join(self.run_dir, "flops.json"),
+            key,
+            self.strategy.is_main,
+            lambda: count_step_flops(lambda: build(self.cfg.model), self.task.loss, batch),
+        )
         self.throughput.flops_per_step = flops * self.accum if flops is not None else None
         if flops:
             log.info("one step: %.3g GFLOP per rank (%s)", flops * self.accum / 1e9, self.throughput.peak_note)
 
     def record(self, loss: float, fetch: float, compute: float, window: dict, bar: Any) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
-        self.metrics_file.write({"step": self.step, "epoch": self.loader.epoch, "loss": loss, "lr": lr,
-                                 "fetch_seconds": round(fetch, 6), "compute_seconds": round(compute, 6)})
+        self.metrics_file.write(
+            {
+                "step": self.step,
+                "epoch": self.loader.epoch,
+                "loss": loss,
+                "lr": lr,
+                "fetch_seconds": round(fetch, 6),
+                "compute_seconds": round(compute, 6),
+            }
+        )
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", epoch=self.loader.epoch, refresh=False)
         if self.step % self.cfg.trainer.log_every_steps == 0 or self.step == self.total_steps:
             now = time.perf_counter()
             elapsed = max(now - window["t"], 1e-9)
-            speed = {"samples_per_s": window["samples"] * self.strategy.world_size / elapsed,
-                     "samples_per_s_per_device": window["samples"] / elapsed}
+            speed = {
+                "samples_per_s": window["samples"] * self.strategy.world_size / elapsed,
+                "samples_per_s_per_device": window["samples"] / elapsed,
+            }
             mfu = self.throughput.mfu(window["n"] / elapsed)
             if mfu is not None:
                 speed["mfu"] = mfu
-            self.logger.log_metrics({
-                "loss": loss, "lr": lr, "epoch": self.loader.epoch, **speed,
-                "fetch_seconds": window["fetch"] / window["n"], "compute_seconds": window["compute"] / window["n"],
-                "data_wait_fraction": window["fetch"] / elapsed,
-            }, self.step)
+            self.logger.log_metrics(
+                {
+                    "loss": loss,
+                    "lr": lr,
+                    "epoch": self.loader.epoch,
+                    **speed,
+                    "fetch_seconds": window["fetch"] / window["n"],
+                    "compute_seconds": window["compute"] / window["n"],
+                    "data_wait_fraction": window["fetch"] / elapsed,
+                },
+                self.step,
+            )
             self.metrics_file.write({"step": self.step, **{k: round(v, 6) for k, v in speed.items()}})
             io = self.data_stats()  # cumulative: cache hits/misses, bytes from the source, retries
             changed = {k: v for k, v in io.items() if self._last_io.get(k) != v}
@@ -545,7 +643,9 @@ class Runner:
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
             # Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see iterate_once.
-            passes = self.eval_loader.iterate_once(self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object)
+            passes = self.eval_loader.iterate_once(
+                self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object
+            )
             batches = ((self._device_batch(b), counted) for b, counted in passes)
             with self.precision.autocast():
                 out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device)
@@ -563,21 +663,35 @@ class Runner:
         if not self.last_eval:  # e.g. restarted after the last step: report the final model anyway
             self.evaluate()
         with self.ledger.measure("checkpoint"), self.watchdog.phase("checkpoint"):
-            self.ckpt.close()                     # never report success with a save still in flight
+            self.ckpt.close()  # never report success with a save still in flight
         self._finished = True
         self.fault.close()
         account = self.goodput.write(self.step, status="finished")
         restart = {"restart_seconds": account["restart_seconds"]} if account["restart_seconds"] is not None else {}
-        self.logger.log_metrics({"goodput": account["goodput"], "restarts": account["restarts"], **restart,
-                                 **{f"goodput_{k}_seconds": v for k, v in account["totals"].items()}}, self.step)
+        self.logger.log_metrics(
+            {
+                "goodput": account["goodput"],
+                "restarts": account["restarts"],
+                **restart,
+                **{f"goodput_{k}_seconds": v for k, v in account["totals"].items()},
+            },
+            self.step,
+        )
         digest = self.params_sha256()
         summary = {
-            "final_step": self.step, "total_steps": self.total_steps, "epoch": self.loader.epoch,
-            "samples_seen": self.samples_seen, "resumed_from": self.resumed_from,
-            "metrics": self.last_eval, "params_sha256": digest,
+            "final_step": self.step,
+            "total_steps": self.total_steps,
+            "epoch": self.loader.epoch,
+            "samples_seen": self.samples_seen,
+            "resumed_from": self.resumed_from,
+            "metrics": self.last_eval,
+            "params_sha256": digest,
             "data": {**self.loader.stats, "data_wait_fraction": self._data_wait_fraction()},
-            "checkpoint": self.ckpt.stats(), "strategy": self.strategy.name, "world_size": self.strategy.world_size,
-            "throughput": self.throughput.summary(), "precision": self.precision.name,
+            "checkpoint": self.ckpt.stats(),
+            "strategy": self.strategy.name,
+            "world_size": self.strategy.world_size,
+            "throughput": self.throughput.summary(),
+            "precision": self.precision.name,
             "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
         }
         for cb in self.callbacks:
@@ -591,8 +705,12 @@ class Runner:
         summary["samples_per_s"] = self.samples_seen / max(split["total"], 1e-9)
         if self.strategy.is_main:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
-            log.info("done: step %d, %s, params_sha256=%s", self.step,
-                     ", ".join(f"{k}={v:.4f}" for k, v in self.last_eval.items()), digest[:16])
+            log.info(
+                "done: step %d, %s, params_sha256=%s",
+                self.step,
+                ", ".join(f"{k}={v:.4f}" for k, v in self.last_eval.items()),
+                digest[:16],
+            )
             log.info("%s", table(account))
         return summary
 

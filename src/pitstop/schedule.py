@@ -28,7 +28,8 @@ class WarmupCosine:
 
     def progress(self, step: int) -> float:
         done = self.anchor_progress + (1 - self.anchor_progress) * (step - self.anchor_step) / max(
-            1, self.total_steps - self.anchor_step)
+            1, self.total_steps - self.anchor_step
+        )
         return min(1.0, done)
 
     def __call__(self, step: int) -> float:

@@ -22,10 +22,10 @@ from omegaconf import MISSING
 
 @dataclass
 class LocalTier:
-    dir: Optional[str] = MISSING                 # null (off) | auto | PATH
+    dir: Optional[str] = MISSING  # null (off) | auto | PATH
     interval_steps: Optional[int] = MISSING
     interval_seconds: Optional[float] = MISSING
-    interval: Optional[str] = MISSING            # auto | null
+    interval: Optional[str] = MISSING  # auto | null
     keep_last_k: int = MISSING
 
 
@@ -35,27 +35,27 @@ class Ckpt:
     dir: str = MISSING
     interval_steps: Optional[int] = MISSING
     interval_seconds: Optional[float] = MISSING
-    interval: Optional[str] = MISSING            # auto | null
+    interval: Optional[str] = MISSING  # auto | null
     mtbf_seconds: Optional[float] = MISSING
     keep_last_k: int = MISSING
     save_last: bool = MISSING
-    load: Any = MISSING                        # auto | none | STEP | PATH
+    load: Any = MISSING  # auto | none | STEP | PATH
     load_model_only: bool = MISSING
-    on_error: str = MISSING                   # raise | warn
+    on_error: str = MISSING  # raise | warn
     throttle_mbps: Optional[float] = MISSING
-    storage_options: Any = MISSING               # fsspec options for a URL ckpt.dir (never credentials)
+    storage_options: Any = MISSING  # fsspec options for a URL ckpt.dir (never credentials)
     local: LocalTier = field(default_factory=LocalTier)
 
 
 @dataclass
 class DcpCkpt(Ckpt):
-    format: str = MISSING                      # raw | torch_save
+    format: str = MISSING  # raw | torch_save
 
 
 @dataclass
 class AsyncCkpt(DcpCkpt):
     pinned: bool = MISSING
-    checkpointer: str = MISSING                # auto | thread | process
+    checkpointer: str = MISSING  # auto | thread | process
 
 
 # ---- loader --------------------------------------------------------------------------------------------
@@ -68,24 +68,24 @@ class Loader:
     prefetch_factor: int = MISSING
     partitions: Optional[int] = MISSING
     shuffle: bool = MISSING
-    shuffle_shards_window: int = MISSING        # 1, or K shards mixed by each reader
+    shuffle_shards_window: int = MISSING  # 1, or K shards mixed by each reader
     drop_last: bool = MISSING
     timeout: float = MISSING
     retries: int = MISSING
     backoff: float = MISSING
     read_timeout: float = MISSING
     allow_pipe: bool = MISSING
-    eval_in_memory: Any = MISSING                # bytes, "256MB", or 0
-    storage_options: Any = MISSING               # fsspec options for a URL data.root (never credentials)
+    eval_in_memory: Any = MISSING  # bytes, "256MB", or 0
+    storage_options: Any = MISSING  # fsspec options for a URL data.root (never credentials)
 
 
 @dataclass
 class CachedLoader(Loader):
     cache_dir: str = MISSING
-    cache_limit: Any = MISSING                   # bytes, "50GB", or null
-    prefetch_shards: Any = MISSING               # auto | shards ahead
-    verify: str = MISSING                    # sha256 | size
-    cache_policy: str = MISSING              # future | lru
+    cache_limit: Any = MISSING  # bytes, "50GB", or null
+    prefetch_shards: Any = MISSING  # auto | shards ahead
+    verify: str = MISSING  # sha256 | size
+    cache_policy: str = MISSING  # future | lru
 
 
 # ---- strategy ------------------------------------------------------------------------------------------
@@ -105,17 +105,17 @@ class DDP(Single):
     max_restarts: int = MISSING
     master_port: Optional[int] = MISSING
     oversubscribe: bool = MISSING
-    cpu_threads: Any = MISSING                 # auto | N
-    nnodes: Any = MISSING                      # N | "MIN:MAX"
-    rdzv_endpoint: Optional[str] = MISSING       # HOST:PORT of node 0
+    cpu_threads: Any = MISSING  # auto | N
+    nnodes: Any = MISSING  # N | "MIN:MAX"
+    rdzv_endpoint: Optional[str] = MISSING  # HOST:PORT of node 0
     last_call_seconds: int = MISSING
 
 
 @dataclass
 class FSDP(DDP):
-    shard: Any = MISSING                       # auto | [module names]
+    shard: Any = MISSING  # auto | [module names]
     reshard_after_forward: bool = MISSING
-    mixed_precision: Optional[str] = MISSING     # ${trainer.precision} | null | bfloat16 | float16
+    mixed_precision: Optional[str] = MISSING  # ${trainer.precision} | null | bfloat16 | float16
 
 
 # ---- fault ---------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Hang:
 
 @dataclass
 class Profile:
-    steps: Optional[Any] = MISSING               # null | [start, end]
+    steps: Optional[Any] = MISSING  # null | [start, end]
     memory: bool = MISSING
 
 
@@ -200,13 +200,13 @@ class Trainer:
     log_every_steps: int = MISSING
     grad_clip: Optional[float] = MISSING
     deterministic: bool = MISSING
-    progress_bar: Any = MISSING                # auto | true | false
+    progress_bar: Any = MISSING  # auto | true | false
     max_restarts: int = MISSING
     warm_restarts: bool = MISSING
-    preempt_signals: Any = MISSING            # [SIGTERM, SIGUSR1, SIGUSR2]
+    preempt_signals: Any = MISSING  # [SIGTERM, SIGUSR1, SIGUSR2]
     preempt_grace_seconds: float = MISSING
     hang: Hang = field(default_factory=Hang)
-    precision: str = MISSING                     # fp32 | bf16 | fp16
+    precision: str = MISSING  # fp32 | bf16 | fp16
     compile: bool = MISSING
     compile_backend: str = MISSING
     compile_mode: Optional[str] = MISSING
@@ -219,7 +219,14 @@ SCHEMAS = {
     "ckpt": {"sync": Ckpt, "dcp": DcpCkpt, "async": AsyncCkpt},
     "loader": {"plain": Loader, "cached": CachedLoader},
     "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
-    "fault": {"none": NoFault, "at_step": AtStep, "crash": Crash, "preempt": Preempt, "stall": Stall, "random": RandomFault},
+    "fault": {
+        "none": NoFault,
+        "at_step": AtStep,
+        "crash": Crash,
+        "preempt": Preempt,
+        "stall": Stall,
+        "random": RandomFault,
+    },
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},
 }

@@ -35,15 +35,31 @@ class SlowStore(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, latency_ms: float = 0.0,
-                 mbps: float | None = None, fail_every: int = 0, truncate_every: int = 0, fault_glob: str = "*",
-                 stall_after: int = 0, stall_seconds: float = 3600.0, stall_count: int = 0, upstream: str | None = None):
+    def __init__(
+        self,
+        root: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        latency_ms: float = 0.0,
+        mbps: float | None = None,
+        fail_every: int = 0,
+        truncate_every: int = 0,
+        fault_glob: str = "*",
+        stall_after: int = 0,
+        stall_seconds: float = 3600.0,
+        stall_count: int = 0,
+        upstream: str | None = None,
+    ):
         super().__init__((host, port), _Handler)
         self.root = os.path.abspath(root) if root else ""
         self.upstream = urllib.parse.urlsplit(upstream) if upstream else None
         self.latency, self.rate = latency_ms / 1000.0, (mbps * 1e6 if mbps else None)
         self.fail_every, self.truncate_every, self.fault_glob = int(fail_every), int(truncate_every), fault_glob
-        self.stall_after, self.stall_seconds, self.stall_count = int(stall_after), float(stall_seconds), int(stall_count)
+        self.stall_after, self.stall_seconds, self.stall_count = (
+            int(stall_after),
+            float(stall_seconds),
+            int(stall_count),
+        )
         self.lock = threading.Lock()
         self.requests = self.faultable = 0
         self.per_path: dict[str, dict[str, int]] = {}
@@ -111,7 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
             entry["requests"] += 1
         if srv.latency:
             time.sleep(srv.latency)
-        if n and srv.stall_after and n > srv.stall_after and (not srv.stall_count or n <= srv.stall_after + srv.stall_count):
+        if (
+            n
+            and srv.stall_after
+            and n > srv.stall_after
+            and (not srv.stall_count or n <= srv.stall_after + srv.stall_count)
+        ):
             # the store stops answering (a hung backend), for good or for stall_count requests
             time.sleep(srv.stall_seconds)
         if n and srv.fail_every and n % srv.fail_every == 0:
@@ -165,9 +186,12 @@ class _Handler(BaseHTTPRequestHandler):
             conn.endheaders(body or None)
             resp = conn.getresponse()
             data = resp.read()
-            headers = [(k, v) for k, v in resp.getheaders()
-                       if k.lower() not in ("content-length", "connection", "transfer-encoding", "keep-alive",
-                                            "date", "server")]
+            headers = [
+                (k, v)
+                for k, v in resp.getheaders()
+                if k.lower()
+                not in ("content-length", "connection", "transfer-encoding", "keep-alive", "date", "server")
+            ]
         except OSError as e:
             return self._send(502, f"slowstore: upstream {up.geturl()}: {e}\n".encode(), "text/plain")
         finally:
@@ -206,12 +230,27 @@ def main(argv: list[str] | None = None) -> None:
     if a.dir and not os.path.isdir(a.dir):
         p.error(f"{a.dir} is not a directory")
     try:
-        srv = SlowStore(a.dir, a.host, a.port, a.latency_ms, a.mbps or None, a.fail_every, a.truncate_every,
-                        a.fault_glob, a.stall_after, a.stall_seconds, a.stall_count, a.upstream)
+        srv = SlowStore(
+            a.dir,
+            a.host,
+            a.port,
+            a.latency_ms,
+            a.mbps or None,
+            a.fail_every,
+            a.truncate_every,
+            a.fault_glob,
+            a.stall_after,
+            a.stall_seconds,
+            a.stall_count,
+            a.upstream,
+        )
     except OSError as e:
         p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")
-    print(f"slowstore: serving {srv.root or a.upstream} at {srv.url} (latency {a.latency_ms:g} ms, "
-          f"{a.mbps or 'unlimited'} MB/s per connection)", flush=True)
+    print(
+        f"slowstore: serving {srv.root or a.upstream} at {srv.url} (latency {a.latency_ms:g} ms, "
+        f"{a.mbps or 'unlimited'} MB/s per connection)",
+        flush=True,
+    )
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

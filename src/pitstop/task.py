@@ -17,17 +17,26 @@ from pitstop.errors import ConfigError
 class Supervised:
     """``label_smoothing`` (``task.label_smoothing``): passed to a loss that has the option (cross-entropy)."""
 
-    def __init__(self, loss: nn.Module, metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
-                 label_smoothing: float = 0.0):
+    def __init__(
+        self,
+        loss: nn.Module,
+        metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
+        label_smoothing: float = 0.0,
+    ):
         self.loss_fn = loss
         self.metrics = dict(metrics or {})
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-                or not 0.0 <= label_smoothing < 1.0:
+        if (
+            isinstance(label_smoothing, bool)
+            or not isinstance(label_smoothing, (int, float))
+            or not 0.0 <= label_smoothing < 1.0
+        ):
             raise ConfigError(f"task.label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         if label_smoothing:
             if not hasattr(loss, "label_smoothing"):
-                raise ConfigError(f"task.label_smoothing={label_smoothing}: the loss {type(loss).__name__} has no "
-                                  f"label smoothing; use torch.nn.CrossEntropyLoss or set it to 0")
+                raise ConfigError(
+                    f"task.label_smoothing={label_smoothing}: the loss {type(loss).__name__} has no "
+                    f"label smoothing; use torch.nn.CrossEntropyLoss or set it to 0"
+                )
             loss.label_smoothing = float(label_smoothing)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -37,8 +46,9 @@ class Supervised:
         return self.loss_fn(model(inputs).float(), targets)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable,
-                 device: torch.device) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable, device: torch.device
+    ) -> dict[str, float]:
         """``batches``: ``(batch, counted)`` pairs; an uncounted (padding) batch runs the forward — a
         collective under DDP/FSDP, so every rank must run as many — but is not scored."""
         was_training = model.training

@@ -49,8 +49,9 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
     return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.throughput.PEAK_TFLOPS)"
 
 
-def count_step_flops(build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor],
-                     batch: Any) -> int | None:
+def count_step_flops(
+    build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor], batch: Any
+) -> int | None:
     """FLOPs of forward + backward of one micro-batch shaped like ``batch``, on a meta-device model."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -107,9 +108,12 @@ class Throughput:
 
     def summary(self) -> dict[str, Any]:
         busy = sum(self.times)
-        out: dict[str, Any] = {"steps": len(self.times),
-                               "samples_per_s_per_device": round(self.samples / busy, 3) if busy else None,
-                               "flops_per_step": self.flops_per_step, "peak_flops": self.peak}
+        out: dict[str, Any] = {
+            "steps": len(self.times),
+            "samples_per_s_per_device": round(self.samples / busy, 3) if busy else None,
+            "flops_per_step": self.flops_per_step,
+            "peak_flops": self.peak,
+        }
         if self.times:
             ordered = sorted(self.times)
             for p in (50, 90, 99):

@@ -61,10 +61,21 @@ class DataStall(PitstopError):
 
 
 class Watchdog:
-    def __init__(self, *, enabled: bool = True, factor: float = 10.0, min_seconds: float = 60.0,
-                 first_seconds: float = 900.0, grace: float = 30.0):
-        for key, v in (("factor", factor), ("min_seconds", min_seconds), ("first_seconds", first_seconds),
-                       ("grace_seconds", grace)):
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        factor: float = 10.0,
+        min_seconds: float = 60.0,
+        first_seconds: float = 900.0,
+        grace: float = 30.0,
+    ):
+        for key, v in (
+            ("factor", factor),
+            ("min_seconds", min_seconds),
+            ("first_seconds", first_seconds),
+            ("grace_seconds", grace),
+        ):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"trainer.hang.{key} must be a positive number, got {v!r}")
         self.enabled = bool(enabled)
@@ -75,7 +86,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
-        self._raise: BaseException | None = None           # what the wake-up signal's handler raises in the main thread
+        self._raise: BaseException | None = None  # what the wake-up signal's handler raises in the main thread
         self._healed: tuple | None = None  # the phase run that got its heal
         self._armed: float | None = None  # the native backstop's seconds when last armed (None: not armed)
 
@@ -165,10 +176,10 @@ class Watchdog:
             elapsed, limit = time.monotonic() - since, self.limit(name)
             if elapsed > limit and self._current is current:
                 if current[3] and self._healed is not current:
-                    self._heal(current, elapsed, limit)    # once per phase run; still stuck after that: a hang
+                    self._heal(current, elapsed, limit)  # once per phase run; still stuck after that: a hang
                     continue
                 if self._healed is current and elapsed < 2 * limit:
-                    continue                               # the heal gets its own limit's worth of time
+                    continue  # the heal gets its own limit's worth of time
                 self._fire(name, elapsed, limit)
                 return
 
@@ -176,16 +187,21 @@ class Watchdog:
         """A stalled ``data`` phase: stacks of the data workers to stderr, then ``DataStall`` in the main thread."""
         self._healed = current
         workers = _ask_data_workers_for_stacks()
-        msg = (f"data stall: rank {self.rank} got no batch for {elapsed:.0f} s (limit {limit:.1f} s); "
-               f"restarting the data workers from the current position"
-               f"{f' ({workers} worker stack(s) on stderr)' if workers else ''}")
+        msg = (
+            f"data stall: rank {self.rank} got no batch for {elapsed:.0f} s (limit {limit:.1f} s); "
+            f"restarting the data workers from the current position"
+            f"{f' ({workers} worker stack(s) on stderr)' if workers else ''}"
+        )
         self._raise = DataStall(msg)
         signal.pthread_kill(self._main, WAKE)
 
     def _fire(self, name: str, elapsed: float, limit: float) -> None:
-        how = (f"first {name}: trainer.hang.first_seconds" if name not in self.longest else
-               f"{self.factor:g} x the longest {name} so far ({self.longest[name]:.2f} s), "
-               f"at least trainer.hang.min_seconds")
+        how = (
+            f"first {name}: trainer.hang.first_seconds"
+            if name not in self.longest
+            else f"{self.factor:g} x the longest {name} so far ({self.longest[name]:.2f} s), "
+            f"at least trainer.hang.min_seconds"
+        )
         stacks = os.path.join(self.run_dir, f"hang.rank{self.rank}.txt")
         try:
             with open(stacks, "w") as f:
@@ -194,8 +210,10 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
             stacks = f"(not written: {e})"
-        what = f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s " \
-               f"= {how}); thread stacks in {stacks}"
+        what = (
+            f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s "
+            f"= {how}); thread stacks in {stacks}"
+        )
         then = "; ending this attempt so that it restarts from its newest checkpoint"
         self._raise = Hung(what + then)
         # Reporting may wait on a lock the stuck main thread holds (logging's, the ledger's, a fork's): it gets

@@ -65,8 +65,9 @@ class AsyncDCP(CheckpointManager):
             self.strategy.init_local_group(os.path.join(tempfile.gettempdir(), f"pitstop-pg-{os.getpid()}-{id(self)}"))
             self.group = self.strategy.ckpt_group()
         # One stager for the whole run: its host buffers are allocated on the first save and reused.
-        self.stager = HostStager(self.strategy.device, shared=self.kind == AsyncCheckpointerType.PROCESS,
-                                 pinned=self.pinned)
+        self.stager = HostStager(
+            self.strategy.device, shared=self.kind == AsyncCheckpointerType.PROCESS, pinned=self.pinned
+        )
         log.info("%s: %s checkpointer; staging: %s", self.name, kind, self.stager.describe())
         self._warmup: tuple[Future, str] | None = None
         self._shm_checked = False
@@ -80,8 +81,12 @@ class AsyncDCP(CheckpointManager):
         The first real save waits for it only if it is still starting."""
         scratch = tempfile.mkdtemp(prefix="pitstop-ckpt-warmup-")
         try:
-            out = dcp.async_save({"warmup": torch.zeros(1)}, storage_writer=dcp_writer(scratch, None, self.format),
-                                 process_group=self.group, async_checkpointer_type=self.kind)
+            out = dcp.async_save(
+                {"warmup": torch.zeros(1)},
+                storage_writer=dcp_writer(scratch, None, self.format),
+                process_group=self.group,
+                async_checkpointer_type=self.kind,
+            )
         except ERRORS as e:  # the first real save will report what is wrong
             log.warning("could not start the checkpoint process ahead of the first save: %s", one_line(e))
             shutil.rmtree(scratch, ignore_errors=True)
@@ -102,8 +107,13 @@ class AsyncDCP(CheckpointManager):
 
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         result = super().maybe_save(target, step, last=last, force=force)
-        if result.started is None and self.stager is not None and self.stager.layout is None and not self._prepared \
-                and getattr(target.optimizer, "state", None):
+        if (
+            result.started is None
+            and self.stager is not None
+            and self.stager.layout is None
+            and not self._prepared
+            and getattr(target.optimizer, "state", None)
+        ):
             # The optimizer has state now (a step ran), so the state's layout is final: allocate the host buffers
             # in the background while training goes on, not in the first save (which then took 2-6x a later one)
             self._prepared = True
@@ -119,8 +129,11 @@ class AsyncDCP(CheckpointManager):
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
         kind = self.kind
-        if kind == AsyncCheckpointerType.PROCESS and self._warmup is not None and self.strategy.any(
-                not self._warmup[0].done()):
+        if (
+            kind == AsyncCheckpointerType.PROCESS
+            and self._warmup is not None
+            and self.strategy.any(not self._warmup[0].done())
+        ):
             # The checkpoint process is still starting (seconds after setup): rather than wait for it, this
             # save is written by a thread, from the same host buffers; the process takes the next one.
             kind = AsyncCheckpointerType.THREAD
@@ -133,9 +146,14 @@ class AsyncDCP(CheckpointManager):
         self._check_shared_memory(app_state)
         if self.kind == AsyncCheckpointerType.THREAD:  # (shared memory too small: a thread writes from now on)
             kind = AsyncCheckpointerType.THREAD
-        out = dcp.async_save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
-                             planner=planner(), process_group=self.group, async_checkpointer_type=kind,
-                             async_stager=self.stager)
+        out = dcp.async_save(
+            app_state,
+            storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
+            planner=planner(),
+            process_group=self.group,
+            async_checkpointer_type=kind,
+            async_stager=self.stager,
+        )
         upload = out if isinstance(out, Future) else out.upload_completion
         if kind == AsyncCheckpointerType.THREAD:
             upload.add_done_callback(_release_freed_memory)
@@ -153,8 +171,10 @@ class AsyncDCP(CheckpointManager):
         if self.strategy.any(problem is not None):
             problem = problem or "ckpt.checkpointer=process: shared memory is too small on another rank"
             if self.checkpointer != "auto":
-                raise CheckpointError(f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir "
-                                      f"with medium: Memory) or use ckpt.checkpointer=thread")
+                raise CheckpointError(
+                    f"{problem}: enlarge it (docker run --shm-size, a Kubernetes emptyDir "
+                    f"with medium: Memory) or use ckpt.checkpointer=thread"
+                )
             log.warning("%s; writing from a thread of this process instead", problem)
             snapshot, self.stager = self.stager, HostStager(self.strategy.device, shared=False, pinned=self.pinned)
             self.stager._in_call = snapshot._in_call  # (set for this save by _app_state, if it is one)
@@ -174,8 +194,11 @@ class AsyncDCP(CheckpointManager):
         if not self.strategy.any(dead):
             return
         if dead:
-            log.warning("the checkpoint process (pid %s) died (exit code %s); starting a new one for this save",
-                        proc.pid, proc.exitcode)
+            log.warning(
+                "the checkpoint process (pid %s) died (exit code %s); starting a new one for this save",
+                proc.pid,
+                proc.exitcode,
+            )
         elif proc is not None:  # alive, but its peers on other ranks are gone: stop it
             proc.terminate()
             proc.join(timeout=10)
@@ -240,5 +263,7 @@ def _shared_memory_problem(app_state: dict, stager: HostStager) -> str | None:
     free = st.f_bavail * st.f_frsize
     if free >= need:
         return None
-    return (f"ckpt.checkpointer=process needs {need / 2**20:.0f} MiB of shared memory for its host buffers, but "
-            f"{SHM} has {free / 2**20:.0f} MiB free")
+    return (
+        f"ckpt.checkpointer=process needs {need / 2**20:.0f} MiB of shared memory for its host buffers, but "
+        f"{SHM} has {free / 2**20:.0f} MiB free"
+    )

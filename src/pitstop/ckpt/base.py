@@ -81,12 +81,19 @@ class Checkpointer(ABC):
     """The contract of a ``ckpt`` option, as the training loop uses it (in this order)."""
 
     name: str = "base"
-    root: str | None = None             # where checkpoints go (None: nowhere)
-    last_started: int | None = None     # the step of the newest save started (in flight or done)
+    root: str | None = None  # where checkpoints go (None: nowhere)
+    last_started: int | None = None  # the step of the newest save started (in flight or done)
 
     @abstractmethod
-    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
-              failures: int = 0, job_seconds: float = 0.0) -> None:
+    def setup(
+        self,
+        strategy: Any,
+        report: Callable[[dict, int], None],
+        *,
+        fault_mtbf: float | None = None,
+        failures: int = 0,
+        job_seconds: float = 0.0,
+    ) -> None:
         """Bind to the job: ``strategy`` (ranks, collectives), ``report(metrics, step)`` (per-save costs);
         the rest informs ``ckpt.interval=auto`` (an MTBF from fault injection, failures seen so far)."""
 
@@ -125,7 +132,7 @@ class SaveRecord:
     step: int
     path: str
     last: bool = False
-    tier: str = "durable"          # durable (ckpt.dir) | local (ckpt.local.dir)
+    tier: str = "durable"  # durable (ckpt.dir) | local (ckpt.local.dir)
     throttle_mbps: float | None = None
     started: float = field(default_factory=time.perf_counter)
     block_seconds: float = 0.0
@@ -160,8 +167,15 @@ def one_line(error: BaseException) -> str:
 class Tier:
     """One place checkpoints go: its root, retention, schedule and the loop's measured time in its saves."""
 
-    def __init__(self, name: str, root: str, keep_last_k: int, interval_steps: int | None,
-                 interval_seconds: float | None, save_last: bool):
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        keep_last_k: int,
+        interval_steps: int | None,
+        interval_seconds: float | None,
+        save_last: bool,
+    ):
         self.name, self.root, self.keep_last_k = name, root, keep_last_k
         self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
         self.schedule: Any = None  # SaveSchedule, made in setup()
@@ -191,26 +205,39 @@ def _local_settings(local: Any, durable_root: str, is_async: bool) -> dict | Non
         return None
     where = LOCAL_AUTO_DIR if where == "auto" else str(where)
     if fsurl.is_url(where):
-        raise ConfigError(f"ckpt.local.dir={where}: the local tier is a local dir (tmpfs such as /dev/shm, or a "
-                          f"node-local disk); remote checkpoints go to ckpt.dir")
+        raise ConfigError(
+            f"ckpt.local.dir={where}: the local tier is a local dir (tmpfs such as /dev/shm, or a "
+            f"node-local disk); remote checkpoints go to ckpt.dir"
+        )
     where = os.path.abspath(where)
     durable = os.path.abspath(durable_root)
     if not fsurl.is_url(durable_root) and os.path.commonpath([where, durable]) in (where, durable):
-        raise ConfigError(f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
-                          f"place (tmpfs such as /dev/shm, or a node-local disk)")
+        raise ConfigError(
+            f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
+            f"place (tmpfs such as /dev/shm, or a node-local disk)"
+        )
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
     _positive_or_null(("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds))
     if interval not in (None, "auto"):
         raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
     if interval is None and not steps and not seconds:
-        raise ConfigError("ckpt.local.dir is set but the local tier has no interval: set ckpt.local.interval_steps, "
-                          "ckpt.local.interval_seconds or ckpt.local.interval=auto")
+        raise ConfigError(
+            "ckpt.local.dir is set but the local tier has no interval: set ckpt.local.interval_steps, "
+            "ckpt.local.interval_seconds or ckpt.local.interval=auto"
+        )
     keep = local.get("keep_last_k", 2)
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or (is_async and keep < 2):
-        raise ConfigError(f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
-                          f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}")
-    return {"dir": where, "interval_steps": None if interval == "auto" else steps,
-            "interval_seconds": None if interval == "auto" else seconds, "auto": interval == "auto", "keep": keep}
+        raise ConfigError(
+            f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
+            f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}"
+        )
+    return {
+        "dir": where,
+        "interval_steps": None if interval == "auto" else steps,
+        "interval_seconds": None if interval == "auto" else seconds,
+        "auto": interval == "auto",
+        "keep": keep,
+    }
 
 
 class CheckpointManager(Checkpointer):
@@ -220,27 +247,50 @@ class CheckpointManager(Checkpointer):
     is_async = False
     full_state = False  # gather the full (unsharded) state on rank 0 instead of per-rank shards
 
-    def __init__(self, dir: str, interval_steps: int | None = None, interval_seconds: float | None = None,
-                 keep_last_k: int = 3, save_last: bool = True, load: Any = "auto", on_error: str = "raise",
-                 load_model_only: bool = False, throttle_mbps: float | None = None, interval: Any = None,
-                 mtbf_seconds: float | None = None, local: Any = None, storage_options: Any = None, **_: Any):
+    def __init__(
+        self,
+        dir: str,
+        interval_steps: int | None = None,
+        interval_seconds: float | None = None,
+        keep_last_k: int = 3,
+        save_last: bool = True,
+        load: Any = "auto",
+        on_error: str = "raise",
+        load_model_only: bool = False,
+        throttle_mbps: float | None = None,
+        interval: Any = None,
+        mtbf_seconds: float | None = None,
+        local: Any = None,
+        storage_options: Any = None,
+        **_: Any,
+    ):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
-        _positive_or_null(("ckpt.interval_steps", interval_steps), ("ckpt.interval_seconds", interval_seconds),
-                          ("ckpt.mtbf_seconds", mtbf_seconds), ("ckpt.throttle_mbps", throttle_mbps))
+        _positive_or_null(
+            ("ckpt.interval_steps", interval_steps),
+            ("ckpt.interval_seconds", interval_seconds),
+            ("ckpt.mtbf_seconds", mtbf_seconds),
+            ("ckpt.throttle_mbps", throttle_mbps),
+        )
         if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 0:
             raise ConfigError(f"ckpt.keep_last_k must be an integer >= 0 (0 keeps all), got {keep_last_k!r}")
         if self.is_async and keep_last_k == 1:
-            raise ConfigError("ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "
-                              "use 2 or more, or 0 to keep all")
+            raise ConfigError(
+                "ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "
+                "use 2 or more, or 0 to keep all"
+            )
         if interval not in (None, "auto"):
-            raise ConfigError(f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
-                              f"or null with ckpt.interval_steps / ckpt.interval_seconds")
+            raise ConfigError(
+                f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
+                f"or null with ckpt.interval_steps / ckpt.interval_seconds"
+            )
         self.root = str(dir).rstrip("/") if fsurl.is_url(dir) else str(dir)
         if fsurl.is_url(self.root):
             if throttle_mbps:
-                raise ConfigError(f"ckpt.throttle_mbps limits writes to a local dir; ckpt.dir={self.root} is remote: "
-                                  f"set ckpt.throttle_mbps=null (throttle the store itself instead)")
+                raise ConfigError(
+                    f"ckpt.throttle_mbps limits writes to a local dir; ckpt.dir={self.root} is remote: "
+                    f"set ckpt.throttle_mbps=null (throttle the store itself instead)"
+                )
             fsurl.use_options(self.root, fsurl.storage_options(storage_options, "ckpt.storage_options"))
         self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
         if self.auto:  # the measured interval replaces the fixed ones
@@ -261,8 +311,15 @@ class CheckpointManager(Checkpointer):
         self.last_started = None
 
     # ---- wiring -------------------------------------------------------------------------------------
-    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
-              failures: int = 0, job_seconds: float = 0.0) -> None:
+    def setup(
+        self,
+        strategy: Any,
+        report: Callable[[dict, int], None],
+        *,
+        fault_mtbf: float | None = None,
+        failures: int = 0,
+        job_seconds: float = 0.0,
+    ) -> None:
         from pitstop.goodput import AutoInterval
 
         self.strategy, self.report = strategy, report
@@ -272,8 +329,13 @@ class CheckpointManager(Checkpointer):
             layout.check_writable(self.root)
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
         strategy.barrier()
-        mtbf, source = ((self.mtbf_seconds, "ckpt.mtbf_seconds") if self.mtbf_seconds else
-                        (fault_mtbf, "fault.mtbf_seconds") if fault_mtbf else (None, ""))
+        mtbf, source = (
+            (self.mtbf_seconds, "ckpt.mtbf_seconds")
+            if self.mtbf_seconds
+            else (fault_mtbf, "fault.mtbf_seconds")
+            if fault_mtbf
+            else (None, "")
+        )
         self.durable.make_schedule(AutoInterval(mtbf, source, failures, job_seconds) if self.auto else None)
         self._setup_local(lambda: AutoInterval(mtbf, source, failures, job_seconds, key="ckpt.local.interval"))
         self._setup_backend()
@@ -294,14 +356,23 @@ class CheckpointManager(Checkpointer):
         except CheckpointError as e:
             problem = str(e)
         if self.strategy.any(problem is not None):  # every rank uses the local tier, or none does
-            log.warning("local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
-                        problem or "not writable on another rank")
+            log.warning(
+                "local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
+                problem or "not writable on another rank",
+            )
             return
         self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], False)
         self.local.make_schedule(make_auto() if c["auto"] else None)
-        every = [f"{c['interval_steps']} steps" if c["interval_steps"] else "", f"{c['interval_seconds']} s" if c["interval_seconds"] else ""]
-        log.info("local checkpoint tier: %s (%s; keep %d)", root,
-                 "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e), c["keep"])
+        every = [
+            f"{c['interval_steps']} steps" if c["interval_steps"] else "",
+            f"{c['interval_seconds']} s" if c["interval_seconds"] else "",
+        ]
+        log.info(
+            "local checkpoint tier: %s (%s; keep %d)",
+            root,
+            "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e),
+            c["keep"],
+        )
 
     def _setup_backend(self) -> None:
         """Per-run resources of a backend (stagers, checkpoint processes)."""
@@ -340,14 +411,22 @@ class CheckpointManager(Checkpointer):
                 if explicit:
                     raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from error
                 older = choice[i + 1] if i + 1 < len(choice) else None
-                log.warning("checkpoint %s failed to load (%s); %s", path, reason,
-                            f"falling back to {os.path.basename(older)}" if older else "no older complete checkpoint")
+                log.warning(
+                    "checkpoint %s failed to load (%s); %s",
+                    path,
+                    reason,
+                    f"falling back to {os.path.basename(older)}" if older else "no older complete checkpoint",
+                )
                 if older is None:
-                    raise CheckpointError(f"no loadable checkpoint in {self.root} (newest failed: {reason}); "
-                                          f"fix or move the directory, or set ckpt.load=none to start over") from error
+                    raise CheckpointError(
+                        f"no loadable checkpoint in {self.root} (newest failed: {reason}); "
+                        f"fix or move the directory, or set ckpt.load=none to start over"
+                    ) from error
                 continue
             tier = "local" if self.local is not None and path.startswith(self.local.root + os.sep) else "durable"
-            log.info("restored %s (step %d, %s tier) in %.2f s", path, target.state.step, tier, time.perf_counter() - t0)
+            log.info(
+                "restored %s (step %d, %s tier) in %.2f s", path, target.state.step, tier, time.perf_counter() - t0
+            )
             return target.state.step
         return None
 
@@ -365,9 +444,10 @@ class CheckpointManager(Checkpointer):
             return
         if train is None:
             raise CheckpointError(f"{path} has no training state (step, data position, RNG)")
-        set_state_dict(target.model, target.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=full)
-        peers = [trains[k] for k in sorted(trains, key=lambda k: int(k[len("train.rank"):]))]
+        set_state_dict(
+            target.model, target.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full
+        )
+        peers = [trains[k] for k in sorted(trains, key=lambda k: int(k[len("train.rank") :]))]
         if len(peers) != self.world_size:
             log.info("resharding: checkpoint written by %d rank(s), resuming on %d", len(peers), self.world_size)
         target.state.load_state_dict(train, peers=peers)
@@ -391,8 +471,13 @@ class CheckpointManager(Checkpointer):
         tier.schedule.started()
         if tier is self.durable and self.local is not None:
             self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
-        record = SaveRecord(step=step, path=layout.step_dir(tier.root, step), last=last, tier=tier.name,
-                            throttle_mbps=self.throttle_mbps if tier is self.durable else None)
+        record = SaveRecord(
+            step=step,
+            path=layout.step_dir(tier.root, step),
+            last=last,
+            tier=tier.name,
+            throttle_mbps=self.throttle_mbps if tier is self.durable else None,
+        )
         if self.rank == 0:
             layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
         self.strategy.barrier()
@@ -432,7 +517,9 @@ class CheckpointManager(Checkpointer):
         """Young–Daly from this attempt's measured blocking cost per save of ``tier`` (staging waits included)
         and, for async saves, never before the last one became durable."""
         cost = tier.blocked_total / max(tier.schedule.saves, 1)
-        ok = [r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name]
+        ok = [
+            r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name
+        ]
         write = sum(ok[-5:]) / len(ok[-5:]) if ok and self.is_async else 0.0
         moved = tier.schedule.measured(cost, write)
         if moved is not None:
@@ -528,9 +615,13 @@ class CheckpointManager(Checkpointer):
         record.error = one_line(error)
         self.failures += 1
         local = record.tier == "local"
-        log.error("%scheckpoint at step %d failed: %s (it is not committed; older checkpoints are intact%s)",
-                  "local-tier " if local else "", record.step, record.error,
-                  "; the durable tier is unaffected" if local else "")
+        log.error(
+            "%scheckpoint at step %d failed: %s (it is not committed; older checkpoints are intact%s)",
+            "local-tier " if local else "",
+            record.step,
+            record.error,
+            "; the durable tier is unaffected" if local else "",
+        )
         if not layout.is_complete(record.path) and (self.rank == 0 or local):
             layout.remove(record.path)  # (a local tier may be per node: every rank cleans)
         with self._lock:
@@ -582,11 +673,14 @@ class CheckpointManager(Checkpointer):
         def figures(tier: str) -> dict:
             records = [r for r in self.records if r.tier == tier]
             ok = [r for r in records if r.error is None]
-            return {"saves": len(ok), "failures": sum(1 for r in records if r.error is not None),
-                    "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
-                    "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
-                    "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
-                    "bytes_last": ok[-1].bytes if ok else 0}
+            return {
+                "saves": len(ok),
+                "failures": sum(1 for r in records if r.error is not None),
+                "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
+                "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+                "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+                "bytes_last": ok[-1].bytes if ok else 0,
+            }
 
         out = {"backend": self.name, **figures("durable")}
         if self.local is not None:
@@ -606,7 +700,9 @@ def _check_fingerprint(path: str, saved: dict, now: dict) -> None:
     if changed:
         detail = "; ".join(
             f"{k}: {str(saved.get(k))[:60]!r} -> {str(now.get(k))[:60]!r}" if k != "model" else "model config changed"
-            for k in changed)
+            for k in changed
+        )
         raise FingerprintMismatch(
             f"cannot resume from {path}: {', '.join(changed)} changed since it was saved ({detail}); "
-            f"use a new run_dir, or ckpt.load_model_only=true to start from its model weights")
+            f"use a new run_dir, or ckpt.load_model_only=true to start from its model weights"
+        )

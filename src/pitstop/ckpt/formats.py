@@ -89,8 +89,9 @@ def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, 
     return sd["model"], sd["optim"], {k: decode_json(sd[k]) for k in trains}
 
 
-def write_torch_save(app_state: dict, path: str, rank: int, world_size: int, group: Any, step: int,
-                     throttle_mbps: float | None) -> None:
+def write_torch_save(
+    app_state: dict, path: str, rank: int, world_size: int, group: Any, step: int, throttle_mbps: float | None
+) -> None:
     """Rank 0 writes the full state as one file: temp name, fsync, rename, then the COMMITTED marker."""
     train_keys = [k for k in app_state if k.startswith("train.rank")]
     if world_size > 1:  # every rank's train state goes into the one file
@@ -125,5 +126,6 @@ def _upload_torch_save(app_state: dict, path: str, world_size: int, step: int) -
     fs, p = fsurl.filesystem(path)
     with fs.open(f"{p}/{STATE_FILE}", "wb") as f:
         torch.save(app_state, f)
-    fs.pipe_file(f"{p}/{SAVE_MARKER}", json.dumps({"step": step, "format": "torch.save",
-                                                    "world_size": world_size}).encode())
+    fs.pipe_file(
+        f"{p}/{SAVE_MARKER}", json.dumps({"step": step, "format": "torch.save", "world_size": world_size}).encode()
+    )

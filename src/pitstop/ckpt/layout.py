@@ -36,7 +36,7 @@ def step_dir(root: str, step: int) -> str:
 
 
 def step_of(path: str) -> int:
-    return int(str(path).rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX):])
+    return int(str(path).rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX) :])
 
 
 def is_file(path: str) -> bool:
@@ -85,9 +85,9 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
     """``(step, path, complete)`` for every ``step_*`` dir, oldest first."""
     out = []
     for name in _names(root):
-        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
             path = fsurl.join(root, name)
-            out.append((int(name[len(STEP_PREFIX):]), path, is_complete(path)))
+            out.append((int(name[len(STEP_PREFIX) :]), path, is_complete(path)))
     return sorted(out)
 
 
@@ -102,7 +102,9 @@ def candidates(root: str, spec: Any) -> list[str]:
     if spec != "auto":
         path = str(spec) if fsurl.is_url(spec) else os.path.abspath(str(spec))
         if not is_complete(path):
-            raise CheckpointError(f"ckpt.load={spec}: no complete checkpoint there (missing {DCP_MARKER} or {SAVE_MARKER})")
+            raise CheckpointError(
+                f"ckpt.load={spec}: no complete checkpoint there (missing {DCP_MARKER} or {SAVE_MARKER})"
+            )
         return [path]
     found = list_checkpoints(root)
     for _, path, complete in found:
@@ -167,8 +169,9 @@ def check_writable(root: str, key: str = "ckpt.dir") -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"{key} {root} is not writable ({e.strerror or e}); "
-                              f"point {key} at a writable directory") from None
+        raise CheckpointError(
+            f"{key} {root} is not writable ({e.strerror or e}); point {key} at a writable directory"
+        ) from None
 
 
 def _check_writable_url(root: str, key: str) -> None:
@@ -182,8 +185,10 @@ def _check_writable_url(root: str, key: str) -> None:
     except Exception as e:  # noqa: BLE001 - any transport error, said with what to do about it
         text = f"{type(e).__name__} {e}".lower()
         if fsurl.is_permission_error(e):
-            hint = (f"the credentials in the environment ({fsurl.credential_vars(root)}) are wrong or may not write "
-                    f"there: fix them (never in the config), or point {key} at a place they may write")
+            hint = (
+                f"the credentials in the environment ({fsurl.credential_vars(root)}) are wrong or may not write "
+                f"there: fix them (never in the config), or point {key} at a place they may write"
+            )
         elif "nosuchbucket" in text or "bucket does not exist" in text or isinstance(e, FileNotFoundError):
             hint = f"the bucket does not exist: create it, or point {key} at one that does"
         else:

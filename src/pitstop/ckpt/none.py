@@ -13,8 +13,15 @@ class NoCheckpoint(Checkpointer):
     def __init__(self, **_: Any):
         self.root, self.last_started = None, None
 
-    def setup(self, strategy: Any, report: Callable[[dict, int], None], *, fault_mtbf: float | None = None,
-              failures: int = 0, job_seconds: float = 0.0) -> None:
+    def setup(
+        self,
+        strategy: Any,
+        report: Callable[[dict, int], None],
+        *,
+        fault_mtbf: float | None = None,
+        failures: int = 0,
+        job_seconds: float = 0.0,
+    ) -> None:
         pass
 
     def restore(self, target: Target) -> int | None:

@@ -35,7 +35,7 @@ from torch.futures import Future
 from pitstop.ckpt.staging import PAGE  # (O_DIRECT alignment of memory, file offsets and lengths)
 
 RAW = "pitstop.raw/1"
-DIRECT_CHUNK = 256 << 20    # bytes per O_DIRECT write call
+DIRECT_CHUNK = 256 << 20  # bytes per O_DIRECT write call
 FORMATS = ("raw", "torch_save")
 
 
@@ -94,8 +94,11 @@ class _RawWrites:
 
 
 def _result(item, name: str, offset: int, length: int, descriptors: list | None) -> WriteResult:
-    return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(name, offset, length, transform_descriptors=descriptors))
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=_StorageInfo(name, offset, length, transform_descriptors=descriptors),
+    )
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -108,8 +111,13 @@ def page_regions(items: list) -> tuple[list, list]:
     groups: dict[int, list] = {}
     rest = []
     for item, data in items:
-        if (item.type != WriteItemType.BYTE_IO and isinstance(data, torch.Tensor) and data.device.type == "cpu"
-                and data.numel() and data.is_contiguous()):
+        if (
+            item.type != WriteItemType.BYTE_IO
+            and isinstance(data, torch.Tensor)
+            and data.device.type == "cpu"
+            and data.numel()
+            and data.is_contiguous()
+        ):
             groups.setdefault(data.untyped_storage().data_ptr(), []).append((item, data))
         else:
             rest.append((item, data))
@@ -145,7 +153,7 @@ def write_direct(path: str, name: str, regions: list, results: list) -> int | No
             done = 0
             while done < len(view):
                 try:
-                    done += os.pwrite(fd, view[done:done + DIRECT_CHUNK], offset + done)
+                    done += os.pwrite(fd, view[done : done + DIRECT_CHUNK], offset + done)
                 except OSError as e:
                     if e.errno == errno.EINVAL and offset + done == 0:
                         return None
@@ -193,8 +201,9 @@ class _RawReads:
                     tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
-                        raise AssertionError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
-                                             f"expected {tuple(target.size())}")
+                        raise AssertionError(
+                            f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, expected {tuple(target.size())}"
+                        )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
         fut: Future = Future()
@@ -214,8 +223,10 @@ class _RawReads:
         stream.seek(info.offset)
         got = stream.readinto(buf)
         if got != info.length:
-            raise OSError(f"{index.fqn}: the checkpoint file {info.relative_path} ends after {got} of "
-                          f"{info.length} bytes at offset {info.offset}: it is truncated")
+            raise OSError(
+                f"{index.fqn}: the checkpoint file {info.relative_path} ends after {got} of "
+                f"{info.length} bytes at offset {info.offset}: it is truncated"
+            )
         return torch.frombuffer(buf, dtype=dtype).view(chunk.sizes)
 
 

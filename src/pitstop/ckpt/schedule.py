@@ -11,8 +11,13 @@ from pitstop.goodput import AutoInterval
 
 
 class SaveSchedule:
-    def __init__(self, interval_steps: int | None, interval_seconds: float | None, save_last: bool,
-                 auto: AutoInterval | None = None):
+    def __init__(
+        self,
+        interval_steps: int | None,
+        interval_seconds: float | None,
+        save_last: bool,
+        auto: AutoInterval | None = None,
+    ):
         self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
         self.auto = auto
         self.last_save_time = time.monotonic()

@@ -146,7 +146,7 @@ class Layout:
         self.buffers: list[torch.Tensor] = []
         self.registered = False
         flat = {dtype: self._alloc(n, dtype, pinned, shared) for dtype, n in sizes.items()}
-        self.views = {path: flat[dtype][off:off + n].view(shape) for path, dtype, off, n, shape in places}
+        self.views = {path: flat[dtype][off : off + n].view(shape) for path, dtype, off, n, shape in places}
         for path, dtype, n, shape in own:
             self.views[path] = self._alloc(n, dtype, pinned, shared)[:n].view(shape)
 
@@ -163,7 +163,7 @@ class Layout:
             buf = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pinned)
         self.buffers.append(buf)
         start = 0 if shared else -buf.data_ptr() % PAGE  # (a shared DTensor buffer's view must start it)
-        return buf[start:start + nbytes].view(dtype)
+        return buf[start : start + nbytes].view(dtype)
 
     @staticmethod
     def key_of(leaves: list[tuple[tuple, torch.Tensor]]) -> tuple:
@@ -202,8 +202,9 @@ class HostStager(AsyncStager):
         self.allocations = 0
 
     def describe(self) -> str:
-        memory = ("pinned shared" if self.shared else "pinned") if self.pinned else (
-            "shared" if self.shared else "plain")
+        memory = (
+            ("pinned shared" if self.shared else "pinned") if self.pinned else ("shared" if self.shared else "plain")
+        )
         copy = "non-blocking on a side stream" if self.cuda else "in a background thread"
         return f"{memory} host buffers allocated once, copied {copy}"
 
@@ -250,8 +251,11 @@ class HostStager(AsyncStager):
         host = {}
         for path, t in leaves:
             view = layout.views[path]
-            host[path] = (_DTensor(view, t._spec, requires_grad=t.requires_grad)
-                          if _DTensor is not None and isinstance(t, _DTensor) else view)
+            host[path] = (
+                _DTensor(view, t._spec, requires_grad=t.requires_grad)
+                if _DTensor is not None and isinstance(t, _DTensor)
+                else view
+            )
         for container, key, path in slots:
             container[key] = host[path]
         return _freeze(staged)

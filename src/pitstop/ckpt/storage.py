@@ -33,7 +33,7 @@ class ThrottledFile(io.RawIOBase):
         view = memoryview(b).cast("B")
         chunk = 1 << 20
         for i in range(0, len(view), chunk):
-            part = view[i:i + chunk]
+            part = view[i : i + chunk]
             self.raw.write(part)
             self.sent += len(part)
             ahead = self.sent / self.rate - (time.monotonic() - self.t0)

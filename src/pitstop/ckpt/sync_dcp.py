@@ -17,8 +17,10 @@ from pitstop.errors import ConfigError
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise ConfigError(f"ckpt.format={fmt!r}: use raw (tensor bytes, fastest) or torch_save (what torch's own "
-                          f"FileSystemReader reads)")
+        raise ConfigError(
+            f"ckpt.format={fmt!r}: use raw (tensor bytes, fastest) or torch_save (what torch's own "
+            f"FileSystemReader reads)"
+        )
     return fmt
 
 
@@ -26,10 +28,11 @@ def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.
     """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save."""
     if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
         return (RawFsspecWriter if fmt == "raw" else FsspecWriter)(
-            path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True,
-            **fsurl.options_for(path))
+            path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True, **fsurl.options_for(path)
+        )
     writer = (RawFileSystemWriter if fmt == "raw" else dcp.FileSystemWriter)(
-        path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+    )
     if throttle_mbps:
         writer.fs = ThrottledFileSystem(throttle_mbps)
     return writer
@@ -53,6 +56,10 @@ class SyncDCP(CheckpointManager):
         super().__init__(**kw)
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
-        dcp.save(app_state, storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
-                 planner=planner(), process_group=self.group)
+        dcp.save(
+            app_state,
+            storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
+            planner=planner(),
+            process_group=self.group,
+        )
         return None

@@ -11,6 +11,8 @@ class SyncSave(CheckpointManager):
     full_state = True
 
     def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
-        write_torch_save(app_state, record.path, self.rank, self.world_size, self.group, record.step, record.throttle_mbps)
+        write_torch_save(
+            app_state, record.path, self.rank, self.world_size, self.group, record.step, record.throttle_mbps
+        )
         self.strategy.barrier()  # committed on every rank only once rank 0 wrote the marker
         return None

@@ -70,7 +70,7 @@ def index_shard(url: str, check: Check | None, policy: FetchPolicy) -> ShardInfo
             raise DataError(f"shard {url} is listed but not found at the source; fix the pattern or the data") from e
         except OSError as e:
             last = f"{type(e).__name__}: {e}"
-            time.sleep(policy.backoff * 2 ** attempt)
+            time.sleep(policy.backoff * 2**attempt)
             continue
         stream, keys, offset = _Hashing(f), set(), 0
         sample: dict[str, bytes] = {}
@@ -97,18 +97,26 @@ def index_shard(url: str, check: Check | None, policy: FetchPolicy) -> ShardInfo
                 f.close()
             done()
         except (tarfile.TarError, EOFError) as e:
-            raise DataError(f"shard {url} is not a readable tar near byte offset {offset}: {e}; rewrite it or drop "
-                            f"it from the pattern") from e
+            raise DataError(
+                f"shard {url} is not a readable tar near byte offset {offset}: {e}; rewrite it or drop "
+                f"it from the pattern"
+            ) from e
         except OSError as e:
             last = f"{type(e).__name__}: {e}"
-            time.sleep(policy.backoff * 2 ** attempt)
+            time.sleep(policy.backoff * 2**attempt)
             continue
         return ShardInfo(url=url, samples=len(keys), bytes=stream.n, sha256=stream.sha.hexdigest())
     raise DataError(f"cannot read shard {url}: {last} (loader.retries={policy.retries})")
 
 
-def index_existing(out_dir: str, splits: dict[str, list[str]], meta: dict, check: Check | None = None,
-                   workers: int = 8, policy: FetchPolicy = FetchPolicy()) -> str:
+def index_existing(
+    out_dir: str,
+    splits: dict[str, list[str]],
+    meta: dict,
+    check: Check | None = None,
+    workers: int = 8,
+    policy: FetchPolicy = FetchPolicy(),
+) -> str:
     """Index ``splits`` (split -> shard URLs) into ``out_dir/index.json``; resumes from ``index.partial.jsonl``."""
     os.makedirs(out_dir, exist_ok=True)
     partial = os.path.join(out_dir, PARTIAL)
@@ -123,7 +131,10 @@ def index_existing(out_dir: str, splits: dict[str, list[str]], meta: dict, check
         log.info("resuming: %d shard(s) already indexed in %s", len(done), partial)
     todo = [u for urls in splits.values() for u in urls if u not in done]
     t0, total = time.perf_counter(), 0
-    with open(partial, "a") as out, ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="pitstop-index") as pool:
+    with (
+        open(partial, "a") as out,
+        ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="pitstop-index") as pool,
+    ):
         for info in pool.map(lambda u: index_shard(u, check, policy), todo):
             out.write(json.dumps(info.__dict__) + "\n")
             out.flush()
@@ -132,8 +143,13 @@ def index_existing(out_dir: str, splits: dict[str, list[str]], meta: dict, check
             total += info.bytes
     took = time.perf_counter() - t0
     if todo:
-        log.info("indexed %d shard(s), %.1f MB in %.1f s (%.1f MB/s)", len(todo), total / 1e6, took,
-                 total / 1e6 / max(took, 1e-9))
+        log.info(
+            "indexed %d shard(s), %.1f MB in %.1f s (%.1f MB/s)",
+            len(todo),
+            total / 1e6,
+            took,
+            total / 1e6 / max(took, 1e-9),
+        )
     path = write_index(out_dir, {s: [done[u] for u in urls] for s, urls in splits.items()}, meta)
     os.unlink(partial)
     return path

@@ -38,9 +38,9 @@ class ShardRef:
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    retries: int = 3            # attempts after the first
-    backoff: float = 0.5        # seconds before the first retry; doubles each time
-    timeout: float = 60.0       # seconds per request (connect + each read)
+    retries: int = 3  # attempts after the first
+    backoff: float = 0.5  # seconds before the first retry; doubles each time
+    timeout: float = 60.0  # seconds per request (connect + each read)
     allow_pipe: bool = False
     storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options (loader.storage_options)
 
@@ -50,9 +50,11 @@ def open_source(url: str, policy: FetchPolicy) -> tuple[BinaryIO, Callable[[], N
     exit status)."""
     if url.startswith("pipe:"):
         if not policy.allow_pipe:
-            raise DataError(f"refusing shell-command shard URL {url!r}: pipe: runs a command from the data index; "
-                            f"set loader.allow_pipe=true if you trust it")
-        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)  # noqa: S602 - opted in
+            raise DataError(
+                f"refusing shell-command shard URL {url!r}: pipe: runs a command from the data index; "
+                f"set loader.allow_pipe=true if you trust it"
+            )
+        proc = subprocess.Popen(url[len("pipe:") :], shell=True, stdout=subprocess.PIPE)  # noqa: S602 - opted in
 
         def done() -> None:
             if proc.wait() != 0:
@@ -85,7 +87,7 @@ def _copy(url: str, sink: BinaryIO, policy: FetchPolicy, progress: list[int]) ->
             block = f.read(CHUNK)
             if not block:
                 short = getattr(f, "length", None)  # HTTP: bytes still due by Content-Length (urllib does
-                if short:                           # not fail a body cut short by a closed connection)
+                if short:  # not fail a body cut short by a closed connection)
                     raise ConnectionError(f"connection closed at byte offset {n}, {short} bytes short")
                 break
             h.update(block)
@@ -107,8 +109,14 @@ def _copy(url: str, sink: BinaryIO, policy: FetchPolicy, progress: list[int]) ->
     return n, h.hexdigest()
 
 
-def fetch(ref: ShardRef, sink_factory: Callable[[], BinaryIO], policy: FetchPolicy, *, verify_sha: bool,
-          on_retry: Callable[[str], None] | None = None) -> int:
+def fetch(
+    ref: ShardRef,
+    sink_factory: Callable[[], BinaryIO],
+    policy: FetchPolicy,
+    *,
+    verify_sha: bool,
+    on_retry: Callable[[str], None] | None = None,
+) -> int:
     """Copy the shard at ``ref.url`` into a fresh sink from ``sink_factory`` (one per attempt) and verify it.
 
     Returns the bytes read from the source over all attempts. Raises :class:`DataError` naming the URL once
@@ -147,8 +155,10 @@ def fetch(ref: ShardRef, sink_factory: Callable[[], BinaryIO], policy: FetchPoli
             delay *= 2
     if not retries:
         raise DataError(f"cannot read shard {ref.url}: {last}")
-    raise DataError(f"cannot read shard {ref.url} after {retries + 1} attempts: {last} "
-                    f"(loader.retries={retries}, loader.read_timeout={policy.timeout:g}s)")
+    raise DataError(
+        f"cannot read shard {ref.url} after {retries + 1} attempts: {last} "
+        f"(loader.retries={retries}, loader.read_timeout={policy.timeout:g}s)"
+    )
 
 
 class _Buffer:
@@ -165,8 +175,9 @@ class _Buffer:
         return b"".join(self.parts)
 
 
-def fetch_bytes(ref: ShardRef, policy: FetchPolicy, *, verify_sha: bool = False,
-                on_retry: Callable[[str], None] | None = None) -> tuple[bytes, int]:
+def fetch_bytes(
+    ref: ShardRef, policy: FetchPolicy, *, verify_sha: bool = False, on_retry: Callable[[str], None] | None = None
+) -> tuple[bytes, int]:
     """The shard's bytes (verified) and the bytes transferred from the source (> size after retries)."""
     sinks: list[_Buffer] = []
 
@@ -203,7 +214,8 @@ class Counters:
 
 def fetch_counted(ref: ShardRef, policy: FetchPolicy, counters: Counters, *, verify_sha: bool = False) -> bytes:
     """:func:`fetch_bytes`, counting retries and the bytes read from the source."""
-    data, transferred = fetch_bytes(ref, policy, verify_sha=verify_sha,
-                                    on_retry=lambda _: counters.add("fetch_retries"))
+    data, transferred = fetch_bytes(
+        ref, policy, verify_sha=verify_sha, on_retry=lambda _: counters.add("fetch_retries")
+    )
     counters.add("bytes_from_source", transferred)
     return data

@@ -39,8 +39,9 @@ class ShardIndex:
     meta: dict
 
     @staticmethod
-    def load(root: str, prepare_hint: str = "python -m recipe.prepare",
-             storage_options: dict | None = None) -> "ShardIndex":
+    def load(
+        root: str, prepare_hint: str = "python -m recipe.prepare", storage_options: dict | None = None
+    ) -> "ShardIndex":
         """Read ``root/index.json`` from a local dir or any fsspec/HTTP URL (``storage_options``: fsspec's)."""
         import fsspec
 
@@ -49,7 +50,9 @@ class ShardIndex:
         local = "://" not in root
         if local and not os.path.isfile(path):
             what = "data dir" if not os.path.isdir(root) else "shard index"
-            raise DataError(f"{what} not found: {path if what != 'data dir' else root} — create it with: {prepare_hint}")
+            raise DataError(
+                f"{what} not found: {path if what != 'data dir' else root} — create it with: {prepare_hint}"
+            )
         try:
             if path.startswith(("http://", "https://")):
                 from pitstop.data.remote import FetchPolicy, ShardRef, fetch_bytes
@@ -63,7 +66,9 @@ class ShardIndex:
         except Exception as e:  # noqa: BLE001 - any transport or JSON error, with what to do about it
             raise DataError(f"cannot read shard index {path}: {e} — {_what_to_do(e, path, prepare_hint)}") from e
         if raw.get("format") != FORMAT:
-            raise DataError(f"{path} is not a pitstop shard index (format={raw.get('format')!r}); recreate it with: {prepare_hint}")
+            raise DataError(
+                f"{path} is not a pitstop shard index (format={raw.get('format')!r}); recreate it with: {prepare_hint}"
+            )
         splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw["splits"].items()}
         return ShardIndex(root=root, splits=splits, meta=raw.get("meta", {}))
 
@@ -189,4 +194,3 @@ def read_shard(data: bytes, url: str) -> list[dict]:
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"corrupt or truncated shard {url} near byte offset {offset}: {e}") from e
     return samples
-

@@ -31,8 +31,22 @@ from pitstop.seed import derive_seed
 log = logging.getLogger("pitstop.loader")
 
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(value: Any, what: str = "loader.cache_limit", off: str = "null") -> int | None:
@@ -77,8 +91,27 @@ class ShardSource:
 class StreamReader(IterableDataset):
     """Worker side: reads the streams of one rank from given positions and yields batches."""
 
-    def __init__(self, *, refs, source, dataset, train, seed, epoch, batch_size, drop_last,
-                 shuffle, partitions, streams, rank, world_size, starts, rotation, base, window=1):
+    def __init__(
+        self,
+        *,
+        refs,
+        source,
+        dataset,
+        train,
+        seed,
+        epoch,
+        batch_size,
+        drop_last,
+        shuffle,
+        partitions,
+        streams,
+        rank,
+        world_size,
+        starts,
+        rotation,
+        base,
+        window=1,
+    ):
         self.refs, self.source, self.dataset = refs, source, dataset
         self.counts = [r.samples for r in refs]
         self.train, self.seed, self.epoch, self.batch_size = train, seed, epoch, batch_size
@@ -102,18 +135,43 @@ class StreamReader(IterableDataset):
 
     def _stream(self, g: int) -> Iterator[dict | _Failure]:
         total_streams = self.streams * self.world_size
-        plan_items = plan.stream_items(len(self.refs), self.counts, self.partitions, g, total_streams, self.seed,
-                                       self.epoch, self.shuffle, self.base, self.streams, self.batch_size,
-                                       self.drop_last)
+        plan_items = plan.stream_items(
+            len(self.refs),
+            self.counts,
+            self.partitions,
+            g,
+            total_streams,
+            self.seed,
+            self.epoch,
+            self.shuffle,
+            self.base,
+            self.streams,
+            self.batch_size,
+            self.drop_last,
+        )
         reads = plan.read_order(plan_items, self.window, self.seed, self.epoch, g)
         pos = self.starts.get(g, 0)
         last = {i: t for t, (i, _) in enumerate(reads)}  # where each run's last sample is read
         opens: list[int] = list(dict.fromkeys(i for i, _ in reads[pos:]))  # runs by first read from here on
         later = []  # what this stream reads next epoch (a plain epoch: same stream ids), for a cache's eviction
         if self.train:
-            later = [self.refs[s] for _, s, *_ in plan.stream_items(
-                len(self.refs), self.counts, self.partitions, g, total_streams, self.seed, self.epoch + 1,
-                self.shuffle, {}, self.streams, self.batch_size, self.drop_last)]
+            later = [
+                self.refs[s]
+                for _, s, *_ in plan.stream_items(
+                    len(self.refs),
+                    self.counts,
+                    self.partitions,
+                    g,
+                    total_streams,
+                    self.seed,
+                    self.epoch + 1,
+                    self.shuffle,
+                    {},
+                    self.streams,
+                    self.batch_size,
+                    self.drop_last,
+                )
+            ]
         loaded: dict[int, tuple[list, list[int]]] = {}  # run -> (its shard's samples, the shard's sample order)
         items, keys, skipped, opened = [], [], 0, 0
         for t in range(pos, len(reads)):
@@ -128,8 +186,9 @@ class StreamReader(IterableDataset):
                     raw = self.source.read(ref)
                     samples = read_shard(raw, ref.url)
                     if len(samples) != n:
-                        raise DataError(f"shard {ref.url} has {len(samples)} samples but the index says {n}; "
-                                        f"re-run recipe.prepare")
+                        raise DataError(
+                            f"shard {ref.url} has {len(samples)} samples but the index says {n}; re-run recipe.prepare"
+                        )
                 except DataError as e:
                     if not self.dataset.skip_corrupt:
                         yield _Failure(str(e))
@@ -149,8 +208,10 @@ class StreamReader(IterableDataset):
             except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
                 if not self.dataset.skip_corrupt:
                     key = sample["__key__"] if sample else f"#{index}"
-                    yield _Failure(f"corrupt sample {key!r} in shard {ref.url}: {e} "
-                                   f"(set data.skip_corrupt=true to skip and count such samples)")
+                    yield _Failure(
+                        f"corrupt sample {key!r} in shard {ref.url}: {e} "
+                        f"(set data.skip_corrupt=true to skip and count such samples)"
+                    )
                     return
                 skipped += 1
             if len(items) == self.batch_size:
@@ -167,8 +228,14 @@ class StreamReader(IterableDataset):
         self.source.lookahead([], later)  # (done with this epoch: its next reads are next epoch's)
 
     def _batch(self, g, pos, items, keys, skipped) -> dict:
-        return {"data": default_collate(items), "stream": g, "end": pos, "keys": keys,
-                "skipped": skipped, "io": self.source.take_stats()}
+        return {
+            "data": default_collate(items),
+            "stream": g,
+            "end": pos,
+            "keys": keys,
+            "skipped": skipped,
+            "io": self.source.take_stats(),
+        }
 
 
 class ShardLoader(ABC):
@@ -181,12 +248,32 @@ class ShardLoader(ABC):
 
     kind = "base"
 
-    def __init__(self, dataset: ShardedDataset, split: str, batch_size: int, seed: int, *, rank: int = 0,
-                 world_size: int = 1, train: bool = True, num_workers: int = 2, partitions: int | None = None,
-                 shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
-                 prefetch_factor: int = 4, timeout: float = 0, retries: int = 3, backoff: float = 0.5,
-                 read_timeout: float = 60.0, allow_pipe: bool = False, eval_in_memory: Any = "256MB",
-                 shuffle_shards_window: int = 1, storage_options: Any = None, **_: Any):
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        split: str,
+        batch_size: int,
+        seed: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        train: bool = True,
+        num_workers: int = 2,
+        partitions: int | None = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        prefetch_factor: int = 4,
+        timeout: float = 0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        read_timeout: float = 60.0,
+        allow_pipe: bool = False,
+        eval_in_memory: Any = "256MB",
+        shuffle_shards_window: int = 1,
+        storage_options: Any = None,
+        **_: Any,
+    ):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
@@ -195,8 +282,10 @@ class ShardLoader(ABC):
         self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
         self.streams = max(1, self.num_workers)
         if int(shuffle_shards_window) < 1:
-            raise ConfigError(f"loader.shuffle_shards_window={shuffle_shards_window} must be >= 1 (1: one shard at a "
-                              f"time; K: each reader mixes the samples of K shards)")
+            raise ConfigError(
+                f"loader.shuffle_shards_window={shuffle_shards_window} must be >= 1 (1: one shard at a "
+                f"time; K: each reader mixes the samples of K shards)"
+            )
         self.window = int(shuffle_shards_window) if train and shuffle else 1
         self.eval_in_memory = _memory_budget(eval_in_memory)
         options = fsurl.storage_options(storage_options, "loader.storage_options")
@@ -208,11 +297,18 @@ class ShardLoader(ABC):
         self.refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in shards]
         self.urls = [r.url for r in self.refs]
         self.counts = [s.samples for s in shards]
-        self.policy = FetchPolicy(retries=int(retries), backoff=float(backoff), timeout=float(read_timeout),
-                                  allow_pipe=bool(allow_pipe), storage_options=options)
+        self.policy = FetchPolicy(
+            retries=int(retries),
+            backoff=float(backoff),
+            timeout=float(read_timeout),
+            allow_pipe=bool(allow_pipe),
+            storage_options=options,
+        )
         if not allow_pipe and any(u.startswith("pipe:") for u in self.urls):
-            raise ConfigError(f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
-                              f"commands; set loader.allow_pipe=true only if you trust it")
+            raise ConfigError(
+                f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
+                f"commands; set loader.allow_pipe=true only if you trust it"
+            )
         self.partitions = int(partitions or len(shards))
         if self.num_workers:  # (the runner started it before its threads; else a fresh interpreter)
             server.start({__name__, type(self).__module__, type(dataset).__module__})
@@ -220,12 +316,20 @@ class ShardLoader(ABC):
             if self.partitions < world_size:
                 raise ConfigError(
                     f"{split} split has {self.partitions} partition(s) but {world_size} ranks: every rank needs at "
-                    f"least one; write more shards (recipe.prepare data.prepare.samples_per_shard=...) or use fewer ranks")
+                    f"least one; write more shards (recipe.prepare data.prepare.samples_per_shard=...) "
+                    f"or use fewer ranks"
+                )
             # A worker without a partition would only idle: use as many as there are partitions per rank.
             fewer = self.partitions // world_size
-            log.warning("%s split has %d partition(s) for %d rank(s): %d loader worker(s) per rank instead of "
-                        "loader.num_workers=%d (write more shards to use them all)", split, self.partitions,
-                        world_size, fewer, self.num_workers)
+            log.warning(
+                "%s split has %d partition(s) for %d rank(s): %d loader worker(s) per rank instead of "
+                "loader.num_workers=%d (write more shards to use them all)",
+                split,
+                self.partitions,
+                world_size,
+                fewer,
+                self.num_workers,
+            )
             self.num_workers = self.streams = fewer
         self.epoch, self.batches, self.positions = 0, 0, {}
         self.base: plan.Consumed = {}  # what was consumed of each partition before this segment (elastic resume)
@@ -243,9 +347,20 @@ class ShardLoader(ABC):
         if key not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = plan.stream_items(len(self.urls), self.counts, self.partitions, g,
-                                                 self.streams * self.world_size, self.seed, epoch, self.shuffle,
-                                                 base, self.streams, self.batch_size, self.drop_last)
+            self._plans[key] = plan.stream_items(
+                len(self.urls),
+                self.counts,
+                self.partitions,
+                g,
+                self.streams * self.world_size,
+                self.seed,
+                epoch,
+                self.shuffle,
+                base,
+                self.streams,
+                self.batch_size,
+                self.drop_last,
+            )
         return self._plans[key]
 
     def _stream_batches(self, epoch: int, g: int) -> int:
@@ -255,14 +370,19 @@ class ShardLoader(ABC):
         """Batches each rank hands out per epoch: the same on every rank (the smallest rank's count)."""
         e = self.epoch if epoch is None else epoch
         return min(
-            sum(self._stream_batches(e, self._gid(r, s)) for s in range(self.streams))
-            for r in range(self.world_size)
+            sum(self._stream_batches(e, self._gid(r, s)) for s in range(self.streams)) for r in range(self.world_size)
         )
 
     # ---- position ---------------------------------------------------------------------------------
     def layout(self) -> dict:
-        out = {"world_size": self.world_size, "streams": self.streams, "partitions": self.partitions,
-               "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+        out = {
+            "world_size": self.world_size,
+            "streams": self.streams,
+            "partitions": self.partitions,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
         if self.window > 1:  # (absent at 1: checkpoints from before the option resume bitwise)
             out["window"] = self.window
         return out
@@ -281,12 +401,24 @@ class ShardLoader(ABC):
             offsets = self.base
             for s in range(self.streams):
                 g = self._gid(self.rank, s)
-                offsets = plan.consumed_after(self._items(self.epoch, g), order, self.counts, self.partitions,
-                                              self.positions.get(g, 0), offsets, self._reads(g))
-        return {"epoch": self.epoch, "batches": self.batches, "ended": ended,
-                "positions": {str(k): v for k, v in self.positions.items()},
-                "base": {str(k): v for k, v in self.base.items()},
-                "offsets": {str(k): v for k, v in offsets.items()}, "layout": self.layout()}
+                offsets = plan.consumed_after(
+                    self._items(self.epoch, g),
+                    order,
+                    self.counts,
+                    self.partitions,
+                    self.positions.get(g, 0),
+                    offsets,
+                    self._reads(g),
+                )
+        return {
+            "epoch": self.epoch,
+            "batches": self.batches,
+            "ended": ended,
+            "positions": {str(k): v for k, v in self.positions.items()},
+            "base": {str(k): v for k, v in self.base.items()},
+            "offsets": {str(k): v for k, v in offsets.items()},
+            "layout": self.layout(),
+        }
 
     def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
         """Restore the position. Same layout: continue bitwise. Another number of ranks or workers (same
@@ -302,8 +434,10 @@ class ShardLoader(ABC):
         fixed = {k: (saved.get(k), v) for k, v in self.layout().items() if k not in elastic and saved.get(k) != v}
         if fixed or not peers or len(peers) != saved.get("world_size"):
             changed = fixed or {k: (saved.get(k), v) for k, v in self.layout().items() if saved.get(k) != v}
-            raise ConfigError(f"cannot resume the data position: loader layout changed {changed} (saved, now); "
-                              f"only the number of ranks and loader.num_workers may change across a resume")
+            raise ConfigError(
+                f"cannot resume the data position: loader layout changed {changed} (saved, now); "
+                f"only the number of ranks and loader.num_workers may change across a resume"
+            )
         self.epoch, self.batches, self.positions = int(state["epoch"]), 0, {}
         if state.get("ended"):
             self.base = {}
@@ -329,22 +463,43 @@ class ShardLoader(ABC):
         rotation = seq[done] if done < len(seq) else 0
         # Workers hand out batches round-robin starting at worker 0; rotate stream ids so that the
         # stream whose turn it was when we stopped comes first.  Streams already exhausted yield nothing.
-        reader = StreamReader(refs=self.refs, source=self.source(), dataset=self.dataset,
-                              train=self.train, seed=self.seed, epoch=epoch, batch_size=self.batch_size,
-                              drop_last=self.drop_last, shuffle=self.shuffle, partitions=self.partitions,
-                              streams=self.streams, rank=self.rank, world_size=self.world_size,
-                              starts=dict(self.positions) if current else {}, rotation=rotation,
-                              base=dict(self.base) if current else {}, window=self.window)
+        reader = StreamReader(
+            refs=self.refs,
+            source=self.source(),
+            dataset=self.dataset,
+            train=self.train,
+            seed=self.seed,
+            epoch=epoch,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            shuffle=self.shuffle,
+            partitions=self.partitions,
+            streams=self.streams,
+            rank=self.rank,
+            world_size=self.world_size,
+            starts=dict(self.positions) if current else {},
+            rotation=rotation,
+            base=dict(self.base) if current else {},
+            window=self.window,
+        )
         if self.num_workers == 0:
             return iter(reader)
         # A generator of its own: starting workers must not draw from the global torch RNG (which the
         # checkpoint restores), or a resumed run would see different dropout masks than an uninterrupted one.
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
-        return iter(DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                               prefetch_factor=self.prefetch_factor, timeout=self.timeout, generator=generator,
-                               multiprocessing_context=server.context(),
-                               worker_init_fn=functools.partial(_worker_init, parent=server.parent(),
-                                                                trainer=os.getpid())))
+        return iter(
+            DataLoader(
+                reader,
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_factor,
+                timeout=self.timeout,
+                generator=generator,
+                multiprocessing_context=server.context(),
+                worker_init_fn=functools.partial(_worker_init, parent=server.parent(), trainer=os.getpid()),
+            )
+        )
 
     def __iter__(self) -> Iterator[Any]:
         ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
@@ -376,11 +531,13 @@ class ShardLoader(ABC):
 
     def eval_batches(self) -> list[int]:
         """Batches of one evaluation pass, per rank (pure: every rank computes the same list)."""
-        return [sum(self._stream_batches(0, self._gid(r, s)) for s in range(self.streams))
-                for r in range(self.world_size)]
+        return [
+            sum(self._stream_batches(0, self._gid(r, s)) for s in range(self.streams)) for r in range(self.world_size)
+        ]
 
-    def iterate_once(self, max_batches: int | None = None,
-                     share: Callable[[Any, int], Any] | None = None) -> Iterator[tuple[Any, bool]]:
+    def iterate_once(
+        self, max_batches: int | None = None, share: Callable[[Any, int], Any] | None = None
+    ) -> Iterator[tuple[Any, bool]]:
         """One pass over this rank's share (evaluation): no shuffling, no position kept.
 
         Yields ``(batch, counted)``, and every rank yields the same number of batches: a forward is a
@@ -429,8 +586,14 @@ class ShardLoader(ABC):
             yield pad, False
         if keep is not None:
             self._kept = (steps, keep)
-            log.info("%s split: this rank's %d evaluation batches (%s bytes) are kept in memory for later passes "
-                     "(loader.eval_in_memory=%s bytes)", self.split, len(keep), f"{size:,}", f"{self.eval_in_memory:,}")
+            log.info(
+                "%s split: this rank's %d evaluation batches (%s bytes) are kept in memory for later passes "
+                "(loader.eval_in_memory=%s bytes)",
+                self.split,
+                len(keep),
+                f"{size:,}",
+                f"{self.eval_in_memory:,}",
+            )
 
     @staticmethod
     def _checked(item: dict | _Failure) -> Any:
@@ -456,8 +619,10 @@ def _memory_budget(value: Any) -> int:
         return 0
     size = parse_size(value, "loader.eval_in_memory", off="0")
     if size is None:
-        raise ConfigError("loader.eval_in_memory=null: give a size such as 256MB, or 0 to read the evaluation "
-                          "data at every evaluation")
+        raise ConfigError(
+            "loader.eval_in_memory=null: give a size such as 256MB, or 0 to read the evaluation "
+            "data at every evaluation"
+        )
     return size
 
 

@@ -58,17 +58,21 @@ def _margin(path: str) -> int:
 
 
 class ShardCache:
-    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256",
-                 eviction: str = "future"):
+    def __init__(
+        self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str = "sha256", eviction: str = "future"
+    ):
         self.dir, self.limit, self.policy, self.verify = os.path.abspath(cache_dir), limit, policy, verify
         self.eviction = eviction
-        self.counters = Counters("cache_hits", "cache_misses", "bytes_from_source", "cache_evictions",
-                                 "cache_bypass", "fetch_retries")
+        self.counters = Counters(
+            "cache_hits", "cache_misses", "bytes_from_source", "cache_evictions", "cache_bypass", "fetch_retries"
+        )
         try:
             os.makedirs(os.path.join(self.dir, ".locks"), exist_ok=True)
             os.makedirs(os.path.join(self.dir, FUTURE), exist_ok=True)
         except OSError as e:
-            raise DataError(f"cannot create loader.cache_dir {self.dir}: {e.strerror}; point it at a writable local disk") from e
+            raise DataError(
+                f"cannot create loader.cache_dir {self.dir}: {e.strerror}; point it at a writable local disk"
+            ) from e
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def take_stats(self) -> dict[str, int]:
@@ -216,18 +220,27 @@ class ShardCache:
         try:
             for attempt in (0, 1):
                 try:
-                    transferred = fetch(ref, sink, self.policy, verify_sha=self.verify == "sha256",
-                                        on_retry=lambda _: self.counters.add("fetch_retries"))
+                    transferred = fetch(
+                        ref,
+                        sink,
+                        self.policy,
+                        verify_sha=self.verify == "sha256",
+                        on_retry=lambda _: self.counters.add("fetch_retries"),
+                    )
                     break
                 except SinkError as e:
                     full = e.error.errno in (errno.ENOSPC, errno.EDQUOT)
                     if not full:
-                        raise DataError(f"cannot write shard {os.path.basename(final)} to loader.cache_dir "
-                                        f"{self.dir}: {e.error.strerror}") from e
+                        raise DataError(
+                            f"cannot write shard {os.path.basename(final)} to loader.cache_dir "
+                            f"{self.dir}: {e.error.strerror}"
+                        ) from e
                     if attempt == 1 or self._evict(need=ref.bytes) == 0:
-                        raise DataError(f"loader.cache_dir {self.dir} is full (no space left on the device) and "
-                                        f"nothing can be evicted; free space there or set loader.cache_limit below "
-                                        f"the free space") from e
+                        raise DataError(
+                            f"loader.cache_dir {self.dir} is full (no space left on the device) and "
+                            f"nothing can be evicted; free space there or set loader.cache_limit below "
+                            f"the free space"
+                        ) from e
             self.counters.add("bytes_from_source", transferred)
             part.truncate(part.tell())
             part.flush()
@@ -257,6 +270,7 @@ class ShardCache:
     def _room_locked(self, need: int) -> bool:
         """(``.cache.lock`` held) Evict least-recently-used idle shards until ``need`` more bytes fit under
         ``limit`` and on the disk; False if they cannot."""
+
         def excess() -> int:
             over_disk = need + _margin(self.dir) - shutil.disk_usage(self.dir).free
             over_limit = 0 if self.limit is None else sum(s for _, s, _ in self._entries()) + need - self.limit

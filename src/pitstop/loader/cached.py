@@ -28,8 +28,15 @@ MAX_DEPTH = 8
 
 
 class CachedSource(ShardSource):
-    def __init__(self, cache_dir: str, limit: int | None, policy: FetchPolicy, verify: str, prefetch: int | str,
-                 eviction: str = "future"):
+    def __init__(
+        self,
+        cache_dir: str,
+        limit: int | None,
+        policy: FetchPolicy,
+        verify: str,
+        prefetch: int | str,
+        eviction: str = "future",
+    ):
         self.cache_dir, self.limit, self.policy, self.verify, self.prefetch = cache_dir, limit, policy, verify, prefetch
         self.eviction = eviction
         self._cache: ShardCache | None = None
@@ -42,7 +49,11 @@ class CachedSource(ShardSource):
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_pool", "_pending")} | {
-            "_cache": None, "_pool": None, "_pending": {}, "_pid": -1}
+            "_cache": None,
+            "_pool": None,
+            "_pending": {},
+            "_pid": -1,
+        }
 
     @property
     def depth(self) -> int:
@@ -78,13 +89,14 @@ class CachedSource(ShardSource):
         self._last_shard = now if refs else None
         depth = self.depth
         if self.prefetch == "auto" and self.limit and refs:  # (shards held ahead are in use: leave room to evict)
-            depth = min(depth, max(1, self.limit // (8 * max(max(r.bytes for r in refs[:depth + 1]), 1))))
+            depth = min(depth, max(1, self.limit // (8 * max(max(r.bytes for r in refs[: depth + 1]), 1))))
         if depth <= 0:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(MAX_DEPTH if self.prefetch == "auto" else depth,
-                                            thread_name_prefix="pitstop-prefetch")
-        for ref in refs[1:depth + 1]:  # refs[0] is read right now, by the caller
+            self._pool = ThreadPoolExecutor(
+                MAX_DEPTH if self.prefetch == "auto" else depth, thread_name_prefix="pitstop-prefetch"
+            )
+        for ref in refs[1 : depth + 1]:  # refs[0] is read right now, by the caller
             if ref.url not in self._pending:
                 self._pending[ref.url] = self._pool.submit(self._acquire, ref)
 
@@ -98,7 +110,7 @@ class CachedSource(ShardSource):
 
     def close(self, wait: bool = False) -> None:
         for fut in self._pending.values():  # release shards prefetched for a stream that ended early,
-            if not fut.cancel():            # without waiting for downloads still running (unless asked)
+            if not fut.cancel():  # without waiting for downloads still running (unless asked)
                 fut.add_done_callback(_release)
                 if wait:
                     concurrent.futures.wait([fut])
@@ -120,28 +132,43 @@ def _release(fut: Future) -> None:
 class CachedLoader(ShardLoader):
     kind = "cached"
 
-    def __init__(self, *args: Any, cache_dir: str, cache_limit: Any = None, prefetch_shards: int | str = "auto",
-                 verify: str = "sha256", cache_policy: str = "future", **kw: Any):
+    def __init__(
+        self,
+        *args: Any,
+        cache_dir: str,
+        cache_limit: Any = None,
+        prefetch_shards: int | str = "auto",
+        verify: str = "sha256",
+        cache_policy: str = "future",
+        **kw: Any,
+    ):
         super().__init__(*args, **kw)
         if verify not in ("sha256", "size"):
             raise ConfigError(f"loader.verify={verify!r}: use sha256 (hash each download) or size")
         if cache_policy not in POLICIES:
-            raise ConfigError(f"loader.cache_policy={cache_policy!r}: use future (evict the shard read furthest ahead) "
-                              f"or lru (the least recently used)")
+            raise ConfigError(
+                f"loader.cache_policy={cache_policy!r}: use future (evict the shard read furthest ahead) "
+                f"or lru (the least recently used)"
+            )
         self.cache_policy = cache_policy
         if prefetch_shards != "auto" and not (str(prefetch_shards).isdigit()):
-            raise ConfigError(f"loader.prefetch_shards={prefetch_shards!r}: use auto (as deep as downloads need) or a "
-                              f"number of shards >= 0")
+            raise ConfigError(
+                f"loader.prefetch_shards={prefetch_shards!r}: use auto (as deep as downloads need) or a "
+                f"number of shards >= 0"
+            )
         self.cache_dir, self.cache_limit = str(cache_dir), parse_size(cache_limit)
         self.prefetch_shards = prefetch_shards if prefetch_shards == "auto" else int(prefetch_shards)
         self.verify = verify
         largest = max(r.bytes for r in self.refs)
         if self.cache_limit is not None and self.cache_limit < largest:
-            raise ConfigError(f"loader.cache_limit={cache_limit} is smaller than the largest shard ({largest:,} bytes "
-                              f"in {self.dataset.root}); raise it or write smaller shards")
+            raise ConfigError(
+                f"loader.cache_limit={cache_limit} is smaller than the largest shard ({largest:,} bytes "
+                f"in {self.dataset.root}); raise it or write smaller shards"
+            )
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
         ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
 
     def source(self) -> ShardSource:
-        return CachedSource(self.cache_dir, self.cache_limit, self.policy, self.verify, self.prefetch_shards,
-                            self.cache_policy)
+        return CachedSource(
+            self.cache_dir, self.cache_limit, self.policy, self.verify, self.prefetch_shards, self.cache_policy
+        )

@@ -136,18 +136,37 @@ def split_rest(rest: list[Item], ranks: int, per_rank: int, batch_size: int, dro
     return streams
 
 
-def stream_items(num_shards: int, counts: list[int], partitions: int, stream: int, streams: int, seed: int,
-                 epoch: int, shuffle: bool, consumed: Consumed, per_rank: int = 1, batch_size: int = 1,
-                 drop_last: bool = False) -> list[Item]:
+def stream_items(
+    num_shards: int,
+    counts: list[int],
+    partitions: int,
+    stream: int,
+    streams: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    consumed: Consumed,
+    per_rank: int = 1,
+    batch_size: int = 1,
+    drop_last: bool = False,
+) -> list[Item]:
     """What a stream reads this epoch, in order. Without ``consumed``: the partitions ``p % streams == stream``,
     whole. After a resume at another world size (``consumed``: what the saved ranks had read of each
     partition): its share of the rest, see :func:`split_rest`."""
     order = shard_order(num_shards, seed, epoch, shuffle)
     if consumed:
-        return split_rest(rest_of_epoch(order, counts, partitions, consumed), max(1, streams // per_rank),
-                          per_rank, batch_size, drop_last)[stream]
-    return [(p, shard, 0, counts[shard], False)
-            for p in stream_partitions(partitions, stream, streams) for shard in order[p::partitions]]
+        return split_rest(
+            rest_of_epoch(order, counts, partitions, consumed),
+            max(1, streams // per_rank),
+            per_rank,
+            batch_size,
+            drop_last,
+        )[stream]
+    return [
+        (p, shard, 0, counts[shard], False)
+        for p in stream_partitions(partitions, stream, streams)
+        for shard in order[p::partitions]
+    ]
 
 
 def read_order(items: list[Item], window: int, seed: int, epoch: int, stream: int) -> list[tuple[int, int]]:
@@ -159,8 +178,9 @@ def read_order(items: list[Item], window: int, seed: int, epoch: int, stream: in
         return [(i, o) for i, item in enumerate(items) for o in range(item[3] - item[2])]
     out: list[tuple[int, int]] = []
     for start in range(0, len(items), window):
-        group = [(i, o) for i in range(start, min(start + window, len(items)))
-                 for o in range(items[i][3] - items[i][2])]
+        group = [
+            (i, o) for i in range(start, min(start + window, len(items))) for o in range(items[i][3] - items[i][2])
+        ]
         perm = np.random.default_rng(derive_seed("mix", seed, epoch, stream, start)).permutation(len(group))
         out.extend(group[j] for j in perm.tolist())
     return out
@@ -177,8 +197,15 @@ def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
     return n + (1 if acc and not drop_last else 0)
 
 
-def consumed_after(items: list[Item], order: list[int], counts: list[int], partitions: int, position: int,
-                   consumed: Consumed, reads: list[tuple[int, int]] | None = None) -> Consumed:
+def consumed_after(
+    items: list[Item],
+    order: list[int],
+    counts: list[int],
+    partitions: int,
+    position: int,
+    consumed: Consumed,
+    reads: list[tuple[int, int]] | None = None,
+) -> Consumed:
     """``consumed`` plus what a stream reading ``items`` (in the order ``reads``, see :func:`read_order`; default
     run after run) has handed out at ``position`` samples."""
     starts = shard_starts(order, counts, partitions)
@@ -202,5 +229,6 @@ def consumed_after(items: list[Item], order: list[int], counts: list[int], parti
 
 def as_consumed(raw: dict) -> Consumed:
     """A saved ``base``/``offsets`` map: intervals, or (checkpoints from before them) a consumed prefix."""
-    return {int(p): merge([[0, int(v)]] if isinstance(v, (int, float)) else [list(iv) for iv in v])
-            for p, v in raw.items()}
+    return {
+        int(p): merge([[0, int(v)]] if isinstance(v, (int, float)) else [list(iv) for iv in v]) for p, v in raw.items()
+    }

@@ -30,10 +30,22 @@ _METRIC_BATCH = 1000
 class MLflowLogger(Logger):
     name = "mlflow"
 
-    def __init__(self, tracking_uri: str, experiment: str = "pitstop", run_name: str | None = None,
-                 flush_every_seconds: float = 2.0, tags: dict | None = None, close_timeout: float = 300, **_: Any):
-        self.opts = {"tracking_uri": str(tracking_uri), "experiment": experiment, "run_name": run_name,
-                     "flush_every": float(flush_every_seconds)}
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str = "pitstop",
+        run_name: str | None = None,
+        flush_every_seconds: float = 2.0,
+        tags: dict | None = None,
+        close_timeout: float = 300,
+        **_: Any,
+    ):
+        self.opts = {
+            "tracking_uri": str(tracking_uri),
+            "experiment": experiment,
+            "run_name": run_name,
+            "flush_every": float(flush_every_seconds),
+        }
         self.tags, self.close_timeout = dict(tags or {}), float(close_timeout)
         self.proc: subprocess.Popen | None = None
         self.enqueue_seconds = 0.0  # time the training loop spent handing metrics over
@@ -44,11 +56,22 @@ class MLflowLogger(Logger):
     def start(self, run_dir: str, params: dict, tags: dict | None = None) -> None:
         uri = self.opts["tracking_uri"]
         if uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])) or ".", exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pitstop.logger.mlflow"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1 << 16)
-        self._send({"opts": self.opts, "run_dir": os.path.abspath(run_dir), "params": params,
-                    "tags": {**self.tags, **(tags or {})}})
+            os.makedirs(os.path.dirname(os.path.abspath(uri[len("sqlite:///") :])) or ".", exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pitstop.logger.mlflow"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1 << 16,
+        )
+        self._send(
+            {
+                "opts": self.opts,
+                "run_dir": os.path.abspath(run_dir),
+                "params": params,
+                "tags": {**self.tags, **(tags or {})},
+            }
+        )
 
     def _send(self, msg: Any, now: bool = True) -> None:
         """Queue one message; write the queue to the pipe only every ``flush_every`` seconds (or ``now``),
@@ -69,8 +92,9 @@ class MLflowLogger(Logger):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         t0 = time.perf_counter()
-        self._send([int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items() if v is not None}],
-                   now=False)
+        self._send(
+            [int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items() if v is not None}], now=False
+        )
         self.enqueue_seconds += time.perf_counter() - t0
 
     def close(self, status: str = "FINISHED") -> dict:
@@ -171,7 +195,7 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
         f.write(run.info.run_id)
     items = [Param(k[:250], str(v)[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), _PARAM_BATCH):
-        client.log_batch(run.info.run_id, params=items[i:i + _PARAM_BATCH])
+        client.log_batch(run.info.run_id, params=items[i : i + _PARAM_BATCH])
     state["mlflow_send_seconds"] += time.perf_counter() - t0
     return client
 
@@ -184,8 +208,9 @@ def _flush(client, pending: list, state: dict) -> None:
     t0 = time.perf_counter()
     try:
         for i in range(0, len(pending), _METRIC_BATCH):
-            client.log_batch(state["mlflow_run_id"],
-                             metrics=[Metric(k, v, ts, s) for k, v, ts, s in pending[i:i + _METRIC_BATCH]])
+            client.log_batch(
+                state["mlflow_run_id"], metrics=[Metric(k, v, ts, s) for k, v, ts, s in pending[i : i + _METRIC_BATCH]]
+            )
         state["mlflow_metrics_sent"] += len(pending)
     except Exception as e:  # noqa: BLE001 - keep training; report at close
         state["error"] = f"{type(e).__name__}: {e}"

@@ -17,7 +17,7 @@ class Strategy(ABC):
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
-    channels_last_params: bool = True         # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
+    channels_last_params: bool = True  # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
 
     @property
     def is_main(self) -> bool:

@@ -23,8 +23,15 @@ log = logging.getLogger("pitstop.strategy")
 class DDP(Single):
     name = "ddp"
 
-    def __init__(self, nproc_per_node: int = 2, backend: str = "auto", timeout: float = 300, device: str = "auto",
-                 cpu_threads: Any = "auto", **_: Any):
+    def __init__(
+        self,
+        nproc_per_node: int = 2,
+        backend: str = "auto",
+        timeout: float = 300,
+        device: str = "auto",
+        cpu_threads: Any = "auto",
+        **_: Any,
+    ):
         super().__init__(device=device)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
         self.cpu_threads = _threads(cpu_threads)
@@ -41,8 +48,13 @@ class DDP(Single):
             torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // local))
         backend = self.backend if self.backend != "auto" else ("cpu:gloo,cuda:nccl" if cuda else "gloo")
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout), store=self._store(),
-                                    rank=self.rank, world_size=self.world_size)
+            dist.init_process_group(
+                backend,
+                timeout=timedelta(seconds=self.timeout),
+                store=self._store(),
+                rank=self.rank,
+                world_size=self.world_size,
+            )
             self._owns_group = True
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
         log.info("rank %d/%d on %s, backend %s", self.rank, self.world_size, self.device, backend)
@@ -59,8 +71,13 @@ class DDP(Single):
         if "MASTER_ADDR" not in os.environ:  # one process without a launcher: a world of one
             return dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=self.timeout))
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
-                              is_master=(not use_agent and self.rank == 0), timeout=timedelta(seconds=self.timeout))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            self.world_size,
+            is_master=(not use_agent and self.rank == 0),
+            timeout=timedelta(seconds=self.timeout),
+        )
         if not use_agent:  # our rank 0 hosts a fresh store for this rendezvous round: no stale keys
             return store
         return dist.PrefixStore(f"pitstop/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -31,12 +31,15 @@ class FSDP(DDP):
     # is enough for cuDNN/oneDNN to run the convolutions (and their outputs) channels_last.
     channels_last_params = False
 
-    def __init__(self, shard: Any = "auto", reshard_after_forward: bool = True, mixed_precision: str | None = None,
-                 **kw: Any):
+    def __init__(
+        self, shard: Any = "auto", reshard_after_forward: bool = True, mixed_precision: str | None = None, **kw: Any
+    ):
         super().__init__(**kw)
         if mixed_precision not in _DTYPES:
-            raise ConfigError(f"strategy.mixed_precision={mixed_precision!r} is not a precision; set trainer.precision "
-                              f"(fp32 | bf16 | fp16), which this key follows")
+            raise ConfigError(
+                f"strategy.mixed_precision={mixed_precision!r} is not a precision; set trainer.precision "
+                f"(fp32 | bf16 | fp16), which this key follows"
+            )
         self.shard, self.reshard_after_forward = shard, bool(reshard_after_forward)
         self.compute_dtype = _DTYPES[mixed_precision]
 
@@ -57,8 +60,9 @@ class FSDP(DDP):
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
             # BatchNorm keeps fp32 parameters next to its fp32 running statistics (kernels refuse bf16 weights with
             # fp32 stats): each norm layer is its own unit that computes in fp32 and hands back mp-dtype outputs.
-            norm = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                        output_dtype=self.compute_dtype)
+            norm = MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=self.compute_dtype
+            )
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     fully_shard(m, reshard_after_forward=self.reshard_after_forward, mp_policy=norm)

@@ -19,7 +19,7 @@ class Single(Strategy):
         self.requested = device
         self.rank, self.local_rank, self.world_size = 0, 0, 1
         self.device = torch.device("cpu")
-        self._owns_group = False         # this strategy created the process group (and must destroy it)
+        self._owns_group = False  # this strategy created the process group (and must destroy it)
         self._store_path: str | None = None
 
     def setup(self) -> None:
