@@ -1,12 +1,13 @@
 # make train   — create .venv, install pitstop, prepare the digits shards, train (ARGS="key=value ...")
 # make test    — create .venv, install pitstop + test deps, run the whole test suite (PYTEST_ARGS="-k ...")
 # make test-fast — the same without the tests marked slow (subprocesses, several ranks, kills): the edit loop
+# make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast bench clean
+.PHONY: install train test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,15 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

@@ -99,12 +99,41 @@ def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
         (2, 3, {}, LaunchMode.ELASTIC),  # the agent restarts the ranks
         (2, 0, {"RANK": "1", "WORLD_SIZE": "2"}, LaunchMode.CHILD),  # under torchrun / SLURM / the agent
         (1, 3, {"RANK": "0"}, LaunchMode.CHILD),  # torchrun's --max-restarts, not ours
-        (1, 3, {"PITSTOP_SUPERVISED": "1"}, LaunchMode.CHILD),  # an attempt started by the supervisor
-        (1, 0, {"PITSTOP_SUPERVISED": ""}, LaunchMode.IN_PROCESS),
+        (1, 3, {"PITSTOP_SUPERVISED": "1"}, LaunchMode.SUPERVISED),  # no pitstop variable decides anything
     ],
 )
 def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restarts, env, mode):
     assert launch_mode(nproc, restarts, env) == mode
+
+
+def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path):
+    import time
+
+    from pitstop import attempt
+    from pitstop.launch import run_attempt
+
+    facts = attempt.facts_from_env({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert (facts.launched, facts.restart, facts.supervised, facts.agent_pid) == (True, 2, False, None)
+    mine = attempt.facts_from_env({})
+    assert (mine.launched, mine.restart) == (False, 0) and mine.program_start <= time.time()
+    # a later job of this process is charged the same imports: its program start is as long as the first's
+    assert abs((time.time() - attempt.facts_from_env({}).program_start) - (time.time() - mine.program_start)) < 0.05
+    # The modules below the launcher read no PITSTOP_* variable: the facts are passed to them.
+    import pathlib
+    import re
+
+    src = pathlib.Path(attempt.__file__).parent
+    readers = {
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if re.search(r"environ(\.get\(|\[)[\"']PITSTOP_(?!TRACEBACK)", p.read_text())
+    }
+    assert readers == set(), readers
+    # A supervised attempt that fails writes down why, in one line, and exits with the kind of failure.
+    monkeypatch.setattr("pitstop.launch._log_to", lambda run_dir, rank: None)
+    with pytest.raises(SystemExit) as e:
+        run_attempt("seed: [oops", str(tmp_path), attempt.LaunchFacts(time.time(), True, True, 1, "spawn"))
+    assert e.value.code == 1 and (tmp_path / ".last_error").read_text().startswith("ParserError: ")
 
 
 def test_the_launcher_names_the_rank_that_failed_first_of_all_not_the_peer_that_lost_it():

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop import attempt as attempts
+from pitstop.attempt import LaunchFacts, error_file, facts_from_env, process_start_wall, record_error
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.preempt import PREEMPTED_EXIT, Preempted
@@ -62,8 +64,9 @@ class LaunchMode(str, Enum):
 
 
 def started_by_launcher(env: Mapping[str, str]) -> bool:
-    """This process is one rank or attempt that a launcher started (and restarts when it exits)."""
-    return "RANK" in env or bool(env.get("PITSTOP_SUPERVISED"))
+    """This process is one rank that a launcher (torchrun, SLURM, torch's elastic agent) started: ``RANK`` is
+    set. (pitstop's own supervisor hands its attempts :class:`LaunchFacts` instead of running this entry.)"""
+    return "RANK" in env
 
 
 def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str], max_nodes: int = 1) -> LaunchMode:
@@ -98,7 +101,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
             os.makedirs(run_dir, exist_ok=True)
             _log_to(run_dir, int(os.environ["RANK"]))
 
-        return Runner(cfg, run_dir).run()
+        return Runner(cfg, run_dir, facts_from_env(os.environ)).run()
     validate(cfg)
     _check_capacity(cfg, n)
     endpoint, run_id = _rendezvous(cfg, run_dir, max_nodes)
@@ -117,7 +120,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     method = warm_context(cfg).get_start_method() if warm else "spawn"
-    job_start = _job_start()
+    job_start = attempts.job_start()
     # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
     # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.
     notices = parse_signals(OmegaConf.select(cfg, "trainer.preempt_signals", default=["SIGTERM"]))
@@ -210,31 +213,50 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 def worker(
     cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None, agent: int | None = None
 ) -> dict:
-    """The entry point of each rank: a fork of the agent's pre-imported server (``method`` forkserver: warm)
-    or a fresh interpreter (spawn). ``agent``: the launching process, told of a preemption notice."""
-    from pitstop.runner import Runner
-
+    """The entry point of each rank that torch's elastic agent starts: a fork of the agent's pre-imported server
+    (``method`` forkserver: warm) or a fresh interpreter (spawn). ``agent``: the launching process, told of a
+    preemption notice. The agent's facts (its arguments and ``RANK``/``TORCHELASTIC_RESTART_COUNT``) become
+    this attempt's :class:`LaunchFacts`."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     # Program start: the first ranks count from the job's start (the launching process's imports, the
     # rendezvous, and a server's imports or their own); a restarted rank from its own start (a fork: now).
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    if not restarted and job_start is not None:
-        os.environ["PITSTOP_PROGRAM_START"] = repr(job_start)
+    if restart == 0 and job_start is not None:
+        start = job_start
     elif method == "forkserver":
-        os.environ["PITSTOP_PROGRAM_START"] = repr(time.time())
-    os.environ["PITSTOP_START_METHOD"] = method
-    if agent is not None:
-        os.environ["PITSTOP_AGENT_PID"] = str(agent)
+        start = time.time()
+    else:
+        start = process_start_wall()
+    facts = LaunchFacts(program_start=start, launched=True, restart=restart, start_method=method, agent_pid=agent)
+    return run_attempt(cfg_yaml, run_dir, facts, int(os.environ["RANK"]))
 
-    _log_to(run_dir, int(os.environ["RANK"]))
-    cfg = OmegaConf.create(cfg_yaml)
+
+def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) -> dict:
+    """One attempt in a process a launcher started (pitstop's supervisor or torch's elastic agent): log to the
+    run dir, run the Runner, and end as the launcher expects. A preemption notice exits with PREEMPTED_EXIT.
+    Under the supervisor (``facts.supervised``) any failure is written down in one line (read by the
+    supervisor) and the exit status says its kind (2: a configuration error, not worth a restart); under the
+    agent the exception propagates (the agent records it)."""
+    from pitstop.runner import Runner
+
+    _log_to(run_dir, rank)
+    logger = logging.getLogger("pitstop")
     try:
-        return Runner(cfg, run_dir).run()
+        return Runner(OmegaConf.create(cfg_yaml), run_dir, facts).run()
     except Preempted as e:
-        logging.getLogger("pitstop").warning("%s", e)
+        logger.warning("%s", e)
         raise SystemExit(PREEMPTED_EXIT) from None
     except PitstopError as e:
-        logging.getLogger("pitstop").error("%s", e)
-        raise
+        logger.error("%s", e)
+        if not facts.supervised:
+            raise
+        record_error(run_dir, str(e))
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+    except BaseException as e:
+        if not facts.supervised:
+            raise
+        logger.exception("attempt failed")
+        record_error(run_dir, f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        raise SystemExit(1) from None
 
 
 def warm_context(cfg: DictConfig) -> Any:
@@ -282,7 +304,7 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     ctx = warm_context(cfg) if warm else mp.get_context("spawn")
-    job_start = _job_start()
+    job_start = attempts.job_start()
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
@@ -291,20 +313,6 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
-
-
-_import_seconds: float | None = None
-
-
-def _job_start() -> float:
-    """When this job started (its first attempt's program start): this process's start for its first job;
-    a later job of an in-process sweep is charged the same imports (every job is accounted alike)."""
-    from pitstop.ledger import process_start_wall
-
-    global _import_seconds
-    if _import_seconds is None:  # this process's start -> its first launched job (imports)
-        _import_seconds = max(0.0, time.time() - process_start_wall())
-    return time.time() - _import_seconds
 
 
 def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float, grace: float = 30.0) -> dict:
@@ -316,12 +324,14 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
             os.remove(errors)
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
         # /proc's process start times is too coarse for sub-second restarts).
-        start = job_start if attempt == 0 else time.time()
-        child = ctx.Process(
-            target=_supervised,
-            args=(cfg_yaml, run_dir, attempt, start, ctx.get_start_method()),
-            name=f"pitstop-attempt{attempt}",
+        facts = LaunchFacts(
+            program_start=job_start if attempt == 0 else time.time(),
+            launched=True,
+            supervised=True,
+            restart=attempt,
+            start_method=ctx.get_start_method(),  # recorded in goodput.json (forkserver: a warm attempt)
         )
+        child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-attempt{attempt}")
         child.start()
         try:
             child.join()
@@ -360,41 +370,6 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def _supervised(cfg_yaml: str, run_dir: str, attempt: int, program_start: float, method: str) -> None:
-    import sys
-
-    from pitstop.runner import Runner
-
-    os.environ["PITSTOP_SUPERVISED"] = "1"
-    os.environ["PITSTOP_RESTART_COUNT"] = str(attempt)
-    os.environ["PITSTOP_START_METHOD"] = method  # recorded in goodput.json (forkserver: a warm attempt)
-    os.environ["PITSTOP_PROGRAM_START"] = repr(program_start)
-    _log_to(run_dir, 0)
-    try:
-        Runner(OmegaConf.create(cfg_yaml), run_dir).run()
-    except Preempted as e:
-        logging.getLogger("pitstop").warning("%s", e)
-        sys.exit(PREEMPTED_EXIT)
-    except PitstopError as e:
-        logging.getLogger("pitstop").error("%s", e)
-        record_error(run_dir, str(e))
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
-    except BaseException as e:
-        logging.getLogger("pitstop").exception("attempt failed")
-        record_error(run_dir, f"{type(e).__name__}: {e}".splitlines()[0][:300])
-        sys.exit(1)
-
-
-def error_file(run_dir: str) -> str:
-    """Where a supervised attempt leaves the one line that says why it ended (read by the supervisor)."""
-    return os.path.join(run_dir, ".last_error")
-
-
-def record_error(run_dir: str, text: str) -> None:
-    with open(error_file(run_dir), "w") as f:
-        f.write(text)
 
 
 def _log_to(run_dir: str, rank: int) -> None:

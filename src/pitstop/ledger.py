@@ -48,35 +48,17 @@ WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps 
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
 
 
-def process_start_wall() -> float:
-    """When this process started (wall clock), so imports count as start-up; now if unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        start = btime + ticks / os.sysconf("SC_CLK_TCK")
-        return start if 0 <= time.time() - start < 3600 else time.time()
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 class Ledger:
     """This attempt's seconds per bucket; ``other`` = wall time since process start minus the rest."""
 
-    _program_start: float | None = None  # the first run's interpreter start -> runner, in this process
-
-    def __init__(self) -> None:
+    def __init__(self, program_start: float) -> None:
+        """``program_start``: the wall clock at which this attempt's program start began (``LaunchFacts``)."""
         now = time.time()
-        if Ledger._program_start is None:  # the first run of a process counts from process start
-            start = float(os.environ.get("PITSTOP_PROGRAM_START") or process_start_wall())  # (a supervisor's)
-            Ledger._program_start = max(0.0, now - min(start, now))
-        # A later run in the same process (a job of an in-process sweep) imports nothing: it is charged the
-        # same program start, as if it had been started alone (every job of a sweep is accounted alike).
-        self.start_wall = now - Ledger._program_start
-        self.t0 = time.perf_counter() - Ledger._program_start
+        seconds = max(0.0, now - min(program_start, now))
+        self.start_wall = now - seconds
+        self.t0 = time.perf_counter() - seconds
         self.seconds = {b: 0.0 for b in BUCKETS}
-        self.seconds["program_start"] = Ledger._program_start
+        self.seconds["program_start"] = seconds
         self._open: tuple[str, float] | None = None  # the phase being measured now, since when
 
     def add(self, bucket: str, seconds: float) -> None:
@@ -113,7 +95,18 @@ class Ledger:
 class GoodputLog:
     """``RUN_DIR/goodput.json``: the attempts so far and the job's totals (rank 0 writes it)."""
 
-    def __init__(self, run_dir: str, ledger: Ledger, enabled: bool = True, heartbeat: float = 0.1):
+    def __init__(
+        self,
+        run_dir: str,
+        ledger: Ledger,
+        enabled: bool = True,
+        heartbeat: float = 0.1,
+        *,
+        auto_restart: bool = False,
+        start_method: str | None = None,
+    ):
+        """``auto_restart``: started by a supervisor or an agent after a failure (not by a person);
+        ``start_method``: forkserver for a warm attempt (see ``LaunchFacts``)."""
         self.path = os.path.join(run_dir, "goodput.json")
         self.ledger, self.enabled, self.heartbeat = ledger, enabled, heartbeat
         self.previous = self._read_attempts()
@@ -123,10 +116,10 @@ class GoodputLog:
             "start": round(ledger.start_wall, 3),
             "end": None,
             "status": "running",
-            "auto_restart": _auto_restart(),
+            "auto_restart": auto_restart,
             "restored": False,
             "resumed_from": None,
-            "start_method": os.environ.get("PITSTOP_START_METHOD"),  # forkserver: a warm restart (supervisor)
+            "start_method": start_method,
             "step": 0,
             "saves": 0,
             "buckets": {},
@@ -204,14 +197,6 @@ class GoodputLog:
 
     def totals(self) -> dict[str, float]:
         return account([*self.previous, {**self.attempt, "buckets": self.ledger.split()}])["totals"]
-
-
-def _auto_restart() -> bool:
-    """Started by a supervisor or the elastic agent after a failure (not by a person)."""
-    return (
-        int(os.environ.get("PITSTOP_RESTART_COUNT", "0") or 0) > 0
-        or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    )
 
 
 def _restored(attempt: dict) -> bool:

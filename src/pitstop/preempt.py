@@ -68,19 +68,19 @@ class _Handlers:
 class PreemptionNotice(_Handlers):
     """Installs the handlers (main thread only) and remembers the first notice; ``close()`` restores them."""
 
-    def __init__(self, signals: Any, grace_seconds: float):
+    def __init__(self, signals: Any, grace_seconds: float, agent_pid: int | None = None):
+        """``agent_pid``: the launching process of pitstop's elastic job (``LaunchFacts.agent_pid``)."""
         if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
             raise ConfigError(f"trainer.preempt_grace_seconds must be a number of seconds >= 0, got {grace_seconds!r}")
         self.signals, self.grace = parse_signals(signals), float(grace_seconds)
         self.received: signal.Signals | None = None
-        self._agent: int | None = None
+        self._agent = agent_pid
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> Callable[[], None]:
         # A rank of pitstop's elastic launch tells the launching process of a notice that may have reached it
         # alone (SLURM's --signal USR1/USR2): the notice becomes the whole job's (the agent hands it to every
         # rank and waits for their saves), not one rank's exit 75 that the agent would restart in place.
-        self._agent = int(os.environ.get("PITSTOP_AGENT_PID") or 0) or None
         self._install()
         return self.close
 

@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop import compiler
+from pitstop.attempt import LaunchFacts, facts_from_env, record_error
 from pitstop.batch import map_tensors
 from pitstop.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target
@@ -35,7 +36,6 @@ from pitstop.config import flatten, validate
 from pitstop.digest import state_sha256
 from pitstop.errors import ConfigError, FingerprintMismatch
 from pitstop.fault import FaultContext
-from pitstop.launch import record_error, started_by_launcher
 from pitstop.loader import server as worker_server
 from pitstop.ledger import GoodputLog, Ledger, table
 from pitstop.metrics import MetricsFile, write_json_atomic
@@ -134,10 +134,12 @@ class Batches:
 
 
 class Runner:
-    def __init__(self, cfg: DictConfig, run_dir: str):
+    def __init__(self, cfg: DictConfig, run_dir: str, launch: LaunchFacts | None = None):
+        """``launch``: how this attempt was launched (from the environment when not given: a person's run)."""
         validate(cfg)
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
-        self.ledger = Ledger()
+        self.launch = launch if launch is not None else facts_from_env(os.environ)
+        self.ledger = Ledger(self.launch.program_start)
         self.progress = Progress()
         self.resumed_from: int | None = None
         self.callbacks: list[Any] = []
@@ -173,10 +175,12 @@ class Runner:
             with self.ledger.measure("init"):
                 log.debug("data workers' fork server: %s", worker_server.start(target_modules(cfg)))
         # A launcher (the supervisor, the elastic agent, torchrun) restarts a process that exits on a hang.
-        launched = started_by_launcher(os.environ)
-        hold.callback(self.watchdog.start(int(os.environ.get("RANK", 0)), self.run_dir, self._on_hang, launched))
+        rank = int(os.environ.get("RANK", 0))
+        hold.callback(self.watchdog.start(rank, self.run_dir, self._on_hang, self.launch.launched))
         with self.ledger.measure("init"), self.watchdog.phase("setup"):
-            self.preempt = PreemptionNotice(cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds)
+            self.preempt = PreemptionNotice(
+                cfg.trainer.preempt_signals, cfg.trainer.preempt_grace_seconds, agent_pid=self.launch.agent_pid
+            )
             hold.callback(self.preempt.install())  # a notice from here on stops the job after a step
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
@@ -185,7 +189,13 @@ class Runner:
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=cfg.trainer.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main)
+            self.goodput = GoodputLog(
+                self.run_dir,
+                self.ledger,
+                enabled=main,
+                auto_restart=self.launch.restart > 0,
+                start_method=self.launch.start_method,
+            )
             hold.push(self._record_failure)
             t = cfg.trainer
             self.precision = Precision(t.precision, self.strategy.device, strategy_casts=self._strategy_casts())
@@ -271,7 +281,7 @@ class Runner:
         """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
         if self.goodput is not None:
             self.goodput.write(self.step, status="hung")
-        if os.environ.get("PITSTOP_SUPERVISED"):  # the supervisor names the cause of the restart
+        if self.launch.supervised:  # the supervisor names the cause of the restart
             record_error(self.run_dir, message)
 
     def close(self) -> None:
