@@ -4,7 +4,7 @@ shard read furthest ahead goes first) vs lru, side by side in one run.
     python bench/cache_policy.py [--share 0.5] [--epochs 3] [--ranks 2] [--workers 2]
 
 Synthetic 64x64 JPEG shards (64 samples each, written once by recipe.prepare) are served over HTTP by
-pitstop.slowstore; ``--ranks`` loaders of this machine (each with ``--workers`` DataLoader workers, stepping in
+pitstop.testing.slowstore; ``--ranks`` loaders of this machine (each with ``--workers`` DataLoader workers, stepping in
 lockstep like DDP ranks) share one cache dir limited to ``--share`` of the training shards' bytes. Per epoch it
 prints the bytes downloaded from the source as a multiple of the data set, and the cache hits and evictions.
 Target: with a cache of half the data set, every epoch after the first downloads <= 0.6x the data set with
@@ -25,7 +25,7 @@ SAMPLES = 4160  # (its own data dir: 64 samples per shard)
 
 
 def loaders(root: str, cache: str, limit: int, policy: str, ranks: int, workers: int, batch: int):
-    from pitstop.build import build
+    from pitstop.config.build import build
 
     cfg = compose(
         [
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     a = ap.parse_args()
 
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     name = f"synthetic-64px-{SAMPLES}"
     ensure_data(

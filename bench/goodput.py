@@ -15,7 +15,7 @@ the run's ``goodput.json`` gives the measured goodput and the model's inputs, al
 C (blocking seconds per save), W (async: loop resumed -> save durable), R (start-up + restore per attempt),
 e0 (productive share of the time not spent on saves or failures: data wait, eval, logging remain) and the
 realised MTBF (wall clock / failures). Prediction for a job of U productive seconds, with the model for
-exponential failures (pitstop.goodput.exact_goodput):
+exponential failures (pitstop.goodput.model.exact_goodput):
 
     g = T exp(-(R + W)/MTBF) / (MTBF (exp((T + C)/MTBF) - 1));   wall = R + U / (e0 g);   goodput = U / wall
 
@@ -36,7 +36,7 @@ import tempfile
 import time
 
 from common import ROOT, ensure_data
-from pitstop.goodput import exact_goodput, expected_goodput
+from pitstop.goodput.model import exact_goodput, expected_goodput
 
 PY = sys.executable
 
@@ -87,7 +87,7 @@ def measured(run_dir: str) -> dict:
 
 
 def predict(U: float, e0: float, T: float, C: float, R: float, W: float, mtbf: float) -> float:
-    """The exact model for exponential failures (pitstop.goodput.exact_goodput) for a job of U productive
+    """The exact model for exponential failures (pitstop.goodput.model.exact_goodput) for a job of U productive
     seconds: wall = R (the first start) + U / (e0 * goodput)."""
     g = e0 * exact_goodput(T, mtbf, C, R, W)
     return U / (R + U / g) if g > 0 else 0.0

@@ -2,7 +2,7 @@
 
     python bench/index.py [--mbps 20] [--workers 4]
 
-The synthetic 224px JPEG shards (written once by recipe.prepare) are served by pitstop.slowstore at --mbps
+The synthetic 224px JPEG shards (written once by recipe.prepare) are served by pitstop.testing.slowstore at --mbps
 MB/s per connection with 20 ms latency per request; pitstop.data.indexer streams every shard once, --workers
 at a time (hashing, counting samples and checking each image and label as they go by). The source's
 bandwidth for that many concurrent readers is workers x mbps; the ratio is achieved / that.
@@ -27,7 +27,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from pitstop.data.indexer import index_existing
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
     from recipe.vision import ImageShards
 
     name = f"synthetic-224px-{a.samples}"

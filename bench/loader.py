@@ -3,7 +3,7 @@
     python bench/loader.py [--latency-ms 50] [--mbps 10] [--samples 6144] [--batch 64] [--peer auto|off|only]
 
 Synthetic 224x224 JPEG shards (>= 200 MB of training shards, written once by recipe.prepare) are served
-by pitstop.slowstore (per-request latency, per-connection bandwidth: a network volume).  A training step of
+by pitstop.testing.slowstore (per-request latency, per-connection bandwidth: a network volume).  A training step of
 fixed cost (a sleep, like a GPU step that leaves the CPUs to the loader) follows every batch.  The step cost
 is calibrated once so the local-disk ceiling is compute-bound: --step-factor (2) x the time the loader
 needs to decode a batch from local disk.  For each pipeline, two epochs: samples/s and data-wait fraction (time
@@ -36,7 +36,7 @@ STREAMING_HINT = (
 
 
 def make_loader(kind: str, root: str, batch: int, cache_dir: str | None = None, *extra: str):
-    from pitstop.build import build
+    from pitstop.config.build import build
 
     cfg = compose(
         [
@@ -101,7 +101,7 @@ def main() -> None:
     )
     a = ap.parse_args()
 
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     if a.peer != "off":  # (before the first loader starts its workers' forkserver, which keeps this environment)
         os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
@@ -261,8 +261,8 @@ def peer(a, local: str, name: str, step_s: float) -> None:
     import s3fs
     from torch.utils.data import DataLoader
 
-    from pitstop.build import build
-    from pitstop.slowstore import SlowStore
+    from pitstop.config.build import build
+    from pitstop.testing.slowstore import SlowStore
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

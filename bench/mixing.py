@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--train", action="store_true")
     a = ap.parse_args()
-    from pitstop.build import build
+    from pitstop.config.build import build
     from recipe.prepare import prepare
 
     ensure_data()

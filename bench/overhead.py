@@ -66,7 +66,7 @@ def settings_overrides(opt: argparse.Namespace) -> list[str]:
 
 
 def framework_run(steps: int, extra: list[str], run_dir: str) -> dict:
-    from pitstop.runner import Runner
+    from pitstop.train.runner import Runner
 
     cfg = compose(
         [*BASE, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", f"run_dir={run_dir}", *extra]
@@ -100,8 +100,8 @@ def hand_run(steps: int, extra: list[str] = ()) -> dict:
     import webdataset as wds
     from torch.utils.data import DataLoader
 
-    from pitstop.schedule import warmup_cosine
-    from pitstop.seed import derive_seed
+    from pitstop.train.lr import warmup_cosine
+    from pitstop.train.seed import derive_seed
     from recipe.vision import ImageShards, SmallCNN
 
     cfg = compose([*BASE, *extra])

@@ -9,7 +9,7 @@
 At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
 
-The model (pitstop.goodput): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
+The model (pitstop.goodput.model): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
 also printed: the exact value for exponential failures, T e^-(R+W)/M / (M (e^((T+C)/M) - 1)).
 R is the restart cost per failure, or the sum of its parts (the ledger's buckets): --recovery-gap,
 --program-start, --init, --restore. With a local checkpoint tier (ckpt.local: --local-interval, --local-cost,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pitstop.goodput import (
+from pitstop.goodput.model import (
     best_interval,
     exact_goodput,
     expected_goodput,
@@ -159,7 +159,7 @@ def measured(run_dir: str) -> tuple[float, float, float]:
 
 
 def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    from pitstop.goodput import at_scale
+    from pitstop.goodput.model import at_scale
 
     try:
         node_mtbf = parse_duration(a.node_mtbf) if a.node_mtbf else 2048 * 86400.0 / 8.6

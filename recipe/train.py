@@ -20,8 +20,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from pitstop.errors import PitstopError
-from pitstop.preempt import Preempted
-from pitstop import cli, launch
+from pitstop.resilience.preempt import Preempted
+from pitstop import cli
+from pitstop.launch import launcher as launch
 
 log = logging.getLogger("recipe.train")
 

@@ -52,7 +52,7 @@ def make_cfg(data_root, tmp_path):
 
 
 def train(cfg) -> dict:
-    from pitstop.runner import Runner
+    from pitstop.train.runner import Runner
 
     return Runner(cfg, cfg.run_dir).run()
 

@@ -141,7 +141,7 @@ def test_model_by_name_top5_label_smoothing_throughput_and_profile(make_cfg, tmp
 
 def test_no_gradient_all_reduce_on_accumulation_micro_batches(make_cfg):
     # A real one-rank DDP (gloo): count the buckets DDP hands to its communication hook.
-    from pitstop.runner import Runner
+    from pitstop.train.runner import Runner
 
     cfg = make_cfg("strategy=ddp", "strategy.nproc_per_node=1", "trainer.grad_accum_steps=4", "trainer.max_steps=3")
     r = Runner(cfg, cfg.run_dir)
@@ -195,8 +195,8 @@ def test_bad_accelerator_options_are_one_line_before_training(overrides, message
 def test_the_grad_scaler_state_travels_with_the_train_state(make_cfg):
     # fp16 itself needs CUDA (the cuda tests resume it end to end); the state's round trip through the train
     # state (JSON, as every backend stores it) is the same code on any device.
-    from pitstop.precision import Precision
-    from pitstop.runner import Runner
+    from pitstop.train.precision import Precision
+    from pitstop.train.runner import Runner
 
     cfg = make_cfg()
     r = Runner(cfg, cfg.run_dir)

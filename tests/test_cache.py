@@ -1,4 +1,4 @@
-"""loader=cached and remote sources, against a real HTTP server (pitstop.slowstore): one download per
+"""loader=cached and remote sources, against a real HTTP server (pitstop.testing.slowstore): one download per
 shard per machine, eviction within a limit (what is read furthest ahead first) that spares shards in use,
 retries on a flaky store, nothing partial ever kept, clear errors, and exact sample coverage across a kill
 and a change of world size."""
@@ -20,10 +20,10 @@ from conftest import cli, read_jsonl
 from pitstop.audit import audit
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError, DataError
-from pitstop.loader.cache import ShardCache
-from pitstop.loader.cached import CachedLoader, parse_size
-from pitstop.loader.plain import PlainLoader
-from pitstop.slowstore import SlowStore
+from pitstop.data.loader.cache import ShardCache
+from pitstop.data.loader.cached import CachedLoader, parse_size
+from pitstop.data.loader.plain import PlainLoader
+from pitstop.testing.slowstore import SlowStore
 from recipe.vision import ImageShards
 
 FAST = FetchPolicy(retries=3, backoff=0.01, timeout=10)
@@ -338,7 +338,7 @@ def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tm
 def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store):
     # A store that takes ~0.3 s per shard and a reader that needs ~0.05 s per shard: auto keeps more downloads
     # in flight than the fixed 2 (up to its cap); a reader slower than the downloads keeps one or two ahead.
-    from pitstop.loader.cached import MAX_DEPTH, CachedSource
+    from pitstop.data.loader.cached import MAX_DEPTH, CachedSource
 
     with SlowStore(str(data_root / "data"), latency_ms=300) as slow:
         source = CachedSource(str(tmp_path / "a"), None, FAST, "size", "auto")

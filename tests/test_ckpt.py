@@ -114,7 +114,7 @@ def checkpoint_tensors(path: Path) -> dict:
 
 
 def runner_at_step_one(cfg):
-    from pitstop.runner import Batches, Runner
+    from pitstop.train.runner import Batches, Runner
 
     r = Runner(cfg, cfg.run_dir)
     r.setup()

@@ -21,7 +21,7 @@ def manifest() -> tuple[dict, dict]:
 
 
 def test_the_kubernetes_manifest_runs_the_documented_multi_node_command(tmp_path):
-    from pitstop.launch import nnodes
+    from pitstop.launch.launcher import nnodes
 
     service, job = manifest()
     pod = job["spec"]["template"]["spec"]
@@ -74,7 +74,7 @@ def slurm_command() -> list[str]:
 def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from pitstop.launch import nnodes
+    from pitstop.launch.launcher import nnodes
 
     overrides = slurm_command()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -87,7 +87,7 @@ def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
 
 def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monkeypatch):
     from pitstop.errors import ConfigError
-    from pitstop.launch import _rendezvous, first_host, slurm_endpoint
+    from pitstop.launch.launcher import _rendezvous, first_host, slurm_endpoint
 
     assert first_host("gpu[07-08,11],cpu3") == "gpu07" and first_host("node5,node6") == "node5"
     assert first_host("a-b[001-004]") == "a-b001"

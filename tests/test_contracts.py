@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import CONF
-from pitstop.build import build
+from pitstop.config.build import build
 from pitstop.ckpt.base import Checkpointer, SaveResult
-from pitstop.fault import Fault
-from pitstop.launch import LaunchMode, _root_failure, launch_mode
-from pitstop.loader.base import ShardLoader
-from pitstop.logger.base import Logger
+from pitstop.resilience.fault import Fault
+from pitstop.launch.launcher import LaunchMode, _root_failure, launch_mode
+from pitstop.data.loader.base import ShardLoader
+from pitstop.telemetry.logger.base import Logger
 from pitstop.strategy.base import Strategy
 
 CONTRACTS = {"ckpt": Checkpointer, "loader": ShardLoader, "strategy": Strategy, "logger": Logger, "fault": Fault}
@@ -109,8 +109,8 @@ def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restart
 def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path):
     import time
 
-    from pitstop import attempt
-    from pitstop.launch import run_attempt
+    from pitstop.train import attempt
+    from pitstop.launch.launcher import run_attempt
 
     facts = attempt.facts_from_env({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert (facts.launched, facts.restart, facts.supervised, facts.agent_pid) == (True, 2, False, None)
@@ -130,7 +130,7 @@ def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path
     }
     assert readers == set(), readers
     # A supervised attempt that fails writes down why, in one line, and exits with the kind of failure.
-    monkeypatch.setattr("pitstop.launch._log_to", lambda run_dir, rank: None)
+    monkeypatch.setattr("pitstop.launch.launcher._log_to", lambda run_dir, rank: None)
     with pytest.raises(SystemExit) as e:
         run_attempt("seed: [oops", str(tmp_path), attempt.LaunchFacts(time.time(), True, True, 1, "spawn"))
     assert e.value.code == 1 and (tmp_path / ".last_error").read_text().startswith("ParserError: ")
@@ -249,7 +249,7 @@ def test_a_setup_that_fails_half_way_releases_what_it_acquired(make_cfg):
     import torch.distributed as dist
 
     from pitstop.errors import ConfigError
-    from pitstop.runner import Runner
+    from pitstop.train.runner import Runner
 
     # The fault's check is the last step of setup: by then the process group, the checkpoint process's
     # stager and the logger exist. A config error must release all of them and leave no progress behind.

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import PY, cli, read_jsonl, refused, run_cmd, train
 from pitstop.errors import ConfigError
-from pitstop.goodput import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
-from pitstop.ledger import JOB_BUCKETS, account
+from pitstop.goodput.model import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
+from pitstop.goodput.ledger import JOB_BUCKETS, account
 
 RUN = [
     "debug=tiny",
@@ -68,7 +68,7 @@ def test_model_reproduces_the_published_case_and_young_daly():
 
 
 def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
-    from pitstop.goodput import two_tier_goodput
+    from pitstop.goodput.model import two_tier_goodput
 
     m = 8.0
     # A local tier no failure survives, saving for free: the durable tier's own model.
@@ -142,7 +142,7 @@ def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
         120,
     )
     assert p.returncode == 0, p.stderr
-    from pitstop.goodput import at_scale, fmt_duration
+    from pitstop.goodput.model import at_scale, fmt_duration
 
     c, w, r = (
         summary["checkpoint"]["block_seconds_mean"],
@@ -435,7 +435,7 @@ def test_inconsistent_fault_and_interval_settings_fail_before_training(make_cfg,
 
 
 def test_auto_interval_sources_and_start_value(caplog):
-    with caplog.at_level(logging.INFO, logger="pitstop.goodput"):
+    with caplog.at_level(logging.INFO, logger="pitstop.goodput.model"):
         auto = AutoInterval(None, "")
     assert auto.mtbf == 86400 and "no MTBF known yet" in caplog.text
     assert math.isclose(auto.update(0.5, 0.0), math.sqrt(2 * 0.5 * 86400))
@@ -596,7 +596,7 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     ],
 )
 def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expected):
-    from pitstop.preempt import PreemptionNotice
+    from pitstop.resilience.preempt import PreemptionNotice
 
     with pytest.raises(ConfigError, match=expected):
         PreemptionNotice(signals, grace)

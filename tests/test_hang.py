@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, train
-from pitstop.watchdog import Hung, Watchdog
+from pitstop.resilience.watchdog import Hung, Watchdog
 
 
 def attempts(run_dir) -> list[dict]:
@@ -181,7 +181,7 @@ def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(
     # One request to the store never returns (the 3rd training-shard read): the loop waits for that worker's
     # batch, the watchdog raises DataStall, the runner restarts the workers from the current data position.
     from conftest import step_losses
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     with SlowStore(str(data_root / "data")) as store:
         ref = make_cfg(*remote(store), f"run_dir={tmp_path / 'ref'}")
@@ -197,7 +197,7 @@ def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(
 @pytest.mark.slow  # (in-process, but ~30 s each)
 def test_a_store_that_stops_answering_is_a_hang_with_the_data_workers_stacks(make_cfg, data_root, capfd, caplog):
     # Healing does not help (every later read hangs too): after the restart of the workers it is a hang.
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     with SlowStore(str(data_root / "data"), fault_glob="*/train-*", stall_after=2) as store:
         cfg = make_cfg(*remote(store))

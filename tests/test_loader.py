@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pitstop.errors import DataError
-from pitstop.loader.plain import PlainLoader
+from pitstop.data.loader.plain import PlainLoader
 from recipe.vision import ImageShards
 
 
@@ -174,7 +174,7 @@ import os, signal, sys, threading
 os.setsid()  # its workers share this session: the test finds them by it
 if sys.argv[3] == "spawned":  # a thread already running: the workers' fork server is a fresh interpreter
     threading.Thread(target=threading.Event().wait, daemon=True).start()
-from pitstop.loader.plain import PlainLoader
+from pitstop.data.loader.plain import PlainLoader
 from recipe.vision import ImageShards
 ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1)
 loader = PlainLoader(ds, "train", batch_size=16, seed=0, num_workers=2)
@@ -225,8 +225,8 @@ WORKER_SERVER = """
 import hashlib, json, sys, threading
 if sys.argv[2] == "spawned":  # a thread already running: the workers' fork server is a fresh interpreter
     threading.Thread(target=threading.Event().wait, daemon=True).start()
-from pitstop.loader import server
-from pitstop.loader.plain import PlainLoader
+from pitstop.data.loader import server
+from pitstop.data.loader.plain import PlainLoader
 from recipe.vision import ImageShards
 ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1, augment={"pad": 1})
 loader = PlainLoader(ds, "train", batch_size=16, seed=0, num_workers=2)
@@ -289,7 +289,7 @@ def test_the_rest_of_an_epoch_is_split_over_the_ranks_sample_by_sample_in_equal_
     # kept as intervals, holes and all), every rank gets the same number of batches and nothing is dropped.
     import random
 
-    from pitstop.loader.plan import (
+    from pitstop.data.loader.plan import (
         consumed_after,
         count_batches,
         merge,

@@ -234,7 +234,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
 
 
 def test_each_node_downloads_each_shard_once(data_root, tmp_path):
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     with SlowStore(str(data_root / "data"), latency_ms=5) as store:
         codes, agents = two_nodes(
@@ -302,7 +302,7 @@ def test_a_node_that_cannot_reach_the_rendezvous_fails_within_the_timeout(data_r
 
 def test_several_nodes_need_a_rendezvous_endpoint(make_cfg):
     from pitstop.errors import ConfigError
-    from pitstop.launch import nnodes, run
+    from pitstop.launch.launcher import nnodes, run
 
     assert nnodes(make_cfg("strategy=ddp", "strategy.nnodes=1:4")) == (1, 4)
     for bad in ("0", "3:2", "x"):

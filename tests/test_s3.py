@@ -249,7 +249,7 @@ def test_credentials_in_storage_options_are_refused_before_anything_is_written(d
 def test_the_slowstore_in_front_of_s3_throttles_and_fails_requests_and_training_gets_through(s3, data_root, tmp_path):
     """The slowstore as a proxy before the S3 API server: its latency, bandwidth and injected 503s apply to the
     s3:// path as to http:// (the endpoint, given as a storage option, is the slowstore)."""
-    from pitstop.slowstore import SlowStore
+    from pitstop.testing.slowstore import SlowStore
 
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     with SlowStore(

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from pitstop.schedule import replan, warmup_cosine
+from pitstop.train.lr import replan, warmup_cosine
 
 
 def lrs(scheduler, steps: int) -> list[float]:

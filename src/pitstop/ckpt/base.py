@@ -48,7 +48,7 @@ ERRORS = (Exception, CheckpointException)
 
 
 class TrainStateLike(Protocol):
-    """What a checkpoint holds besides model and optimizer tensors (``pitstop.runner.TrainState``)."""
+    """What a checkpoint holds besides model and optimizer tensors (``pitstop.train.runner.TrainState``)."""
 
     step: int
 
@@ -320,7 +320,7 @@ class CheckpointManager(Checkpointer):
         failures: int = 0,
         job_seconds: float = 0.0,
     ) -> None:
-        from pitstop.goodput import AutoInterval
+        from pitstop.goodput.model import AutoInterval
 
         self.strategy, self.report = strategy, report
         self.rank, self.world_size = strategy.rank, strategy.world_size

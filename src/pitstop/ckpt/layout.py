@@ -22,7 +22,7 @@ from typing import Any
 
 from pitstop import fsurl
 from pitstop.errors import CheckpointError
-from pitstop.metrics import write_text_atomic
+from pitstop.telemetry.metrics import write_text_atomic
 
 log = logging.getLogger("pitstop.ckpt")
 

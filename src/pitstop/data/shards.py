@@ -18,7 +18,7 @@ from typing import Iterable
 
 from pitstop import fsurl
 from pitstop.errors import DataError
-from pitstop.metrics import write_json_atomic
+from pitstop.telemetry.metrics import write_json_atomic
 
 INDEX_NAME = "index.json"
 FORMAT = "pitstop-shards/1"

@@ -8,7 +8,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from pitstop.batch import map_tensors
+from pitstop.train.batch import map_tensors
 from pitstop.strategy.base import Strategy
 
 

@@ -7,7 +7,7 @@ as many as a download takes shards' worth of reading, from what it measures (the
 the seconds between the reader's shards), plus one; 2 until it has measured, at most ``MAX_DEPTH``.
 The cache itself (one download per machine, within ``cache_limit`` the shard read furthest in the future
 evicted first, integrity checks) is
-:class:`pitstop.loader.cache.ShardCache`.
+:class:`pitstop.data.loader.cache.ShardCache`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
-from pitstop.loader.base import ShardLoader, ShardSource, parse_size
-from pitstop.loader.cache import POLICIES, ShardCache
+from pitstop.data.loader.base import ShardLoader, ShardSource, parse_size
+from pitstop.data.loader.cache import POLICIES, ShardCache
 
 MAX_DEPTH = 8
 

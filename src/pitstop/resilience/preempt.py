@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from pitstop.errors import ConfigError
 
-log = logging.getLogger("pitstop.preempt")
+log = logging.getLogger("pitstop.resilience.preempt")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): temporary failure, try again
 

@@ -95,7 +95,7 @@ def launch_dir() -> str:
 
 def register() -> None:
     """Config schemas and resolvers, before Hydra composes anything (idempotent)."""
-    from pitstop import schema
+    from pitstop.config import schema
 
     schema.register()
     if not OmegaConf.has_resolver("pitstop.launch_dir"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pitstop.data.remote import Counters, FetchPolicy, ShardRef, fetch_counted
-from pitstop.loader.base import ShardLoader, ShardSource
+from pitstop.data.loader.base import ShardLoader, ShardSource
 
 
 class DirectSource(ShardSource):

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from pitstop.batch import map_tensors
+from pitstop.train.batch import map_tensors
 
-log = logging.getLogger("pitstop.throughput")
+log = logging.getLogger("pitstop.train.throughput")
 
 # Dense peak TFLOP/s by device-name fragment and compute dtype ("tf32": fp32 matmuls on tensor cores, used
 # when torch.backends.cuda.matmul.allow_tf32 is on).  Sources: NVIDIA data sheets (SXM parts unless named).
@@ -46,7 +46,7 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
         for fragment, peaks in PEAK_TFLOPS.items():  # (ordered: "H100 PCIe" before "H100")
             if re.search(rf"(?<![\w]){re.escape(fragment)}(?![\w])", name) and dtype in peaks:
                 return peaks[dtype] * 1e12, f"{fragment} {dtype} dense peak {peaks[dtype]:g} TFLOP/s"
-    return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.throughput.PEAK_TFLOPS)"
+    return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.train.throughput.PEAK_TFLOPS)"
 
 
 def count_step_flops(
@@ -72,7 +72,7 @@ def cached_count(path: str, key: str, write: bool, count: Callable[[], int | Non
     import hashlib
     import json
 
-    from pitstop.metrics import write_json_atomic
+    from pitstop.telemetry.metrics import write_json_atomic
 
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     try:

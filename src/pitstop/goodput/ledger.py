@@ -39,7 +39,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from pitstop.metrics import write_json_atomic
+from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "init", "restore", "compile")
 BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging")

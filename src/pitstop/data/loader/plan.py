@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pitstop.seed import derive_seed
+from pitstop.train.seed import derive_seed
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -187,7 +187,7 @@ def read_order(items: list[Item], window: int, seed: int, epoch: int, stream: in
 
 
 def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
-    """The batches a stream reading ``items`` yields (as :class:`~pitstop.loader.base.StreamReader` cuts them)."""
+    """The batches a stream reading ``items`` yields (as :class:`~pitstop.data.loader.base.StreamReader` cuts them)."""
     n = acc = 0
     for _, _, first, end, cut in items:
         acc += end - first

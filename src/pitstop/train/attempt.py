@@ -6,7 +6,7 @@ below the launcher: where its program start began (the ledger's first bucket), w
 automatic, whether a hang exits for a launcher to restart it, who is told of a preemption notice, and who
 writes down why it failed.  Those facts are a :class:`LaunchFacts`, built once at the entry of the process
 (:func:`facts_from_env` for a process that a launcher other than pitstop's started, the launcher's own
-arguments for pitstop's supervisor and agent) and passed to the :class:`~pitstop.runner.Runner`; no module
+arguments for pitstop's supervisor and agent) and passed to the :class:`~pitstop.train.runner.Runner`; no module
 below reads them from the environment.
 
 Nothing here imports torch.

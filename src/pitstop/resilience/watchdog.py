@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 
 from pitstop.errors import ConfigError, PitstopError
 
-log = logging.getLogger("pitstop.watchdog")
+log = logging.getLogger("pitstop.resilience.watchdog")
 
 HUNG_EXIT = 124  # like timeout(1): the attempt made no progress within its limit
 # How the watcher interrupts the main thread (a blocking wait returns EINTR and the handler raises): SIGURG is
@@ -257,7 +257,7 @@ class Watchdog:
 
 
 def _ask_data_workers_for_stacks() -> int:
-    """SIGUSR2 to this process's DataLoader workers: they write their stacks to stderr (see pitstop.loader)."""
+    """SIGUSR2 to this process's DataLoader workers: they write their stacks to stderr (see pitstop.data.loader)."""
     asked = 0
     try:
         children = list(multiprocessing.active_children())

@@ -27,26 +27,26 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop import compiler
-from pitstop.attempt import LaunchFacts, facts_from_env, record_error
-from pitstop.batch import map_tensors
-from pitstop.build import build, target_modules
+from pitstop.train import compiler
+from pitstop.train.attempt import LaunchFacts, facts_from_env, record_error
+from pitstop.train.batch import map_tensors
+from pitstop.config.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target
 from pitstop.config import flatten, validate
-from pitstop.digest import state_sha256
+from pitstop.train.digest import state_sha256
 from pitstop.errors import ConfigError, FingerprintMismatch
-from pitstop.fault import FaultContext
-from pitstop.loader import server as worker_server
-from pitstop.ledger import GoodputLog, Ledger, table
-from pitstop.metrics import MetricsFile, write_json_atomic
-from pitstop.nodes import check_nodes
-from pitstop.precision import DTYPES, Precision
-from pitstop.preempt import Preempted, PreemptionNotice
-from pitstop.profiler import StepProfiler
-from pitstop.schedule import planned_steps, replan
-from pitstop.seed import rng_state, seed_everything, set_rng_state
-from pitstop.throughput import Throughput, cached_count, count_step_flops
-from pitstop.watchdog import DataStall, Hung, Watchdog
+from pitstop.resilience.fault import FaultContext
+from pitstop.data.loader import server as worker_server
+from pitstop.goodput.ledger import GoodputLog, Ledger, table
+from pitstop.telemetry.metrics import MetricsFile, write_json_atomic
+from pitstop.strategy.nodes import check_nodes
+from pitstop.train.precision import DTYPES, Precision
+from pitstop.resilience.preempt import Preempted, PreemptionNotice
+from pitstop.telemetry.profiler import StepProfiler
+from pitstop.train.lr import planned_steps, replan
+from pitstop.train.seed import rng_state, seed_everything, set_rng_state
+from pitstop.train.throughput import Throughput, cached_count, count_step_flops
+from pitstop.resilience.watchdog import DataStall, Hung, Watchdog
 
 log = logging.getLogger("pitstop")
 
@@ -228,7 +228,7 @@ class Runner:
             self.target = Target(self.model, self.optimizer, self.state)
             self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
             hold.callback(self.metrics_file.close)
-            self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.logger.base.NullLogger"})
+            self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.telemetry.logger.base.NullLogger"})
             hold.callback(self._close_logger, "FAILED")  # a no-op once finish() closed it
             self.ckpt = build(cfg.ckpt)
             hold.callback(self._release_ckpt)

@@ -21,10 +21,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pitstop.ledger import JOB_BUCKETS
-from pitstop.metrics import write_json_atomic, write_text_atomic
+from pitstop.goodput.ledger import JOB_BUCKETS
+from pitstop.telemetry.metrics import write_json_atomic, write_text_atomic
 
-log = logging.getLogger("pitstop.report")
+log = logging.getLogger("pitstop.goodput.report")
 
 BUCKETS = JOB_BUCKETS
 COLORS = {

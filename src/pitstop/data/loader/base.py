@@ -25,10 +25,10 @@ from pitstop import fsurl
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
-from pitstop.loader import plan, server
-from pitstop.seed import derive_seed
+from pitstop.data.loader import plan, server
+from pitstop.train.seed import derive_seed
 
-log = logging.getLogger("pitstop.loader")
+log = logging.getLogger("pitstop.data.loader")
 
 
 _UNITS = {

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-log = logging.getLogger("pitstop.loader")
+log = logging.getLogger("pitstop.data.loader")
 
 _STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
 

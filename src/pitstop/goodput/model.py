@@ -20,7 +20,7 @@ import logging
 import math
 import re
 
-log = logging.getLogger("pitstop.goodput")
+log = logging.getLogger("pitstop.goodput.model")
 
 ASSUMED_MTBF = 86400.0  # one failure a day, until a better figure is known
 

@@ -1,8 +1,8 @@
 """A remote-storage emulator: serves a directory over HTTP with added latency, limited bandwidth and faults.
 
-    python -m pitstop.slowstore DIR --port 8000 --latency-ms 50 --mbps 100
+    python -m pitstop.testing.slowstore DIR --port 8000 --latency-ms 50 --mbps 100
     python -m recipe.train data.root=http://127.0.0.1:8000/digits loader=cached
-    python -m pitstop.slowstore --upstream http://127.0.0.1:9000 --port 8001   # in front of an S3 API
+    python -m pitstop.testing.slowstore --upstream http://127.0.0.1:9000 --port 8001   # in front of an S3 API
 
 Every response waits ``--latency-ms`` before its first byte and then streams at most ``--mbps`` megabytes
 per second (1 MB = 1e6 bytes) per connection, like a request to an object store.  ``--fail-every N`` answers
@@ -211,7 +211,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pitstop.slowstore", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pitstop.testing.slowstore", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", nargs="?", help="directory to serve (e.g. data/)")
     p.add_argument("--upstream", help="instead of a directory: pass every request to this server (an S3 API)")
     p.add_argument("--host", default="127.0.0.1")

@@ -20,7 +20,7 @@ from typing import Any
 
 from pitstop.errors import ConfigError
 
-log = logging.getLogger("pitstop.fault")
+log = logging.getLogger("pitstop.resilience.fault")
 
 
 def _positive_int(key: str, v: Any) -> int:
@@ -176,13 +176,13 @@ class StallAtStep(CrashAtStep):
 
 class PreemptAtStep(CrashAtStep):
     """A preemption notice: ``signal`` (SIGTERM, as Kubernetes sends; SIGUSR2 as submitit asks SLURM to send)
-    to this process at the end of step ``step``, once per run dir (the handler of ``pitstop.preempt`` turns it
-    into: finish the step, save, exit 75)."""
+    to this process at the end of step ``step``, once per run dir (the handler of ``pitstop.resilience.preempt``
+    turns it into: finish the step, save, exit 75)."""
 
     name = "preempt"
 
     def __init__(self, step: int, rank: int = 0, signal: str = "SIGTERM", **kw: Any):
-        from pitstop.preempt import parse_signals
+        from pitstop.resilience.preempt import parse_signals
 
         super().__init__(step=step, rank=rank, **kw)
         self.signal = parse_signals([signal])[0]

@@ -1,7 +1,7 @@
 """``logger=mlflow``: a real MLflow run, fed from a separate process so logging never slows the loop.
 
 The training loop only writes one short JSON line per log step to the stdin of a logger process
-(``python -m pitstop.logger.mlflow``; a clean interpreter, so no GIL shared with MLflow's client,
+(``python -m pitstop.telemetry.logger.mlflow``; a clean interpreter, so no GIL shared with MLflow's client,
 SQLAlchemy or HTTP code, and no re-import of the training script).  That process creates (or, on
 resume, reopens) the run, logs the resolved config as params and sends metrics in batches with
 ``log_batch``.  The run id is kept in ``RUN_DIR/mlflow_run_id`` so a resumed job continues the same run.
@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from pitstop.logger.base import Logger
+from pitstop.telemetry.logger.base import Logger
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class MLflowLogger(Logger):
         if uri.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(os.path.abspath(uri[len("sqlite:///") :])) or ".", exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pitstop.logger.mlflow"],
+            [sys.executable, "-m", "pitstop.telemetry.logger.mlflow"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

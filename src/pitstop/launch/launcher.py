@@ -3,7 +3,7 @@
     python -m recipe.train strategy=ddp strategy.nproc_per_node=2
 
 The parent (the Hydra job) validates the config, resolves it to YAML and calls ``elastic_launch``; each
-rank rebuilds the same config from that YAML and runs the :class:`~pitstop.runner.Runner` in the shared
+rank rebuilds the same config from that YAML and runs the :class:`~pitstop.train.runner.Runner` in the shared
 run dir. Only rank 0 logs to ``train.log``, the console, the tracker and the progress bar; rank R logs to
 ``rank{R}.log``. With ``strategy.max_restarts=N`` the agent restarts all ranks when one dies, and they
 auto-resume from the newest complete checkpoint. Under ``torchrun``/SLURM (``RANK`` already set) nothing
@@ -24,14 +24,14 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop import attempt as attempts
-from pitstop.attempt import LaunchFacts, error_file, facts_from_env, process_start_wall, record_error
+from pitstop.train import attempt as attempts
+from pitstop.train.attempt import LaunchFacts, error_file, facts_from_env, process_start_wall, record_error
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
-from pitstop.preempt import PREEMPTED_EXIT, Preempted
-from pitstop.watchdog import HUNG_EXIT
+from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.resilience.watchdog import HUNG_EXIT
 
-log = logging.getLogger("pitstop.launch")
+log = logging.getLogger("pitstop.launch.launcher")
 
 
 def nnodes(cfg: DictConfig) -> tuple[int, int]:
@@ -86,7 +86,7 @@ def max_restarts(cfg: DictConfig) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
-    from pitstop.loader.server import quiet_resource_tracker
+    from pitstop.data.loader.server import quiet_resource_tracker
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
@@ -95,7 +95,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     if mode == LaunchMode.SUPERVISED:
         return supervise(cfg, run_dir, restarts)
     if mode in (LaunchMode.IN_PROCESS, LaunchMode.CHILD):
-        from pitstop.runner import Runner
+        from pitstop.train.runner import Runner
 
         if mode == LaunchMode.CHILD and "RANK" in os.environ:  # a rank torchrun/SLURM started: train.log or rankR.log
             os.makedirs(run_dir, exist_ok=True)
@@ -114,7 +114,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pitstop.preempt import JobNotice, parse_signals
+    from pitstop.resilience.preempt import JobNotice, parse_signals
 
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
@@ -236,7 +236,7 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     Under the supervisor (``facts.supervised``) any failure is written down in one line (read by the
     supervisor) and the exit status says its kind (2: a configuration error, not worth a restart); under the
     agent the exception propagates (the agent records it)."""
-    from pitstop.runner import Runner
+    from pitstop.train.runner import Runner
 
     _log_to(run_dir, rank)
     logger = logging.getLogger("pitstop")
@@ -265,21 +265,21 @@ def warm_context(cfg: DictConfig) -> Any:
     attempt is then a fork of it and pays no interpreter start or imports again."""
     import multiprocessing as mp
 
-    from pitstop.build import target_modules
-    from pitstop.loader.server import entry_point_imports
+    from pitstop.config.build import target_modules
+    from pitstop.data.loader.server import entry_point_imports
 
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     # Imported lazily by every attempt: torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's
-    # init here), fsspec by the data index (~0.3 s), pitstop.goodput at the end. What the entry point imports
+    # init here), fsspec by the data index (~0.3 s), pitstop.goodput.model at the end. What the entry point imports
     # too (each child runs it again as __mp_main__).
     modules = {
         "torch",
         "torch._dynamo",
         "fsspec",
-        "pitstop.goodput",
-        "pitstop.runner",
-        "pitstop.launch",
+        "pitstop.goodput.model",
+        "pitstop.train.runner",
+        "pitstop.launch.launcher",
         *entry_point_imports(),
         *target_modules(cfg),
     }

@@ -1,0 +1,1 @@
+"""Surviving failures: hang detection (watchdog), preemption notices (preempt), injected faults (fault)."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics files, the step profiler, experiment trackers (logger/)."""

@@ -1,0 +1,1 @@
+"""Tools for tests and benchmarks, not used by a training run: the slowstore (a slow, faulty store)."""
