@@ -21,7 +21,7 @@ def manifest() -> tuple[dict, dict]:
 
 
 def test_the_kubernetes_manifest_runs_the_documented_multi_node_command(tmp_path):
-    from pitstop.launch.launcher import nnodes
+    from pitstop.launch.mode import nnodes
 
     service, job = manifest()
     pod = job["spec"]["template"]["spec"]
@@ -74,7 +74,7 @@ def slurm_command() -> list[str]:
 def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from pitstop.launch.launcher import nnodes
+    from pitstop.launch.mode import nnodes
 
     overrides = slurm_command()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -87,7 +87,7 @@ def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
 
 def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monkeypatch):
     from pitstop.errors import ConfigError
-    from pitstop.launch.launcher import _rendezvous, first_host, slurm_endpoint
+    from pitstop.launch.rendezvous import first_host, rendezvous, slurm_endpoint
 
     assert first_host("gpu[07-08,11],cpu3") == "gpu07" and first_host("node5,node6") == "node5"
     assert first_host("a-b[001-004]") == "a-b001"
@@ -98,7 +98,7 @@ def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monke
     cfg = make_cfg("strategy=ddp", "strategy.nnodes=2", "strategy.rdzv_endpoint=slurm")
     for key, value in {**env, "SLURM_STEP_NUM_NODES": "2"}.items():
         monkeypatch.setenv(key, value)
-    endpoint, run_id = _rendezvous(cfg, "/shared/runs/exp1", 2)
-    assert endpoint == "gpu07:24242" and run_id == _rendezvous(cfg, "/elsewhere/exp1", 2)[1]  # same name, same job
+    endpoint, run_id = rendezvous(cfg, "/shared/runs/exp1", 2)
+    assert endpoint == "gpu07:24242" and run_id == rendezvous(cfg, "/elsewhere/exp1", 2)[1]  # same name, same job
     with pytest.raises(ConfigError, match="runs on 2 nodes but strategy.nnodes=1"):
-        _rendezvous(make_cfg("strategy=ddp"), "/shared/runs/exp1", 1)
+        rendezvous(make_cfg("strategy=ddp"), "/shared/runs/exp1", 1)

@@ -12,7 +12,8 @@ from conftest import CONF
 from pitstop.config.build import build
 from pitstop.ckpt.base import Checkpointer, SaveResult
 from pitstop.resilience.fault import Fault
-from pitstop.launch.launcher import LaunchMode, _root_failure, launch_mode
+from pitstop.launch.failures import root_failure
+from pitstop.launch.mode import LaunchMode, launch_mode
 from pitstop.data.loader.base import ShardLoader
 from pitstop.telemetry.logger.base import Logger
 from pitstop.strategy.base import Strategy
@@ -109,8 +110,8 @@ def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restart
 def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path):
     import time
 
-    from pitstop.train import attempt
-    from pitstop.launch.launcher import run_attempt
+    from pitstop.train import launch_facts as attempt
+    from pitstop.launch.attempt import run_attempt
 
     facts = attempt.facts_from_env({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert (facts.launched, facts.restart, facts.supervised, facts.agent_pid) == (True, 2, False, None)
@@ -130,7 +131,7 @@ def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path
     }
     assert readers == set(), readers
     # A supervised attempt that fails writes down why, in one line, and exits with the kind of failure.
-    monkeypatch.setattr("pitstop.launch.launcher._log_to", lambda run_dir, rank: None)
+    monkeypatch.setattr("pitstop.launch.attempt.log_to", lambda run_dir, rank: None)
     with pytest.raises(SystemExit) as e:
         run_attempt("seed: [oops", str(tmp_path), attempt.LaunchFacts(time.time(), True, True, 1, "spawn"))
     assert e.value.code == 1 and (tmp_path / ".last_error").read_text().startswith("ParserError: ")
@@ -142,9 +143,9 @@ def test_the_launcher_names_the_rank_that_failed_first_of_all_not_the_peer_that_
     from types import SimpleNamespace as F
 
     lost = F(exitcode=1, timestamp=10.0, message={"message": "RuntimeError: [pair.cc:561] Connection closed by peer"})
-    assert _root_failure({0: lost, 1: F(exitcode=-9, timestamp=11.0, message="")})[0] == 1
+    assert root_failure({0: lost, 1: F(exitcode=-9, timestamp=11.0, message="")})[0] == 1
     assert (
-        _root_failure(
+        root_failure(
             {
                 0: F(exitcode=1, timestamp=12.0, message="ValueError: bad"),
                 1: F(exitcode=1, timestamp=11.0, message="KeyError: k"),
@@ -152,11 +153,9 @@ def test_the_launcher_names_the_rank_that_failed_first_of_all_not_the_peer_that_
         )[0]
         == 1
     )  # else the earliest
-    assert _root_failure({0: lost, 1: F(exitcode=75, timestamp=13.0, message="")})[0] == 1  # preempted
+    assert root_failure({0: lost, 1: F(exitcode=75, timestamp=13.0, message="")})[0] == 1  # preempted
     assert (
-        _root_failure({0: F(exitcode=-9, timestamp=11.0, message=""), 1: F(exitcode=124, timestamp=14.0, message="")})[
-            0
-        ]
+        root_failure({0: F(exitcode=-9, timestamp=11.0, message=""), 1: F(exitcode=124, timestamp=14.0, message="")})[0]
         == 1
     )  # hung
 

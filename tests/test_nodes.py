@@ -302,7 +302,8 @@ def test_a_node_that_cannot_reach_the_rendezvous_fails_within_the_timeout(data_r
 
 def test_several_nodes_need_a_rendezvous_endpoint(make_cfg):
     from pitstop.errors import ConfigError
-    from pitstop.launch.launcher import nnodes, run
+    from pitstop.launch.launcher import run
+    from pitstop.launch.mode import nnodes
 
     assert nnodes(make_cfg("strategy=ddp", "strategy.nnodes=1:4")) == (1, 4)
     for bad in ("0", "3:2", "x"):

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.train import compiler
-from pitstop.train.attempt import LaunchFacts, facts_from_env, record_error
+from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.batch import map_tensors
 from pitstop.config.build import build, target_modules
 from pitstop.ckpt.base import ERRORS, Target

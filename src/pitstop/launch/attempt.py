@@ -1,0 +1,107 @@
+"""One attempt: how its process starts warm (a fork of a pre-imported server) and how it runs and ends, the
+same under pitstop's supervisor and torch's elastic agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.errors import ConfigError, PitstopError
+from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.train.launch_facts import LaunchFacts, process_start_wall, record_error
+
+
+def worker(
+    cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None, agent: int | None = None
+) -> dict:
+    """The entry point of each rank that torch's elastic agent starts: a fork of the agent's pre-imported server
+    (``method`` forkserver: warm) or a fresh interpreter (spawn). ``agent``: the launching process, told of a
+    preemption notice. The agent's facts (its arguments and ``RANK``/``TORCHELASTIC_RESTART_COUNT``) become
+    this attempt's :class:`LaunchFacts`."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # Program start: the first ranks count from the job's start (the launching process's imports, the
+    # rendezvous, and a server's imports or their own); a restarted rank from its own start (a fork: now).
+    if restart == 0 and job_start is not None:
+        start = job_start
+    elif method == "forkserver":
+        start = time.time()
+    else:
+        start = process_start_wall()
+    facts = LaunchFacts(program_start=start, launched=True, restart=restart, start_method=method, agent_pid=agent)
+    return run_attempt(cfg_yaml, run_dir, facts, int(os.environ["RANK"]))
+
+
+def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) -> dict:
+    """One attempt in a process a launcher started (pitstop's supervisor or torch's elastic agent): log to the
+    run dir, run the Runner, and end as the launcher expects. A preemption notice exits with PREEMPTED_EXIT.
+    Under the supervisor (``facts.supervised``) any failure is written down in one line (read by the
+    supervisor) and the exit status says its kind (2: a configuration error, not worth a restart); under the
+    agent the exception propagates (the agent records it)."""
+    from pitstop.train.runner import Runner
+
+    log_to(run_dir, rank)
+    logger = logging.getLogger("pitstop")
+    try:
+        return Runner(OmegaConf.create(cfg_yaml), run_dir, facts).run()
+    except Preempted as e:
+        logger.warning("%s", e)
+        raise SystemExit(PREEMPTED_EXIT) from None
+    except PitstopError as e:
+        logger.error("%s", e)
+        if not facts.supervised:
+            raise
+        record_error(run_dir, str(e))
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+    except BaseException as e:
+        if not facts.supervised:
+            raise
+        logger.exception("attempt failed")
+        record_error(run_dir, f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        raise SystemExit(1) from None
+
+
+def warm_context(cfg: DictConfig) -> Any:
+    """A multiprocessing context whose children start warm: a fork server (a clean process: no threads, no
+    CUDA context) imports torch, the runner and every module the config names (``_target_``) once; each
+    attempt is then a fork of it and pays no interpreter start or imports again."""
+    import multiprocessing as mp
+
+    from pitstop.config.build import target_modules
+    from pitstop.data.loader.server import entry_point_imports
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    # Imported lazily by every attempt: torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's
+    # init here), fsspec by the data index (~0.3 s), pitstop.goodput.model at the end. What the entry point imports
+    # too (each child runs it again as __mp_main__).
+    modules = {
+        "torch",
+        "torch._dynamo",
+        "fsspec",
+        "pitstop.goodput.model",
+        "pitstop.train.runner",
+        "pitstop.launch.launcher",
+        *entry_point_imports(),
+        *target_modules(cfg),
+    }
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(sorted(modules))
+    return ctx
+
+
+def log_to(run_dir: str, rank: int) -> None:
+    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] - %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    handler = logging.FileHandler(os.path.join(run_dir, "train.log" if rank == 0 else f"rank{rank}.log"))
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+    if rank == 0:
+        console = logging.StreamHandler()
+        console.setFormatter(fmt)
+        root.addHandler(console)

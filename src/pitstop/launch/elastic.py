@@ -1,0 +1,132 @@
+"""Several ranks: torch's elastic agent starts them as warm forks, restarts them (``strategy.max_restarts``),
+hands a preemption notice to all of them, and its failures are reported as the one rank that explains them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.config import validate
+from pitstop.errors import PitstopError
+from pitstop.launch.attempt import warm_context, worker
+from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
+from pitstop.launch.rendezvous import check_capacity, rendezvous
+from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.resilience.watchdog import HUNG_EXIT
+from pitstop.train import launch_facts
+
+log = logging.getLogger("pitstop.launch")
+
+
+def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: int) -> dict:
+    """``strategy.nproc_per_node`` ranks on this node (of ``strategy.nnodes``), started and restarted by torch's
+    elastic agent in this process; a failed rank is named, a preemption notice is the whole job's."""
+    validate(cfg)
+    check_capacity(cfg, n)
+    endpoint, run_id = rendezvous(cfg, run_dir, max_nodes)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from pitstop.resilience.preempt import JobNotice, parse_signals
+
+    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
+    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    method = warm_context(cfg).get_start_method() if warm else "spawn"
+    job_start = launch_facts.job_start()
+    # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
+    # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.
+    notices = parse_signals(OmegaConf.select(cfg, "trainer.preempt_signals", default=["SIGTERM"]))
+    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
+    torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
+    timeout = int(float(OmegaConf.select(cfg, "strategy.timeout", default=300)))
+    if max_nodes > 1:
+        # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
+        # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=n,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={
+            "join_timeout": timeout,
+            "read_timeout": timeout,
+            "timeout": timeout,
+            "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 5,
+        },
+        max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
+        monitor_interval=0.2,
+        start_method=method,
+        shutdown_timeout=int(grace) + 30,
+        signals_to_handle=",".join(torch_handles),
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
+    )
+    nodes = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
+    log.info(
+        "launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)",
+        n,
+        nodes,
+        endpoint,
+        config.max_restarts,
+    )
+    notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig)).install()
+    try:
+        results = elastic_launch(config, worker)(
+            OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start, os.getpid()
+        )
+    except RendezvousClosedError:
+        raise PitstopError(
+            f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
+            f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
+            f"the same one resumes from its checkpoints)"
+        ) from None
+    except (RendezvousTimeoutError, RendezvousConnectionError) as e:
+        raise PitstopError(
+            f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
+            f"{timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
+            f"address and that strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} nodes "
+            f"come up"
+        ) from None
+    except SignalException as e:
+        if e.sigval not in notices:
+            raise
+        raise Preempted(
+            f"preempted after a notice ({e.sigval.name}); run the same command again to resume ({run_dir})"
+        ) from None
+    except ChildFailedError as e:
+        rank, failure = root_failure(e.failures)
+        if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
+            raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
+        if getattr(failure, "exitcode", None) == HUNG_EXIT:
+            raise PitstopError(
+                f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
+                f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log"
+            ) from None
+        why = first_line(failure)
+        if "timeout" in why.lower() or "timed out" in why.lower():
+            why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
+        silent = silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
+        if silent and lost_peer(why):  # the agent saw the peer's error first
+            raise PitstopError(
+                f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
+                f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
+                f"{run_dir}/train.log and rank*.log"
+            ) from None
+        raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
+    finally:
+        notice.close()
+    return results[min(results)]  # keyed by global rank: this node's first

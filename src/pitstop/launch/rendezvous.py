@@ -1,0 +1,89 @@
+"""Where the ranks of a job meet: a free local port for one node, node 0's address for several (given, or
+from the SLURM allocation), and whether this machine has room for the ranks asked for."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.errors import ConfigError
+
+
+def check_capacity(cfg: DictConfig, n: int) -> None:
+    import torch
+
+    if torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu":
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores"
+    if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
+        raise ConfigError(
+            f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
+            f"lower it or set strategy.oversubscribe=true"
+        )
+
+
+def rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str]:
+    """The rendezvous endpoint and job id. One node: a free local port and a fresh id. Several: every node
+    is given the same ``strategy.rdzv_endpoint`` (node 0's address, whose agent hosts the store) and the id is
+    the run dir's name (pinned, the same on every node)."""
+    endpoint = OmegaConf.select(cfg, "strategy.rdzv_endpoint", default=None)
+    slurm_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", "1") or 1)  # srun's step (submitit's tasks)
+    if slurm_nodes > max_nodes:
+        raise ConfigError(
+            f"this SLURM job step runs on {slurm_nodes} nodes but strategy.nnodes="
+            f"{OmegaConf.select(cfg, 'strategy.nnodes')}; set strategy.nnodes={slurm_nodes} "
+            f"(= hydra.launcher.nodes) and strategy.rdzv_endpoint=slurm"
+        )
+    if endpoint == "slurm":
+        endpoint = slurm_endpoint(os.environ, OmegaConf.select(cfg, "strategy.master_port", default=None))
+    if max_nodes == 1 and not endpoint:
+        return f"127.0.0.1:{_port(cfg)}", f"pitstop-{uuid.uuid4().hex[:8]}"
+    if not endpoint or ":" not in str(endpoint):
+        raise ConfigError(
+            f"strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} needs "
+            f"strategy.rdzv_endpoint=HOST:PORT (node 0's address), got {endpoint!r}"
+        )
+    import hashlib
+
+    name = os.path.basename(os.path.normpath(run_dir))
+    return str(endpoint), f"pitstop-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def slurm_endpoint(env: Mapping[str, str], port: int | None = None) -> str:
+    """``strategy.rdzv_endpoint=slurm``: the allocation's first node (node 0, whose agent hosts the rendezvous)
+    and a port derived from the job id (two jobs sharing a node do not collide), or ``strategy.master_port``."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError(
+            "strategy.rdzv_endpoint=slurm outside a SLURM allocation (no SLURM_JOB_NODELIST); give HOST:PORT"
+        )
+    return f"{first_host(nodelist)}:{int(port or 20000 + int(env.get('SLURM_JOB_ID', '0') or 0) % 20000)}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-08,11],cpu3`` -> ``gpu07``."""
+    import re
+
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}; give strategy.rdzv_endpoint=HOST:PORT")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def _port(cfg: DictConfig) -> int:
+    want = OmegaConf.select(cfg, "strategy.master_port", default=None)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", int(want or 0)))
+        except OSError as e:
+            raise ConfigError(
+                f"strategy.master_port={want} is not free ({e.strerror}); pick another or leave it null"
+            ) from None
+        return s.getsockname()[1]

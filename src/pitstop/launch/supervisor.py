@@ -1,0 +1,105 @@
+"""``strategy=single`` with ``trainer.max_restarts=N``: pitstop's own supervisor restarts the one process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.config import validate
+from pitstop.errors import ConfigError, PitstopError
+from pitstop.launch.attempt import run_attempt, warm_context
+from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.train import launch_facts
+from pitstop.train.launch_facts import LaunchFacts, error_file
+
+log = logging.getLogger("pitstop.launch")
+
+
+def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
+    """``strategy=single`` with ``trainer.max_restarts=N``: run the job in a child process and start it
+    again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
+    times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
+    storage errors may be transient (a remote store down for a while) and are.
+
+    Restarts are warm (:func:`warm_context`): attempts are forks of a pre-imported server, so a restart
+    costs the detection of the failure, the fork, init and restore, not a cold start. The first attempt's
+    ledger counts from the supervisor's own start (its imports and the server's are program start)."""
+    import multiprocessing as mp
+
+    validate(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
+    job_start = launch_facts.job_start()
+    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
+    try:
+        return _attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
+
+
+def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float, grace: float = 30.0) -> dict:
+    import json
+
+    errors = error_file(run_dir)
+    for attempt in range(max_restarts + 1):
+        if os.path.exists(errors):
+            os.remove(errors)
+        # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
+        # /proc's process start times is too coarse for sub-second restarts).
+        facts = LaunchFacts(
+            program_start=job_start if attempt == 0 else time.time(),
+            launched=True,
+            supervised=True,
+            restart=attempt,
+            start_method=ctx.get_start_method(),  # recorded in goodput.json (forkserver: a warm attempt)
+        )
+        child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-attempt{attempt}")
+        child.start()
+        try:
+            child.join()
+        finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): a notice for the attempt too
+            if child.is_alive():
+                child.terminate()  # SIGTERM: a preemption notice, the attempt saves within its grace period
+                child.join(grace + 30)
+                if child.is_alive():
+                    child.kill()
+            if child.exitcode == PREEMPTED_EXIT:
+                raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
+        code = child.exitcode
+        if code == 0:
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                return json.load(f)
+        if os.path.exists(errors):
+            with open(errors) as f:
+                why = f.read().strip()
+        else:
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        if code == 2:
+            raise ConfigError(why)
+        if attempt < max_restarts:
+            log.warning(
+                "attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
+                attempt + 1,
+                why,
+                attempt + 1,
+                max_restarts,
+            )
+    raise PitstopError(
+        f"the job failed {max_restarts + 1} times (last: {why}); "
+        f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log"
+    )
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
