@@ -151,7 +151,8 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
 
 # ---- the loop ---------------------------------------------------------------------------------------------
 def make_runner(model: str, row: str, run_dir: str, extra: list[str] = (), steps: int = 100000):
-    from pitstop.train.runner import Batches, Runner
+    from pitstop.train.runner import Runner
+    from pitstop.train.state import Batches
 
     spec = ROWS.get(row, row)
     ckpt = (spec if isinstance(spec, list) else ["ckpt=sync_dcp"]) + [

@@ -114,7 +114,8 @@ def checkpoint_tensors(path: Path) -> dict:
 
 
 def runner_at_step_one(cfg):
-    from pitstop.train.runner import Batches, Runner
+    from pitstop.train.runner import Runner
+    from pitstop.train.state import Batches
 
     r = Runner(cfg, cfg.run_dir)
     r.setup()

@@ -140,3 +140,30 @@ class JobNotice(_Handlers):
         self.received = signal.Signals(signum)
         log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
         raise self.exception(f"preemption notice ({self.received.name})", self.received)
+
+
+def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, ledger: Any, watchdog: Any) -> None:
+    """After a notice every rank is here after the same step: save this step if a save (as measured, start to
+    durable) fits the grace period and none is under way, then wait until the newest save is durable (or has
+    failed, per ``ckpt.on_error``) before the process goes."""
+    took = float(ckpt.stats().get("total_seconds_mean") or 0.0)
+    if ckpt.root is None:
+        log.warning("preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, step)
+    elif ckpt.last_started == step:
+        log.warning("preempted (%s) at step %d: the save of this step is already under way", why, step)
+    elif took > grace:
+        log.warning(
+            "preempted (%s) at step %d: a save takes ~%.1f s, more than trainer.preempt_grace_seconds=%g; "
+            "keeping the newest complete checkpoint (step %s)",
+            why,
+            step,
+            took,
+            grace,
+            ckpt.last_started,
+        )
+    else:
+        with watchdog.phase("checkpoint"):
+            ledger.add("checkpoint", ckpt.maybe_save(target, step, force=True).blocked)
+        log.warning("preempted (%s) at step %d: saved it", why, step)
+    with ledger.measure("checkpoint"), watchdog.phase("checkpoint"):
+        ckpt.wait()

@@ -1,0 +1,101 @@
+"""The state of a run besides the model and optimizer tensors, and the stream of training batches.
+
+``Progress`` (step, samples seen) and ``TrainState`` (what a checkpoint restores: progress, the loader's
+position, the LR schedule, the RNGs, the fingerprint, the loss scale) are saved and restored by every
+checkpoint backend; ``StepResult`` is one optimizer step's outcome; ``Batches`` fetches training batches in
+the watchdog's ``data`` phase and restarts stalled data workers once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pitstop.resilience.watchdog import DataStall, Watchdog
+from pitstop.train.precision import Precision
+from pitstop.train.seed import rng_state, set_rng_state
+
+log = logging.getLogger("pitstop")
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    samples_seen: int = 0
+
+
+class TrainState:
+    """Everything besides model and optimizer tensors that a checkpoint must restore (``Stateful``)."""
+
+    def __init__(self, progress: Progress, loader: Any, scheduler: Any, fingerprint: dict, precision: Precision):
+        self.progress, self.loader, self.scheduler, self._fingerprint = progress, loader, scheduler, fingerprint
+        self.precision = precision
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def fingerprint(self) -> dict:
+        """Config parts that must not change across a resume."""
+        return self._fingerprint
+
+    def state_dict(self) -> dict:
+        state = {
+            "step": self.progress.step,
+            "samples_seen": self.progress.samples_seen,
+            "loader": self.loader.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "fingerprint": self._fingerprint,
+        }
+        scaler = self.precision.state_dict()
+        if scaler:  # fp16: the loss scale and its growth tracker
+            state["scaler"] = scaler
+        return state
+
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
+        """``peers``: every saved rank's state (needed when the number of ranks changed)."""
+        self.progress.step, self.progress.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.loader.load_state_dict(state["loader"], peers=[p["loader"] for p in peers] if peers else None)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state.get("scaler"))
+        set_rng_state(state["rng"])
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: its mean loss, this rank's samples, and where its seconds went besides compute."""
+
+    loss: float
+    samples: int
+    data_wait: float
+    staging: float
+
+
+class Batches:
+    """The training batches, fetched in the watchdog's ``data`` phase.  When the data workers stall (a worker
+    stuck in a read, a store that stopped answering), the watchdog raises ``DataStall`` once: the workers are
+    restarted from the current data position and the fetch is tried again (a second stall in the same fetch
+    propagates, and the attempt ends)."""
+
+    def __init__(self, loader: Any, watchdog: Watchdog):
+        self.loader, self.watchdog = loader, watchdog
+        self.it = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            with self.watchdog.phase("data", heal=True):
+                return next(self.it)
+        except DataStall as e:
+            stalled = e  # (its traceback holds the stuck workers' iterator until it is dropped below)
+        with self.watchdog.phase("data"):  # the restart is data wait too; a stall in here is a hang
+            log.warning("%s", stalled)
+            stalled.__traceback__ = None  # the stuck workers stop (shut down, terminated if they do not)
+            del stalled
+            self.it.close()
+            self.it = iter(self.loader)  # new ones resume from the position of the last batch received
+            return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()

@@ -1,0 +1,57 @@
+"""How many optimizer steps a run has: ``trainer.max_steps``, or the batches of ``trainer.epochs`` over
+``trainer.grad_accum_steps`` — recomputed after a resume at another world size, with the LR schedule
+re-planned to decay over the steps left."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pitstop.errors import ConfigError
+from pitstop.train.lr import planned_steps, replan
+
+log = logging.getLogger("pitstop")
+
+
+def batches_left(loader: Any, epochs: int) -> int:
+    """Batches each rank has left of ``epochs`` from the loader's position, at this world size."""
+    left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
+    return left + sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
+
+
+def total_steps(trainer: Any, loader: Any, accum: int) -> int:
+    if trainer.max_steps is not None:
+        return int(trainer.max_steps)
+    # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
+    batches = batches_left(loader, int(trainer.epochs))  # (at setup: the loader is at the start)
+    if batches < accum:
+        raise ConfigError(
+            f"trainer.epochs={trainer.epochs} is {batches} batch(es) per rank, fewer than "
+            f"trainer.grad_accum_steps={accum}: not one step; train longer or accumulate less"
+        )
+    return batches // accum
+
+
+def steps_at_this_world_size(
+    step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, world_size: int
+) -> int:
+    """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
+    size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
+    the rest of its epoch to more or fewer ranks). The LR schedule (as saved) is re-planned to decay over them.
+    Returns the new total."""
+    new_total = step + batches_left(loader, epochs) // accum
+    planned = planned_steps(scheduler) or total
+    if new_total != planned:
+        fits = replan(scheduler, step, new_total)
+        log.info(
+            "resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",
+            step,
+            world_size,
+            epochs,
+            new_total,
+            planned,
+            "the LR schedule decays over the steps left from where it was"
+            if fits
+            else f"the LR schedule ({type(scheduler).__name__}) cannot be re-planned and keeps its length",
+        )
+    return new_total
