@@ -95,7 +95,8 @@ def peer(kind: str, ckpt_dir: str, throttle_mbps: float | None):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from pitstop.ckpt.base import CheckpointManager, Pending
+    from pitstop.ckpt.contract import Pending
+    from pitstop.ckpt.manager import CheckpointManager
     from pitstop.ckpt.formats import encode_json
     from pitstop.ckpt.storage import open_write
     from pitstop.ckpt.sync_dcp import dcp_writer

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import CONF
 from pitstop.config.build import build
-from pitstop.ckpt.base import Checkpointer, SaveResult
+from pitstop.ckpt.contract import Checkpointer, SaveResult
 from pitstop.resilience.fault import Fault
 from pitstop.launch.failures import root_failure
 from pitstop.launch.mode import LaunchMode, launch_mode

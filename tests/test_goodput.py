@@ -14,7 +14,8 @@ import pytest
 
 from conftest import PY, cli, read_jsonl, refused, run_cmd, train
 from pitstop.errors import ConfigError
-from pitstop.goodput.model import AutoInterval, best_interval, exact_goodput, expected_goodput, young_daly
+from pitstop.goodput.interval import AutoInterval
+from pitstop.goodput.model import best_interval, exact_goodput, expected_goodput, young_daly
 from pitstop.goodput.ledger import JOB_BUCKETS, account
 
 RUN = [
@@ -435,7 +436,7 @@ def test_inconsistent_fault_and_interval_settings_fail_before_training(make_cfg,
 
 
 def test_auto_interval_sources_and_start_value(caplog):
-    with caplog.at_level(logging.INFO, logger="pitstop.goodput.model"):
+    with caplog.at_level(logging.INFO, logger="pitstop.goodput.interval"):
         auto = AutoInterval(None, "")
     assert auto.mtbf == 86400 and "no MTBF known yet" in caplog.text
     assert math.isclose(auto.update(0.5, 0.0), math.sqrt(2 * 0.5 * 86400))

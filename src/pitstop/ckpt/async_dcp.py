@@ -10,7 +10,7 @@ process, or a checkpoint process reading the host buffers from shared memory) wr
 - ``async_dcp_pinned``: pinned and shared host memory for a checkpoint process (shared memory on CPU).
 
 The lifecycle (one save in flight, waiting for staging before the state changes, commit, failure handling
-per ``ckpt.on_error``, waiting for the last save at close) is :class:`~pitstop.ckpt.base.CheckpointManager`'s;
+per ``ckpt.on_error``, waiting for the last save at close) is :class:`~pitstop.ckpt.manager.CheckpointManager`'s;
 this module only starts the write and says where staging happens.
 """
 
@@ -31,7 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pitstop.ckpt.base import ERRORS, CheckpointManager, Pending, SaveRecord, SaveResult, Target, one_line
+from pitstop.ckpt.contract import Pending, SaveRecord, SaveResult, Target, one_line
+from pitstop.ckpt.dcp import ERRORS
+from pitstop.ckpt.manager import CheckpointManager
 from pitstop.ckpt.staging import HostStager, Layout, layout_bytes, staged_leaves
 from pitstop.ckpt.sync_dcp import check_format, dcp_writer, planner
 from pitstop.errors import CheckpointError, ConfigError
@@ -117,7 +119,7 @@ class AsyncDCP(CheckpointManager):
             # The optimizer has state now (a step ran), so the state's layout is final: allocate the host buffers
             # in the background while training goes on, not in the first save (which then took 2-6x a later one)
             self._prepared = True
-            state = dict(zip(("model", "optim"), self._state_dicts(target)))
+            state = dict(zip(("model", "optim"), self._sd.get(target)))
             self._check_shared_memory(state)
             self.stager.prepare(state)
         return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pitstop.ckpt.base import Checkpointer, SaveResult, Target
+from pitstop.ckpt.contract import Checkpointer, SaveResult, Target
 
 
 class NoCheckpoint(Checkpointer):
@@ -13,15 +13,7 @@ class NoCheckpoint(Checkpointer):
     def __init__(self, **_: Any):
         self.root, self.last_started = None, None
 
-    def setup(
-        self,
-        strategy: Any,
-        report: Callable[[dict, int], None],
-        *,
-        fault_mtbf: float | None = None,
-        failures: int = 0,
-        job_seconds: float = 0.0,
-    ) -> None:
+    def setup(self, strategy: Any, report: Callable[[dict, int], None], intervals: Any = None) -> None:
         pass
 
     def restore(self, target: Target) -> int | None:

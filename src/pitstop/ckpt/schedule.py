@@ -1,13 +1,13 @@
 """When a save is due: every ``interval_steps``, every ``interval_seconds``, or ``interval=auto``
 (Young–Daly from the measured blocking cost per save and the best MTBF known, see
-:class:`pitstop.goodput.model.AutoInterval`).  It knows nothing about how a save is written."""
+:class:`pitstop.goodput.interval.AutoInterval`).  It knows nothing about how a save is written."""
 
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from pitstop.goodput.model import AutoInterval
+from pitstop.goodput.interval import AutoInterval
 
 
 class SaveSchedule:

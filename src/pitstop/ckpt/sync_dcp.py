@@ -9,7 +9,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from pitstop import fsurl
-from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
+from pitstop.ckpt.contract import Pending, SaveRecord
+from pitstop.ckpt.manager import CheckpointManager
 from pitstop.ckpt.rawdcp import FORMATS, RawFileSystemWriter, RawFsspecWriter
 from pitstop.ckpt.storage import ThrottledFileSystem
 from pitstop.errors import ConfigError

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pitstop.ckpt.base import CheckpointManager, Pending, SaveRecord
+from pitstop.ckpt.contract import Pending, SaveRecord
+from pitstop.ckpt.manager import CheckpointManager
 from pitstop.ckpt.formats import write_torch_save
 
 

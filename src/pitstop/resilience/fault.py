@@ -46,7 +46,7 @@ class FaultContext:
     total_steps: int
     max_restarts: int
     start_wall: float  # when this process started (time.time())
-    checkpointer: Any  # pitstop.ckpt.base.Checkpointer: its root and the step of the newest save started
+    checkpointer: Any  # pitstop.ckpt.contract.Checkpointer: its root and the step of the newest save started
     grad_accum_steps: int = 1  # micro-batches per step
 
 

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.ckpt.base import ERRORS, Target
+from pitstop.ckpt.contract import Target
+from pitstop.ckpt.dcp import ERRORS
+from pitstop.goodput.interval import IntervalPolicy
 from pitstop.config import flatten, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
@@ -126,13 +128,14 @@ class Runner:
             hold.callback(self._close_logger, "FAILED")  # a no-op once finish() closed it
             self.ckpt = build(cfg.ckpt)
             hold.callback(self._release_ckpt)
-            self.ckpt.setup(
-                self.strategy,
-                self.report,
-                fault_mtbf=OmegaConf.select(cfg, "fault.mtbf_seconds"),
-                failures=self.goodput.failures(),
-                job_seconds=self.goodput.job_seconds(),
+            fault_mtbf = OmegaConf.select(cfg, "fault.mtbf_seconds") or None
+            intervals = IntervalPolicy(
+                fault_mtbf,
+                "fault.mtbf_seconds" if fault_mtbf else "",
+                self.goodput.failures(),
+                self.goodput.job_seconds(),
             )
+            self.ckpt.setup(self.strategy, self.report, intervals)
             if cfg.data.get("record_sample_ids"):
                 attempt_id = self.strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
                 self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking)

@@ -21,7 +21,8 @@ from typing import Any
 
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
-from pitstop.data.loader.base import ShardLoader, ShardSource, parse_size
+from pitstop.data.loader.base import ShardLoader, ShardSource
+from pitstop.data.loader.sizes import parse_size
 from pitstop.data.loader.cache import POLICIES, ShardCache
 
 MAX_DEPTH = 8

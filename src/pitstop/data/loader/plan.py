@@ -187,7 +187,8 @@ def read_order(items: list[Item], window: int, seed: int, epoch: int, stream: in
 
 
 def count_batches(items: list[Item], batch_size: int, drop_last: bool) -> int:
-    """The batches a stream reading ``items`` yields (as :class:`~pitstop.data.loader.base.StreamReader` cuts them)."""
+    """The batches a stream reading ``items`` yields (as :class:`~pitstop.data.loader.reader.StreamReader`
+    cuts them)."""
     n = acc = 0
     for _, _, first, end, cut in items:
         acc += end - first

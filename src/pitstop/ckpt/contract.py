@@ -1,0 +1,133 @@
+"""The checkpointer contract, as the training loop sees it, and the records of a save.
+
+:class:`Checkpointer` is what every ``conf/ckpt/`` option implements, ``none`` included; the saving backends
+share one implementation of its lifecycle (:mod:`.manager`).  Nothing here imports ``torch.distributed``.
+
+The saved state (the same for every backend, so checkpoints are interchangeable):
+- ``model`` and ``optim``: from DCP's ``get_state_dict`` (the same keys for plain, DDP and FSDP models);
+- ``train.rank{R}``: the rest of each rank's state — step and sample counters, LR schedule, data-loader
+  position, every RNG state and the config fingerprint — as JSON bytes in a uint8 tensor, so nothing is
+  ever unpickled: ``torch.load`` always runs with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from pitstop.goodput.interval import IntervalPolicy
+
+
+class TrainStateLike(Protocol):
+    """What a checkpoint holds besides model and optimizer tensors (``pitstop.train.runner.TrainState``)."""
+
+    step: int
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None: ...
+
+    def fingerprint(self) -> dict: ...
+
+
+@dataclass
+class Target:
+    """What is saved and restored: the (wrapped) model, its optimizer and the rest of the train state."""
+
+    model: Any  # a torch.nn.Module, wrapped by the strategy
+    optimizer: Any
+    state: TrainStateLike
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What :meth:`Checkpointer.maybe_save` did: seconds the loop was blocked, and the step of the save it
+    started (None if none was due)."""
+
+    blocked: float = 0.0
+    started: int | None = None
+
+
+class Checkpointer(ABC):
+    """The contract of a ``ckpt`` option, as the training loop uses it (in this order)."""
+
+    name: str = "base"
+    root: str | None = None  # where checkpoints go (None: nowhere)
+    last_started: int | None = None  # the step of the newest save started (in flight or done)
+
+    @abstractmethod
+    def setup(
+        self, strategy: Any, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+    ) -> None:
+        """Bind to the job: ``strategy`` (ranks, collectives), ``report(metrics, step)`` (per-save costs),
+        ``intervals``: what ``interval=auto`` knows of the job's failures (ignored by fixed intervals)."""
+
+    @abstractmethod
+    def restore(self, target: Target) -> int | None:
+        """Load the checkpoint chosen by ``ckpt.load`` into ``target``; return its step, or None to start fresh."""
+
+    @abstractmethod
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
+        """Save ``target`` at ``step`` if due (``last``: the final step; ``force``: now, e.g. on a preemption)."""
+
+    @abstractmethod
+    def wait_staging(self) -> float:
+        """Called before ``optimizer.step()`` changes parameters and optimizer state: a background copy of them
+        finishes here (what forward changes was copied when the save started). Returns seconds waited."""
+
+    @abstractmethod
+    def wait(self) -> float:
+        """Wait until the save in flight (if any) is durable or failed. Returns seconds waited."""
+
+    @abstractmethod
+    def poll(self) -> None:
+        """Settle a background save that has finished (commit it, or report its failure) without waiting."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for the last save and release resources; raise if the run must not count as a success."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Per-run figures for summary.json (saves, failures, blocking and total seconds, bytes)."""
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    path: str
+    last: bool = False
+    tier: str = "durable"  # durable (ckpt.dir) | local (ckpt.local.dir)
+    throttle_mbps: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+    block_seconds: float = 0.0
+    total_seconds: float | None = None
+    finished: float | None = None  # when the write became durable (set from the writer's thread)
+    bytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Pending:
+    """A save still running in the background: ``staging`` (host copy; may be None) then ``upload`` (write)."""
+
+    record: SaveRecord
+    upload: Future
+    staging: Future | None = None
+
+
+def one_line(error: BaseException) -> str:
+    """A one-line description of a save/load failure (DCP wraps per-rank tracebacks; keep the cause)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, exc in sorted(failures.items()):
+            inner = exc[0] if isinstance(exc, tuple) else exc
+            parts.append(f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:200]}")
+        return "; ".join(parts)
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:400]

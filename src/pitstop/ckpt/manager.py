@@ -1,0 +1,379 @@
+"""The save lifecycle every saving backend shares: :class:`CheckpointManager` implements the
+:class:`~pitstop.ckpt.contract.Checkpointer` contract once — restore (with fallback, :mod:`.restore`), one
+save in flight (staging, upload, commit or failure), retention, the tiers (:mod:`.tiers`) and the
+accounting.  A backend only says how it writes (:meth:`CheckpointManager._write`, returning the futures of
+a background save, if any) and, optionally, how it reads.  The layout on disk is :mod:`.layout`, when a
+save is due is :mod:`.schedule`, the file formats are :mod:`.formats`, DCP's state-dict calls :mod:`.dcp`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from pitstop import fsurl
+from pitstop.ckpt import dcp, layout
+from pitstop.ckpt import restore as fallback
+from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, one_line
+from pitstop.ckpt.formats import encode_json, read_checkpoint
+from pitstop.ckpt.storage import dir_bytes
+from pitstop.ckpt.tiers import Tier, local_settings, positive_or_null
+from pitstop.errors import CheckpointError, ConfigError
+from pitstop.goodput.interval import IntervalPolicy
+
+log = logging.getLogger("pitstop.ckpt")
+
+
+class CheckpointManager(Checkpointer):
+    """The saving backends' common part; a subclass implements :meth:`_write` (and may override :meth:`_read`)."""
+
+    name = "base"
+    is_async = False
+    full_state = False  # gather the full (unsharded) state on rank 0 instead of per-rank shards
+
+    def __init__(
+        self,
+        dir: str,
+        interval_steps: int | None = None,
+        interval_seconds: float | None = None,
+        keep_last_k: int = 3,
+        save_last: bool = True,
+        load: Any = "auto",
+        on_error: str = "raise",
+        load_model_only: bool = False,
+        throttle_mbps: float | None = None,
+        interval: Any = None,
+        mtbf_seconds: float | None = None,
+        local: Any = None,
+        storage_options: Any = None,
+        **_: Any,
+    ):
+        if on_error not in ("raise", "warn"):
+            raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
+        positive_or_null(
+            ("ckpt.interval_steps", interval_steps),
+            ("ckpt.interval_seconds", interval_seconds),
+            ("ckpt.mtbf_seconds", mtbf_seconds),
+            ("ckpt.throttle_mbps", throttle_mbps),
+        )
+        if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 0:
+            raise ConfigError(f"ckpt.keep_last_k must be an integer >= 0 (0 keeps all), got {keep_last_k!r}")
+        if self.is_async and keep_last_k == 1:
+            raise ConfigError(
+                "ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "
+                "use 2 or more, or 0 to keep all"
+            )
+        if interval not in (None, "auto"):
+            raise ConfigError(
+                f"ckpt.interval={interval!r}: use auto (Young–Daly from measured save cost and MTBF) "
+                f"or null with ckpt.interval_steps / ckpt.interval_seconds"
+            )
+        self.root = str(dir).rstrip("/") if fsurl.is_url(dir) else str(dir)
+        if fsurl.is_url(self.root):
+            if throttle_mbps:
+                raise ConfigError(
+                    f"ckpt.throttle_mbps limits writes to a local dir; ckpt.dir={self.root} is remote: "
+                    f"set ckpt.throttle_mbps=null (throttle the store itself instead)"
+                )
+            fsurl.use_options(self.root, fsurl.storage_options(storage_options, "ckpt.storage_options"))
+        self.auto, self.mtbf_seconds = interval == "auto", mtbf_seconds
+        if self.auto:  # the measured interval replaces the fixed ones
+            interval_steps = interval_seconds = None
+        self.load_spec, self.on_error = load, on_error
+        self.load_model_only, self.throttle_mbps = bool(load_model_only), throttle_mbps
+        self.durable = Tier("durable", self.root, keep_last_k, interval_steps, interval_seconds, save_last)
+        self._local_cfg = local_settings(local, self.root, self.is_async)
+        self.local: Tier | None = None  # ckpt.local: made in setup() (its dir is per run)
+        self.records: list[SaveRecord] = []
+        self.pending: Pending | None = None
+        self.failures = 0
+        self._done: list[SaveRecord] = []  # finished in the background, not yet reported
+        self._lock = threading.Lock()
+        self._purger: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
+        self.last_started = None
+
+    # ---- wiring -------------------------------------------------------------------------------------
+    def setup(
+        self, strategy: Any, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+    ) -> None:
+        self.strategy, self.report = strategy, report
+        self.rank, self.world_size = strategy.rank, strategy.world_size
+        self.group = strategy.ckpt_group()
+        if self.rank == 0:
+            layout.check_writable(self.root)
+            self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
+        strategy.barrier()
+        policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
+        self.durable.make_schedule(policy.auto() if self.auto else None)
+        self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
+        self._setup_backend()
+
+    def _setup_local(self, make_auto: Callable[[], Any]) -> None:
+        """The local tier lives in ``<ckpt.local.dir>/<run id>``: the run id is kept in ``ckpt.dir``, so a run dir
+        deleted and made again never resumes from a stale local checkpoint of the old one.  A local dir that
+        cannot be written is not fatal: the run goes on with the durable tier only, and says so."""
+        c = self._local_cfg
+        if c is None:
+            return
+        run_id = layout.run_id(self.root) if self.rank == 0 else None
+        run_id = self.strategy.broadcast_object(run_id)
+        root = os.path.join(c["dir"], run_id)
+        problem = None
+        try:
+            layout.check_writable(root, key="ckpt.local.dir")
+        except CheckpointError as e:
+            problem = str(e)
+        if self.strategy.any(problem is not None):  # every rank uses the local tier, or none does
+            log.warning(
+                "local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
+                problem or "not writable on another rank",
+            )
+            return
+        self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], False)
+        self.local.make_schedule(make_auto() if c["auto"] else None)
+        every = [
+            f"{c['interval_steps']} steps" if c["interval_steps"] else "",
+            f"{c['interval_seconds']} s" if c["interval_seconds"] else "",
+        ]
+        log.info(
+            "local checkpoint tier: %s (%s; keep %d)",
+            root,
+            "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e),
+            c["keep"],
+        )
+
+    def _setup_backend(self) -> None:
+        """Per-run resources of a backend (stagers, checkpoint processes)."""
+
+    # ---- restore (with fallback: .restore) ---------------------------------------------------------
+    def restore(self, target: Target) -> int | None:
+        self._sd.info(target)  # per-run analysis for saves, done during setup rather than at the first save
+        if self.load_spec in (None, "none", False):
+            return None
+        local_root = self.local.root if self.local is not None else None
+        choice = fallback.candidates(self.strategy, self.root, local_root, self.load_spec)
+        explicit = self.load_spec != "auto"
+        load = lambda path: self._load(path, target)  # noqa: E731
+        return fallback.first_loadable(
+            self.strategy, choice, explicit, load, self.root, local_root, lambda: target.state.step
+        )
+
+    def _load(self, path: str, target: Target) -> None:
+        read = self._read(path, target)
+        fallback.load_into(path, target, read, self.rank, self.world_size, self.load_model_only)
+
+    def _read(self, path: str, target: Target) -> tuple[dict, dict, dict[str, dict]]:
+        return read_checkpoint(path, target.model, target.optimizer, self.group)
+
+    # ---- save ---------------------------------------------------------------------------------------
+    def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
+        self.poll()
+        self._report_finished()
+        for tier in self._tiers():
+            if tier.schedule.auto is not None and tier.schedule.saves:
+                self._measure_auto(tier, step)
+        tier = self._due_tier(step, last, force)
+        if tier is None:
+            return SaveResult()
+        t0 = time.perf_counter()
+        self.wait()  # at most one save in flight
+        self.last_started = step
+        tier.schedule.started()
+        if tier is self.durable and self.local is not None:
+            self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
+        record = SaveRecord(
+            step=step,
+            path=layout.step_dir(tier.root, step),
+            last=last,
+            tier=tier.name,
+            throttle_mbps=self.throttle_mbps if tier is self.durable else None,
+        )
+        if self.rank == 0:
+            layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
+        self.strategy.barrier()
+        try:
+            pending = self._write(self._app_state(target), record)
+        except dcp.ERRORS as e:  # handled per on_error
+            self._failed(record, e)
+        else:
+            if pending is None:
+                self._committed(record)
+            else:
+                pending.upload.add_done_callback(lambda _: setattr(record, "finished", time.perf_counter()))
+                self.pending = pending
+        block = time.perf_counter() - t0
+        record.block_seconds += block
+        tier.blocked_total += block
+        tier.schedule.finished_blocking()
+        return SaveResult(blocked=block, started=step)
+
+    def _tiers(self) -> list[Tier]:
+        return [self.durable] if self.local is None else [self.durable, self.local]
+
+    def _tier(self, record: SaveRecord) -> Tier:
+        return self.local if record.tier == "local" and self.local is not None else self.durable
+
+    def _due_tier(self, step: int, last: bool, force: bool) -> Tier | None:
+        """The durable tier when it is due (and always for the last step or a forced save: a preempted machine
+        takes its local tier with it), else the local tier when it is due."""
+        agree = self.strategy.agree
+        if force or self.durable.schedule.due(step, last, agree):
+            return self.durable
+        if self.local is not None and not last and self.local.schedule.due(step, False, agree):
+            return self.local
+        return None
+
+    def _measure_auto(self, tier: Tier, step: int) -> None:
+        """Young–Daly from this attempt's measured blocking cost per save of ``tier`` (staging waits included)
+        and, for async saves, never before the last one became durable."""
+        cost = tier.blocked_total / max(tier.schedule.saves, 1)
+        ok = [
+            r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name
+        ]
+        write = sum(ok[-5:]) / len(ok[-5:]) if ok and self.is_async else 0.0
+        moved = tier.schedule.measured(cost, write)
+        if moved is not None:
+            key = "ckpt_interval_seconds" if tier is self.durable else "ckpt_local_interval_seconds"
+            self.report({key: moved}, step)
+
+    def _app_state(self, target: Target) -> dict:
+        self.strategy.sync_buffers(target.model)
+        model_sd, optim_sd = self._sd.get(target)
+        return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(target.state.state_dict())}
+
+    def wait_staging(self) -> float:
+        p = self.pending
+        if p is None or p.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            p.staging.result()
+        except dcp.ERRORS as e:  # the upload future carries the same failure
+            log.debug("staging failed: %s", e)
+        p.staging = None
+        waited = time.perf_counter() - t0
+        p.record.block_seconds += waited
+        self._tier(p.record).blocked_total += waited
+        return waited
+
+    def wait(self) -> float:
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.wait_staging()
+        p, self.pending = self.pending, None
+        try:
+            p.upload.result()
+        except dcp.ERRORS as e:  # handled per on_error
+            self._failed(p.record, e)
+        else:
+            self._committed(p.record)
+        return time.perf_counter() - t0
+
+    def poll(self) -> None:
+        if self.pending is not None and self.pending.upload.done():
+            self.wait()
+
+    def _committed(self, record: SaveRecord) -> None:
+        """A save became durable: account for it and purge old checkpoints (rank 0, in the background)."""
+        record.total_seconds = (record.finished or time.perf_counter()) - record.started
+        if self.rank == 0:
+            record.bytes = dir_bytes(record.path)
+            if self._purger is not None:
+                tier = self._tier(record)
+                self._purger.submit(layout.purge, tier.root, tier.keep_last_k)
+                if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
+                    self._purger.submit(layout.purge_up_to, self.local.root, record.step)
+        with self._lock:
+            self._done.append(record)
+
+    def _failed(self, record: SaveRecord, error: BaseException) -> None:
+        record.error = one_line(error)
+        self.failures += 1
+        local = record.tier == "local"
+        log.error(
+            "%scheckpoint at step %d failed: %s (it is not committed; older checkpoints are intact%s)",
+            "local-tier " if local else "",
+            record.step,
+            record.error,
+            "; the durable tier is unaffected" if local else "",
+        )
+        if not layout.is_complete(record.path) and (self.rank == 0 or local):
+            layout.remove(record.path)  # (a local tier may be per node: every rank cleans)
+        with self._lock:
+            self._done.append(record)
+        if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run
+            raise CheckpointError(f"checkpoint at step {record.step} failed: {record.error}") from error
+
+    def _report_finished(self) -> None:
+        with self._lock:
+            done, self._done = self._done, []
+        for rec in done:
+            self.records.append(rec)
+            metrics = {"ckpt_block_seconds": rec.block_seconds, "ckpt_failed": float(rec.error is not None)}
+            if rec.error is None:
+                metrics.update(ckpt_total_seconds=rec.total_seconds, ckpt_bytes=float(rec.bytes))
+            if rec.tier == "local":
+                metrics = {k.replace("ckpt_", "ckpt_local_", 1): v for k, v in metrics.items()}
+            self.report(metrics, rec.step)
+
+    def close(self) -> None:
+        """Wait for the last save; never let the run end successfully with a save in flight or failed.
+        Only the first call does anything (the runner also calls it on the way out of a failed run)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._report_finished()
+            if self._purger is not None:
+                self._purger.shutdown(wait=True)
+                self._purger = None
+            self._shutdown()
+        durable = [r for r in self.records if r.tier == "durable"]
+        last = durable[-1] if durable else None
+        if self.local is not None and last is not None and last.last and last.error is None and self.rank == 0:
+            shutil.rmtree(self.local.root, ignore_errors=True)  # the run is complete: free the tmpfs
+        if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
+            # The final save failed (or failures must fail the run): never report success.
+            raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
+
+    def _shutdown(self) -> None:
+        """Release per-run backend resources (also after a failure)."""
+
+    def stats(self) -> dict:
+        """The durable tier's figures (``local_*``: the local tier's, when it is on)."""
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+
+        def figures(tier: str) -> dict:
+            records = [r for r in self.records if r.tier == tier]
+            ok = [r for r in records if r.error is None]
+            return {
+                "saves": len(ok),
+                "failures": sum(1 for r in records if r.error is not None),
+                "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
+                "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+                "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+                "bytes_last": ok[-1].bytes if ok else 0,
+            }
+
+        out = {"backend": self.name, **figures("durable")}
+        if self.local is not None:
+            out.update({f"local_{k}": v for k, v in figures("local").items()})
+            out["local_dir"] = self.local.root
+        return out
+
+    # ---- backend hook ---------------------------------------------------------------------------------
+    @abstractmethod
+    def _write(self, app_state: dict, record: SaveRecord) -> Pending | None:
+        """Write ``app_state`` to ``record.path``: return None once it is committed (a synchronous save), or
+        the futures of a save that goes on in the background (the lifecycle here waits for and commits it)."""

@@ -1,0 +1,87 @@
+"""Where checkpoints go: the durable tier (``ckpt.dir``) and the optional local tier (``ckpt.local``: tmpfs
+or a node-local disk, saved more often, purged once a durable save is newer), each with its root, retention,
+schedule and the loop time spent in its saves."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pitstop import fsurl
+from pitstop.errors import ConfigError
+
+
+class Tier:
+    """One place checkpoints go: its root, retention, schedule and the loop's measured time in its saves."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        keep_last_k: int,
+        interval_steps: int | None,
+        interval_seconds: float | None,
+        save_last: bool,
+    ):
+        self.name, self.root, self.keep_last_k = name, root, keep_last_k
+        self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
+        self.schedule: Any = None  # SaveSchedule, made in setup()
+        self.blocked_total = 0.0
+
+    def make_schedule(self, auto: Any) -> None:
+        """``auto``: an AutoInterval for ``interval=auto`` (then the fixed intervals are null), else None."""
+        from pitstop.ckpt.schedule import SaveSchedule
+
+        self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+
+
+LOCAL_AUTO_DIR = "/dev/shm/pitstop"
+
+
+def positive_or_null(*settings: tuple[str, Any]) -> None:
+    for key, v in settings:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
+
+
+def local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None:
+    """Check ``ckpt.local``; None when the local tier is off (``ckpt.local.dir`` null)."""
+    local = dict(local or {})
+    where = local.get("dir")
+    if where in (None, "", False):
+        return None
+    where = LOCAL_AUTO_DIR if where == "auto" else str(where)
+    if fsurl.is_url(where):
+        raise ConfigError(
+            f"ckpt.local.dir={where}: the local tier is a local dir (tmpfs such as /dev/shm, or a "
+            f"node-local disk); remote checkpoints go to ckpt.dir"
+        )
+    where = os.path.abspath(where)
+    durable = os.path.abspath(durable_root)
+    if not fsurl.is_url(durable_root) and os.path.commonpath([where, durable]) in (where, durable):
+        raise ConfigError(
+            f"ckpt.local.dir={where} overlaps ckpt.dir={durable}: the local tier must be another "
+            f"place (tmpfs such as /dev/shm, or a node-local disk)"
+        )
+    steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
+    positive_or_null(("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds))
+    if interval not in (None, "auto"):
+        raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
+    if interval is None and not steps and not seconds:
+        raise ConfigError(
+            "ckpt.local.dir is set but the local tier has no interval: set ckpt.local.interval_steps, "
+            "ckpt.local.interval_seconds or ckpt.local.interval=auto"
+        )
+    keep = local.get("keep_last_k", 2)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or (is_async and keep < 2):
+        raise ConfigError(
+            f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
+            f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}"
+        )
+    return {
+        "dir": where,
+        "interval_steps": None if interval == "auto" else steps,
+        "interval_seconds": None if interval == "auto" else seconds,
+        "auto": interval == "auto",
+        "keep": keep,
+    }
