@@ -23,7 +23,8 @@ from pitstop.ckpt import restore as fallback
 from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, one_line
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.ckpt.tiers import Tier, local_settings, positive_or_null
+from pitstop.ckpt.tiers import Tier, local_settings
+from pitstop.config import checks
 from pitstop.errors import CheckpointError, ConfigError
 from pitstop.goodput.interval import IntervalPolicy
 
@@ -52,18 +53,17 @@ class CheckpointManager(Checkpointer):
         mtbf_seconds: float | None = None,
         local: Any = None,
         storage_options: Any = None,
-        **_: Any,
     ):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
-        positive_or_null(
+        for key, value in (
             ("ckpt.interval_steps", interval_steps),
             ("ckpt.interval_seconds", interval_seconds),
             ("ckpt.mtbf_seconds", mtbf_seconds),
             ("ckpt.throttle_mbps", throttle_mbps),
-        )
-        if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 0:
-            raise ConfigError(f"ckpt.keep_last_k must be an integer >= 0 (0 keeps all), got {keep_last_k!r}")
+        ):
+            checks.positive(key, value, optional=True, or_null=True)
+        checks.integer("ckpt.keep_last_k", keep_last_k, at_least=0, note=" (0 keeps all)")
         if self.is_async and keep_last_k == 1:
             raise ConfigError(
                 "ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "

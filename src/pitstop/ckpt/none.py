@@ -10,7 +10,25 @@ from pitstop.ckpt.contract import Checkpointer, SaveResult, Target
 class NoCheckpoint(Checkpointer):
     name = "none"
 
-    def __init__(self, **_: Any):
+    def __init__(
+        self,
+        *,
+        dir: Any = None,
+        interval_steps: Any = None,
+        interval_seconds: Any = None,
+        interval: Any = None,
+        mtbf_seconds: Any = None,
+        keep_last_k: Any = None,
+        save_last: Any = None,
+        load: Any = None,
+        load_model_only: Any = None,
+        on_error: Any = None,
+        throttle_mbps: Any = None,
+        storage_options: Any = None,
+        local: Any = None,
+    ):
+        """The saving backends' keys are accepted and unused: ``conf/ckpt/none.yaml`` carries them so that a sweep
+        over ``ckpt=none,async_dcp ckpt.interval=auto`` composes. Any other key is refused."""
         self.root, self.last_started = None, None
 
     def setup(self, strategy: Any, report: Callable[[dict, int], None], intervals: Any = None) -> None:

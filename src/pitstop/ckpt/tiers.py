@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from pitstop import fsurl
+from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 
@@ -38,12 +39,6 @@ class Tier:
 LOCAL_AUTO_DIR = "/dev/shm/pitstop"
 
 
-def positive_or_null(*settings: tuple[str, Any]) -> None:
-    for key, v in settings:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise ConfigError(f"{key} must be a positive number or null, got {v!r}")
-
-
 def local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None:
     """Check ``ckpt.local``; None when the local tier is off (``ckpt.local.dir`` null)."""
     local = dict(local or {})
@@ -64,7 +59,8 @@ def local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None
             f"place (tmpfs such as /dev/shm, or a node-local disk)"
         )
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
-    positive_or_null(("ckpt.local.interval_steps", steps), ("ckpt.local.interval_seconds", seconds))
+    checks.positive("ckpt.local.interval_steps", steps, optional=True, or_null=True)
+    checks.positive("ckpt.local.interval_seconds", seconds, optional=True, or_null=True)
     if interval not in (None, "auto"):
         raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
     if interval is None and not steps and not seconds:
@@ -73,7 +69,7 @@ def local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None
             "ckpt.local.interval_seconds or ckpt.local.interval=auto"
         )
     keep = local.get("keep_last_k", 2)
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or (is_async and keep < 2):
+    if not checks.is_integer(keep) or keep < 1 or (is_async and keep < 2):
         raise ConfigError(
             f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
             f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}"

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 
@@ -14,37 +15,19 @@ def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
 
 
-def positive_int(cfg: DictConfig, key: str, optional: bool = False) -> None:
-    v = _get(cfg, key)
-    if v is None and optional:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-
-
-def positive_number(cfg: DictConfig, key: str, optional: bool = False) -> None:
-    v = _get(cfg, key)
-    if v is None and optional:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(f"{key} must be a positive number, got {v!r}")
-
-
 def validate(cfg: DictConfig) -> None:
     """Validate the parts of the config every run relies on (components validate their own)."""
     for key in ("trainer.batch_size", "trainer.log_every_steps", "trainer.grad_accum_steps"):
-        positive_int(cfg, key)
+        checks.integer(key, _get(cfg, key))
     for key in ("trainer.max_steps", "trainer.epochs", "trainer.eval_every_steps", "trainer.eval_max_batches"):
-        positive_int(cfg, key, optional=True)
+        checks.integer(key, _get(cfg, key), optional=True)
     if _get(cfg, "trainer.max_steps") is None and _get(cfg, "trainer.epochs") is None:
         raise ConfigError("set trainer.max_steps or trainer.epochs")
-    positive_number(cfg, "optim.lr")
-    positive_number(cfg, "trainer.grad_clip", optional=True)
-    if not isinstance(_get(cfg, "seed"), int) or isinstance(_get(cfg, "seed"), bool):
+    checks.positive("optim.lr", _get(cfg, "optim.lr"))
+    checks.positive("trainer.grad_clip", _get(cfg, "trainer.grad_clip"), optional=True)
+    if not checks.is_integer(_get(cfg, "seed")):
         raise ConfigError(f"seed must be an integer, got {_get(cfg, 'seed')!r}")
-    workers = _get(cfg, "loader.num_workers")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"loader.num_workers must be an integer >= 0, got {workers!r}")
+    checks.integer("loader.num_workers", _get(cfg, "loader.num_workers"), at_least=0)
 
 
 def flatten(cfg: DictConfig) -> dict[str, str]:

@@ -18,7 +18,7 @@ class ShardedDataset:
     prepare_hint = "python -m recipe.prepare"
     storage_options: dict = {}  # fsspec options to reach a remote root: set by the loader (loader.storage_options)
 
-    def __init__(self, root: str, skip_corrupt: bool = False, record_sample_ids: bool = False, **_: Any):
+    def __init__(self, root: str, skip_corrupt: bool = False, record_sample_ids: bool = False):
         self.root = str(root)
         self.skip_corrupt = bool(skip_corrupt)
         self.record_sample_ids = bool(record_sample_ids)

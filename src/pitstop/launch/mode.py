@@ -8,6 +8,7 @@ from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 
@@ -27,9 +28,7 @@ def nnodes(cfg: DictConfig) -> tuple[int, int]:
 
 def nproc(cfg: DictConfig) -> int:
     n = OmegaConf.select(cfg, "strategy.nproc_per_node", default=1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"strategy.nproc_per_node must be a positive integer, got {n!r}")
-    return n
+    return checks.integer("strategy.nproc_per_node", n)
 
 
 class LaunchMode(str, Enum):
@@ -57,6 +56,4 @@ def launch_mode(nproc_per_node: int, max_restarts: int, env: Mapping[str, str], 
 
 def max_restarts(cfg: DictConfig) -> int:
     restarts = OmegaConf.select(cfg, "trainer.max_restarts", default=0) or 0
-    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-        raise ConfigError(f"trainer.max_restarts must be an integer >= 0, got {restarts!r}")
-    return restarts
+    return checks.integer("trainer.max_restarts", restarts, at_least=0)

@@ -18,15 +18,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 log = logging.getLogger("pitstop.resilience.fault")
-
-
-def _positive_int(key: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-    return v
 
 
 def _kill(reason: str) -> None:
@@ -77,7 +72,7 @@ class NoFault(Fault):
     name = "none"
     rank = 0
 
-    def __init__(self, **_: Any):
+    def __init__(self):
         pass
 
     def bind(self, ctx: FaultContext) -> None:
@@ -104,9 +99,9 @@ class CrashAtStep(NoFault):
 
     name = "crash_at_step"
 
-    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None, **_: Any):
-        self.step, self.rank = _positive_int("fault.step", step), rank
-        self.micro_batch = None if micro_batch is None else _positive_int("fault.micro_batch", micro_batch)
+    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None):
+        self.step, self.rank = checks.integer("fault.step", step), rank
+        self.micro_batch = None if micro_batch is None else checks.integer("fault.micro_batch", micro_batch)
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -198,9 +193,8 @@ class RandomFault(NoFault):
 
     name = "random"
 
-    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, **_: Any):
-        if isinstance(mtbf_seconds, bool) or not isinstance(mtbf_seconds, (int, float)) or mtbf_seconds <= 0:
-            raise ConfigError(f"fault.mtbf_seconds must be a positive number of seconds, got {mtbf_seconds!r}")
+    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0):
+        checks.positive("fault.mtbf_seconds", mtbf_seconds, what="a positive number of seconds")
         self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
 
@@ -240,8 +234,8 @@ class DuringSave(NoFault):
 
     name = "during_save"
 
-    def __init__(self, step: int = 1, rank: int = 0, **_: Any):
-        self.step, self.rank = _positive_int("fault.step", step), rank
+    def __init__(self, step: int = 1, rank: int = 0):
+        self.step, self.rank = checks.integer("fault.step", step), rank
         self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
         self.stop = threading.Event()
 

@@ -18,6 +18,7 @@ import signal
 import threading
 from typing import Any, Callable
 
+from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 log = logging.getLogger("pitstop.resilience.preempt")
@@ -70,8 +71,7 @@ class PreemptionNotice(_Handlers):
 
     def __init__(self, signals: Any, grace_seconds: float, agent_pid: int | None = None):
         """``agent_pid``: the launching process of pitstop's elastic job (``LaunchFacts.agent_pid``)."""
-        if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
-            raise ConfigError(f"trainer.preempt_grace_seconds must be a number of seconds >= 0, got {grace_seconds!r}")
+        checks.at_least_zero("trainer.preempt_grace_seconds", grace_seconds, what="a number of seconds >= 0")
         self.signals, self.grace = parse_signals(signals), float(grace_seconds)
         self.received: signal.Signals | None = None
         self._agent = agent_pid

@@ -41,7 +41,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.config import checks
+from pitstop.errors import PitstopError
 
 log = logging.getLogger("pitstop.resilience.watchdog")
 
@@ -76,8 +77,7 @@ class Watchdog:
             ("first_seconds", first_seconds),
             ("grace_seconds", grace),
         ):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"trainer.hang.{key} must be a positive number, got {v!r}")
+            checks.positive(f"trainer.hang.{key}", v)
         self.enabled = bool(enabled)
         self.factor, self.min_seconds, self.first_seconds = float(factor), float(min_seconds), float(first_seconds)
         self.grace = float(grace)

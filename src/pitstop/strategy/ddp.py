@@ -12,6 +12,8 @@ from datetime import timedelta
 from typing import Any, ContextManager
 
 import torch
+
+from pitstop.config.checks import is_integer
 import torch.distributed as dist
 from torch import nn
 
@@ -30,8 +32,16 @@ class DDP(Single):
         timeout: float = 300,
         device: str = "auto",
         cpu_threads: Any = "auto",
-        **_: Any,
+        *,
+        max_restarts: int = 0,
+        nnodes: Any = 1,
+        rdzv_endpoint: Any = None,
+        master_port: Any = None,
+        last_call_seconds: Any = 5,
+        oversubscribe: bool = False,
     ):
+        """The keyword-only keys say how the job is launched: :mod:`pitstop.launch` reads them from the same
+        config node (accepted here, unused by the strategy itself)."""
         super().__init__(device=device)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
         self.cpu_threads = _threads(cpu_threads)
@@ -134,7 +144,7 @@ def _threads(value: Any) -> int | None:
     """``strategy.cpu_threads``: auto (None: the node's cores // its ranks) or a positive integer."""
     if value in (None, "auto"):
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         from pitstop.errors import ConfigError
 
         raise ConfigError(f"strategy.cpu_threads must be auto or a positive integer, got {value!r}")

@@ -15,7 +15,7 @@ from pitstop.strategy.base import Strategy
 class Single(Strategy):
     name = "single"
 
-    def __init__(self, device: str = "auto", **_: Any):
+    def __init__(self, device: str = "auto"):
         self.requested = device
         self.rank, self.local_rank, self.world_size = 0, 0, 1
         self.device = torch.device("cpu")

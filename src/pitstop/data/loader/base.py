@@ -66,7 +66,6 @@ class ShardLoader(ABC):
         eval_in_memory: Any = "256MB",
         shuffle_shards_window: int = 1,
         storage_options: Any = None,
-        **_: Any,
     ):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")

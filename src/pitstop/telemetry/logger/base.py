@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 
 class Logger(ABC):
@@ -25,7 +24,7 @@ class Logger(ABC):
 class NullLogger(Logger):
     name = "none"
 
-    def __init__(self, **_: Any):
+    def __init__(self):
         pass
 
     def start(self, run_dir: str, params: dict, tags: dict | None = None) -> None:

@@ -38,7 +38,6 @@ class MLflowLogger(Logger):
         flush_every_seconds: float = 2.0,
         tags: dict | None = None,
         close_timeout: float = 300,
-        **_: Any,
     ):
         self.opts = {
             "tracking_uri": str(tracking_uri),
