@@ -1,13 +1,14 @@
 # make train   — create .venv, install pitstop, prepare the digits shards, train (ARGS="key=value ...")
 # make test    — create .venv, install pitstop + test deps, run the whole test suite (PYTEST_ARGS="-k ...")
 # make test-fast — the same without the tests marked slow (subprocesses, several ranks, kills): the edit loop
+# make test-unit — tests/unit only: pure logic, seconds
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format bench clean
+.PHONY: install train test test-unit test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

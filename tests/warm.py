@@ -128,7 +128,8 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.path[0] = os.getcwd()  # what python -m puts first
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:1] = [os.getcwd(), *(os.path.abspath(p) for p in extra)]  # what python -m puts first
         sys.argv = [request["module"], *request["args"]]
         sys.modules.pop(request["module"], None)  # python -m runs the module's code as __main__ only
         try:

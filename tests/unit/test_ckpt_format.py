@@ -1,6 +1,7 @@
 """The DCP tensor format (``ckpt.format``): raw tensor bytes round-trip every dtype and layout a state holds,
 torch.save-format checkpoints still load, torch's own reader refuses a raw one by name, a truncated file is
-named, and a run saves and resumes in either format."""
+named (hand-made states in tmp_path, no process group).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """data=webdataset: shards that pitstop did not write (webdataset.ShardWriter, class-sorted as data sets written
-per class are), indexed by recipe.prepare (streamed once, resumable, every sample checked), then trained on."""
+per class are), indexed by recipe.prepare (streamed once, resumable, every sample checked), then trained on.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ a subprocess, reached through s3fs.  Credentials come from the environment only 
 AWS_SECRET_ACCESS_KEY: never in the config, so never in the run dir); the endpoint from the environment
 (AWS_ENDPOINT_URL) or from ``loader.storage_options`` / ``ckpt.storage_options``.  Plain and cached loaders,
 ``ckpt.dir=s3://...`` for every checkpoint format, a kill and an exact resume, and what goes wrong said in one
-line."""
+line.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from conftest import cli, cli_cmd, run_cmd
 from pitstop.audit import audit
 
 pytestmark = pytest.mark.slow
+
 BUCKET = "pitstop-data"
 
 

@@ -1,10 +1,11 @@
-"""Goodput: the ledger across real kills and restarts, the fault modes, the supervisor, ckpt.interval=auto,
-the goodput model (recipe.goodput) and the sweep report of a real -m run with a failing job."""
+"""Goodput with real processes: the ledger across real kills and restarts, the fault modes, the supervisor,
+ckpt.interval=auto, recipe.goodput's figures and scale projection, preemption notices (a real SIGTERM) and the
+sweep report of a real -m run with a failing job.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 import subprocess
@@ -12,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, cli, read_jsonl, refused, run_cmd, train
-from pitstop.errors import ConfigError
-from pitstop.goodput.interval import AutoInterval
-from pitstop.goodput.model import best_interval, exact_goodput, expected_goodput, young_daly
-from pitstop.goodput.ledger import JOB_BUCKETS, account
+from conftest import PY, cli, read_jsonl, run_cmd
+from pitstop.goodput.ledger import JOB_BUCKETS
 
 RUN = [
     "debug=tiny",
@@ -50,40 +48,6 @@ def reference(data_root, tmp_path_factory):
     p = cli([*RUN, f"run_dir={tmp / 'run40'}", "ckpt=none"], data_root, tmp)
     assert p.returncode == 0, p.stderr[-3000:]
     return {120: load(tmp / "run")[0]["params_sha256"], 40: load(tmp / "run40")[0]["params_sha256"]}
-
-
-# ---- the model ---------------------------------------------------------------------------------------
-def test_model_reproduces_the_published_case_and_young_daly():
-    mtbf = 86400 / 8.6
-    assert round(expected_goodput(2 * 3600, mtbf) * 100) == 64
-    assert round(expected_goodput(30 * 60, mtbf) * 100) == 91
-    # With a save cost the optimum is near Young's sqrt(2 C M) (and as good to 0.1 point); costs only lower it.
-    c = 60.0
-    best, yd = best_interval(mtbf, c), young_daly(c, mtbf)
-    assert math.isclose(best, yd, rel_tol=0.1)
-    assert expected_goodput(yd, mtbf, c) > expected_goodput(best, mtbf, c) - 0.001
-    assert expected_goodput(1800, mtbf, save_cost=60, restart_cost=600) < expected_goodput(1800, mtbf, save_cost=60)
-    # The exact form for exponential failures: equal to first order when T << M, higher (less loss) otherwise.
-    assert math.isclose(exact_goodput(60, mtbf, 1, 5, 2), expected_goodput(60, mtbf, 1, 5, 2), abs_tol=1e-4)
-    assert exact_goodput(7200, mtbf) - expected_goodput(7200, mtbf) > 0.03
-
-
-def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
-    from pitstop.goodput.model import two_tier_goodput
-
-    m = 8.0
-    # A local tier no failure survives, saving for free: the durable tier's own model.
-    assert math.isclose(
-        two_tier_goodput(0.5, 2.5, m, 0.0, 0.05, 0.9, 0.0, 0.1, local_share=0.0),
-        expected_goodput(2.5, m, 0.05, 0.9, 0.1),
-        rel_tol=1e-12,
-    )
-    # Cheap, frequent local saves that every failure survives (process kills): less lost work.
-    one = expected_goodput(2.5, m, 0.05, 0.9, 0.1)
-    two = two_tier_goodput(0.5, 2.5, m, 0.01, 0.05, 0.9, 0.0, 0.1, local_share=1.0)
-    assert two - one > 0.08
-    # Its saves are not free: a local tier as slow as the durable one, saving 5x as often, costs more than it saves.
-    assert two_tier_goodput(0.5, 2.5, m, 0.3, 0.05, 0.9, 0.0, 0.1, local_share=1.0) < one
 
 
 @pytest.mark.slow
@@ -164,112 +128,6 @@ def test_scale_projection_takes_c_and_r_from_a_real_run(data_root, tmp_path):
     assert cli([*RUN, f"run_dir={no_restart}", "ckpt=sync_save"], data_root, tmp_path).returncode == 0
     p = run_cmd([PY, "-m", "recipe.goodput", "--nodes", "--from", str(no_restart)], 60)
     assert p.returncode == 1 and "never restarted, so R is unknown" in p.stderr.strip().splitlines()[-1]
-
-
-def test_account_moves_redone_work_to_lost():
-    b = lambda compute, wait: {  # noqa: E731
-        "program_start": 0.5,
-        "init": 0.3,
-        "restore": 0.2,
-        "compute": compute,
-        "data_wait": wait,
-        "checkpoint": 0.5,
-        "eval": 0.4,
-        "logging": 0.0,
-        "other": 0.1,
-    }
-    attempts = [
-        {
-            "status": "running",
-            "start": 0.0,
-            "end": 11.6,
-            "step": 25,
-            "resumed_from": None,
-            "auto_restart": False,
-            "buckets": b(8.0, 2.0),
-            "marks": {
-                "10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
-                "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0.4, "logging": 0},
-            },
-        },
-        {
-            "status": "finished",
-            "start": 12.6,
-            "end": 20.0,
-            "step": 40,
-            "resumed_from": 20,
-            "auto_restart": True,
-            "buckets": b(6.0, 0.5),
-            "marks": {},
-        },
-    ]
-    doc = account(attempts)
-    t = doc["totals"]
-    assert t["lost"] == 2.5  # compute 8-6 and data wait 2-1.5 after step 20 were redone
-    assert t["productive"] == 6.0 + 6.0 and t["data_wait"] == 1.5 + 0.5
-    assert (t["program_start"], t["init"], t["restore"]) == (1.0, 0.6, 0.4)
-    assert t["recovery_gap"] == 1.0  # the 1 s between the attempts (an automatic restart)
-    assert t["eval"] == 0.4 + 0.4 and t["other"] == 0.2  # eval of surviving steps only; its own bucket
-    assert doc["restart_seconds"] == 1.0 + 0.5 + 0.3 + 0.2  # R: gap + program start + init + restore
-    assert doc["restarts"] == 1 and doc["failures"] == 1
-    check_account(doc)
-
-
-def test_an_attempt_killed_before_its_restore_does_not_throw_away_its_predecessors_work():
-    # Attempt 2 died in init (no restore, step 0): what attempt 1 did up to step 20 survived, because attempt
-    # 3 resumed from 20. (This account once compared attempt 1 with attempt 2's step 0 and called all of
-    # attempt 1's work lost: the cold-restart bench reported 5% goodput for a job that had 25%.)
-    b = lambda compute: {  # noqa: E731
-        "program_start": 0.5,
-        "init": 0.3,
-        "restore": 0.2,
-        "compute": compute,
-        "data_wait": 0.0,
-        "checkpoint": 0.0,
-        "eval": 0.0,
-        "logging": 0.0,
-        "other": 0.0,
-    }
-    attempts = [
-        {
-            "status": "running",
-            "start": 0.0,
-            "end": 9.0,
-            "step": 25,
-            "restored": True,
-            "resumed_from": None,
-            "auto_restart": False,
-            "buckets": b(8.0),
-            "marks": {"20": {"compute": 6.0, "data_wait": 0, "eval": 0, "logging": 0}},
-        },
-        {
-            "status": "running",
-            "start": 9.5,
-            "end": 10.3,
-            "step": 0,
-            "restored": False,
-            "resumed_from": None,
-            "auto_restart": True,
-            "buckets": {"program_start": 0.5, "init": 0.3},
-            "marks": {},
-        },
-        {
-            "status": "finished",
-            "start": 10.5,
-            "end": 17.5,
-            "step": 40,
-            "restored": True,
-            "resumed_from": 20,
-            "auto_restart": True,
-            "buckets": b(6.0),
-            "marks": {},
-        },
-    ]
-    t = account(attempts)["totals"]
-    assert t["lost"] == 2.0 and t["productive"] == 6.0 + 6.0
-    # An attempt that restored and found nothing (resumed_from None) does throw everything away.
-    attempts[1].update(restored=True, buckets=b(0.0))
-    assert account(attempts)["totals"]["lost"] == 8.0
 
 
 # ---- real kills -----------------------------------------------------------------------------------------
@@ -417,35 +275,6 @@ def test_kill_during_a_background_checkpoint_write_resumes_exactly(data_root, tm
     check_account(doc)
 
 
-# ---- bad input -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "overrides,expected",
-    [
-        (["fault=random", "fault.mtbf_seconds=-5", "trainer.max_restarts=3"], "fault.mtbf_seconds must be a positive"),
-        (["fault=random", "fault.mtbf_seconds=30"], "set trainer.max_restarts"),
-        (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
-        (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),
-        (["fault=crash_at_step", "fault.step=3", "fault.rank=2"], "fault.rank=2 but the job has 1 rank(s)"),
-        (["fault=stall", "fault.step=3"], "fault.rank=1 but the job has 1 rank(s)"),
-        (["trainer.hang.min_seconds=0"], "trainer.hang.min_seconds must be a positive number, got 0"),
-        (["ckpt=sync_save", "ckpt.interval=sometimes"], "ckpt.interval='sometimes': use auto"),
-    ],
-)
-def test_inconsistent_fault_and_interval_settings_fail_before_training(make_cfg, overrides, expected):
-    assert expected in refused(make_cfg(*overrides))
-
-
-def test_auto_interval_sources_and_start_value(caplog):
-    with caplog.at_level(logging.INFO, logger="pitstop.goodput.interval"):
-        auto = AutoInterval(None, "")
-    assert auto.mtbf == 86400 and "no MTBF known yet" in caplog.text
-    assert math.isclose(auto.update(0.5, 0.0), math.sqrt(2 * 0.5 * 86400))
-    assert AutoInterval(None, "", observed_failures=4, observed_seconds=200).mtbf == 50  # seen in this run dir
-    assert AutoInterval(30.0, "fault.mtbf_seconds", observed_failures=4, observed_seconds=200).mtbf == 30
-    async_ = AutoInterval(30.0, "x")
-    assert async_.update(0.01, write_seconds=2.0) == 2.0  # never due before the previous save is durable
-
-
 @pytest.mark.slow
 def test_auto_interval_measures_the_save_cost_and_logs_each_change(data_root, tmp_path):
     run_dir = tmp_path / "run"
@@ -589,20 +418,6 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
     check_account(doc)
 
 
-@pytest.mark.parametrize(
-    "signals,grace,expected",
-    [
-        (["SIGKILL"], 30, "trainer.preempt_signals: 'SIGKILL' is not a signal that can be caught"),
-        (["SIGTERM"], -1, "trainer.preempt_grace_seconds must be a number of seconds >= 0, got -1"),
-    ],
-)
-def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expected):
-    from pitstop.resilience.preempt import PreemptionNotice
-
-    with pytest.raises(ConfigError, match=expected):
-        PreemptionNotice(signals, grace)
-
-
 @pytest.mark.slow
 def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_path, reference):
     # The scheduler signals the job's main process (the supervisor): it hands the notice to its attempt, which
@@ -634,37 +449,3 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["resumed_from"] == stopped and s["params_sha256"] == reference[40] and doc["totals"]["lost"] == 0.0
-
-
-def test_a_launchers_own_handler_runs_after_the_save_submitit_requeue(make_cfg):
-    # Under hydra/launcher=slurm, submitit has a SIGUSR2 handler that requeues the job and exits. pitstop's
-    # notice handler takes the signal first, saves, and then hands it on: the requeue comes after a durable save.
-    import signal
-
-    from pitstop.ckpt import layout
-
-    cfg = make_cfg(
-        "trainer.max_steps=12",
-        "ckpt=sync_save",
-        "ckpt.interval_steps=100",
-        "fault=preempt",
-        "fault.step=5",
-        "fault.signal=SIGUSR2",
-    )
-    seen = []
-
-    def submitit_like(signum, frame):  # what submitit's checkpoint_and_try_requeue does, in short
-        seen.append((signal.Signals(signum).name, layout.is_complete(layout.step_dir(cfg.ckpt.dir, 5))))
-        raise SystemExit(-1)
-
-    previous = signal.signal(signal.SIGUSR2, submitit_like)
-    try:
-        with pytest.raises(SystemExit):
-            train(cfg)
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
-    assert seen == [("SIGUSR2", True)]  # called once, after the save of step 5 was committed
-    doc = json.loads((Path(cfg.run_dir) / "goodput.json").read_text())
-    assert doc["attempts"][-1]["status"] == "preempted" and doc["attempts"][-1]["step"] == 5
-    s = train(cfg)  # the requeued job
-    assert s["resumed_from"] == 5 and s["final_step"] == 12

@@ -1,5 +1,7 @@
-"""Hang detection (trainer.hang): a rank that stops making progress ends its attempt within a few step-times,
-names the phase, leaves its threads' stacks and a 'hung' attempt in the ledger, and a launcher restarts it."""
+"""Hang detection (trainer.hang) under launchers: a stalled rank ends its attempt and is restarted (the
+supervisor, the elastic agent, the native backstop); a stuck data worker or a store that stops answering (slow,
+in-process).
+"""
 
 from __future__ import annotations
 
@@ -10,61 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, train
-from pitstop.resilience.watchdog import Hung, Watchdog
+from pitstop.resilience.watchdog import Hung
 
 
 def attempts(run_dir) -> list[dict]:
     return json.loads((Path(run_dir) / "goodput.json").read_text())["attempts"]
-
-
-def test_limits_come_from_measured_durations():
-    w = Watchdog(factor=10, min_seconds=2, first_seconds=50)
-    assert w.limit("step") == 50  # nothing measured yet
-    with w.phase("step", timed=False):
-        w.beat()  # the first beat only starts the clock
-        assert "step" not in w.longest
-        time.sleep(0.3)
-        w.beat()
-        with w.phase("checkpoint"):  # nested: pauses the step's clock
-            time.sleep(0.05)
-    assert 0.3 <= w.longest["step"] < 1.0 and w.longest["checkpoint"] >= 0.05
-    assert w.limit("step") == pytest.approx(10 * w.longest["step"])
-    assert w.limit("checkpoint") == 2  # 10 x 0.05 s is below the floor
-    assert w.limit("eval") == 50
-    # The native backstop: the loop's longest limit (not the current phase's: it may change meanwhile) + grace.
-    assert w.backstop_seconds() == pytest.approx(10 * w.longest["step"] + w.grace)
-    assert Watchdog(first_seconds=50, grace=7).backstop_seconds() == 57  # nothing measured yet
-
-
-def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(make_cfg, tmp_path):
-    cfg = make_cfg(
-        "trainer.max_steps=30",
-        "fault=stall",
-        "fault.step=5",
-        "fault.rank=0",
-        "trainer.hang.min_seconds=2",
-        "ckpt=sync_save",
-        "ckpt.interval_steps=2",
-    )
-    t0 = time.monotonic()
-    with pytest.raises(Hung) as err:
-        train(cfg)
-    assert time.monotonic() - t0 < 30  # not the 3600 s of the stall
-    msg = str(err.value)
-    assert msg.startswith("hang: rank 0 made no progress in phase 'step'") and "\n" not in msg
-    stacks = (Path(cfg.run_dir) / "hang.rank0.txt").read_text()
-    assert "fault.py" in stacks and "fire" in stacks  # where it was stuck
-    assert attempts(cfg.run_dir)[-1]["status"] == "hung"
-
-
-def test_hang_detection_off_is_off(make_cfg):
-    cfg = make_cfg(
-        "trainer.max_steps=4",
-        "trainer.hang.enabled=false",
-        "trainer.hang.min_seconds=0.001",
-        "trainer.hang.first_seconds=0.001",
-    )
-    assert train(cfg)["final_step"] == 4
 
 
 @pytest.mark.slow

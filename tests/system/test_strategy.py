@@ -1,5 +1,6 @@
 """DDP and FSDP2 with real processes (gloo on CPU): one command starts both ranks, every checkpoint
-backend works under both, a killed job resumes bitwise, the elastic agent restarts ranks in-job."""
+backend works under both, a killed job resumes bitwise, the elastic agent restarts ranks in-job.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Checkpointing with real processes and real files: exact resume after SIGKILL for every backend,
-partial and corrupt checkpoints, retention, unwritable dirs, a full disk, changed configs."""
+partial and corrupt checkpoints, retention, unwritable dirs, a full disk, changed configs.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from conftest import PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run_cmd
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
+
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.
 RUN = [
     "debug=tiny",

@@ -1,5 +1,6 @@
 """The cluster launch recipes (SLURM multi-node, the Kubernetes manifest) compose into the config they claim, so
-they cannot rot: their exact overrides are read from the files and composed with the real conf/."""
+they cannot rot: their exact overrides are read from the files and composed with the real conf/.
+"""
 
 from __future__ import annotations
 

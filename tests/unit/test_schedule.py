@@ -1,5 +1,6 @@
 """The LR schedule: saved with the checkpoint, and re-planned when a resume at another world size changes the
-steps left (``trainer.epochs`` mode)."""
+steps left (``trainer.epochs`` mode).
+"""
 
 from __future__ import annotations
 

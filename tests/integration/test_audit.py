@@ -1,5 +1,8 @@
 """python -m pitstop.audit: which steps survive restarts, and what it reports (the sample logs of real runs are
-audited in test_nodes.py; here logs written by hand pin down the rules, including the failures it must catch)."""
+audited in tests/system/test_nodes.py; here logs written by hand pin down the rules, including the failures it
+must catch). Each audit runs as a warm process (its exit status and output are the contract), so this is not a
+unit test although nothing trains.
+"""
 
 from __future__ import annotations
 

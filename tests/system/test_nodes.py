@@ -1,5 +1,6 @@
 """Several nodes, on one machine: real agents (``torchrun``, and pitstop's own launcher with ``strategy.nnodes``),
-each with its own node-local cache and log, sharing one run dir; a node lost and a node that comes back."""
+each with its own node-local cache and log, sharing one run dir; a node lost and a node that comes back.
+"""
 
 from __future__ import annotations
 

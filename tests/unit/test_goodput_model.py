@@ -1,0 +1,187 @@
+"""Goodput as pure arithmetic: the goodput model (one and two tiers, Young-Daly), the ledger's ``account`` of
+hand-written attempts, ckpt.interval=auto's sources and start value, and bad preemption settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from pitstop.errors import ConfigError
+from pitstop.goodput.interval import AutoInterval
+from pitstop.goodput.model import best_interval, exact_goodput, expected_goodput, young_daly
+from pitstop.goodput.ledger import JOB_BUCKETS, account
+
+
+def check_account(doc: dict) -> None:
+    t = doc["totals"]
+    assert math.isclose(sum(t[b] for b in JOB_BUCKETS), t["total"], abs_tol=0.01)
+    assert all(t[b] >= 0 for b in JOB_BUCKETS)
+    assert math.isclose(doc["goodput"], t["productive"] / t["total"], abs_tol=1e-3)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def test_model_reproduces_the_published_case_and_young_daly():
+    mtbf = 86400 / 8.6
+    assert round(expected_goodput(2 * 3600, mtbf) * 100) == 64
+    assert round(expected_goodput(30 * 60, mtbf) * 100) == 91
+    # With a save cost the optimum is near Young's sqrt(2 C M) (and as good to 0.1 point); costs only lower it.
+    c = 60.0
+    best, yd = best_interval(mtbf, c), young_daly(c, mtbf)
+    assert math.isclose(best, yd, rel_tol=0.1)
+    assert expected_goodput(yd, mtbf, c) > expected_goodput(best, mtbf, c) - 0.001
+    assert expected_goodput(1800, mtbf, save_cost=60, restart_cost=600) < expected_goodput(1800, mtbf, save_cost=60)
+    # The exact form for exponential failures: equal to first order when T << M, higher (less loss) otherwise.
+    assert math.isclose(exact_goodput(60, mtbf, 1, 5, 2), expected_goodput(60, mtbf, 1, 5, 2), abs_tol=1e-4)
+    assert exact_goodput(7200, mtbf) - expected_goodput(7200, mtbf) > 0.03
+
+
+def test_two_tier_model_reduces_to_one_tier_and_a_cheap_local_tier_pays():
+    from pitstop.goodput.model import two_tier_goodput
+
+    m = 8.0
+    # A local tier no failure survives, saving for free: the durable tier's own model.
+    assert math.isclose(
+        two_tier_goodput(0.5, 2.5, m, 0.0, 0.05, 0.9, 0.0, 0.1, local_share=0.0),
+        expected_goodput(2.5, m, 0.05, 0.9, 0.1),
+        rel_tol=1e-12,
+    )
+    # Cheap, frequent local saves that every failure survives (process kills): less lost work.
+    one = expected_goodput(2.5, m, 0.05, 0.9, 0.1)
+    two = two_tier_goodput(0.5, 2.5, m, 0.01, 0.05, 0.9, 0.0, 0.1, local_share=1.0)
+    assert two - one > 0.08
+    # Its saves are not free: a local tier as slow as the durable one, saving 5x as often, costs more than it saves.
+    assert two_tier_goodput(0.5, 2.5, m, 0.3, 0.05, 0.9, 0.0, 0.1, local_share=1.0) < one
+
+
+def test_account_moves_redone_work_to_lost():
+    b = lambda compute, wait: {  # noqa: E731
+        "program_start": 0.5,
+        "init": 0.3,
+        "restore": 0.2,
+        "compute": compute,
+        "data_wait": wait,
+        "checkpoint": 0.5,
+        "eval": 0.4,
+        "logging": 0.0,
+        "other": 0.1,
+    }
+    attempts = [
+        {
+            "status": "running",
+            "start": 0.0,
+            "end": 11.6,
+            "step": 25,
+            "resumed_from": None,
+            "auto_restart": False,
+            "buckets": b(8.0, 2.0),
+            "marks": {
+                "10": {"compute": 3.0, "data_wait": 1.0, "eval": 0, "logging": 0},
+                "20": {"compute": 6.0, "data_wait": 1.5, "eval": 0.4, "logging": 0},
+            },
+        },
+        {
+            "status": "finished",
+            "start": 12.6,
+            "end": 20.0,
+            "step": 40,
+            "resumed_from": 20,
+            "auto_restart": True,
+            "buckets": b(6.0, 0.5),
+            "marks": {},
+        },
+    ]
+    doc = account(attempts)
+    t = doc["totals"]
+    assert t["lost"] == 2.5  # compute 8-6 and data wait 2-1.5 after step 20 were redone
+    assert t["productive"] == 6.0 + 6.0 and t["data_wait"] == 1.5 + 0.5
+    assert (t["program_start"], t["init"], t["restore"]) == (1.0, 0.6, 0.4)
+    assert t["recovery_gap"] == 1.0  # the 1 s between the attempts (an automatic restart)
+    assert t["eval"] == 0.4 + 0.4 and t["other"] == 0.2  # eval of surviving steps only; its own bucket
+    assert doc["restart_seconds"] == 1.0 + 0.5 + 0.3 + 0.2  # R: gap + program start + init + restore
+    assert doc["restarts"] == 1 and doc["failures"] == 1
+    check_account(doc)
+
+
+def test_an_attempt_killed_before_its_restore_does_not_throw_away_its_predecessors_work():
+    # Attempt 2 died in init (no restore, step 0): what attempt 1 did up to step 20 survived, because attempt
+    # 3 resumed from 20. (This account once compared attempt 1 with attempt 2's step 0 and called all of
+    # attempt 1's work lost: the cold-restart bench reported 5% goodput for a job that had 25%.)
+    b = lambda compute: {  # noqa: E731
+        "program_start": 0.5,
+        "init": 0.3,
+        "restore": 0.2,
+        "compute": compute,
+        "data_wait": 0.0,
+        "checkpoint": 0.0,
+        "eval": 0.0,
+        "logging": 0.0,
+        "other": 0.0,
+    }
+    attempts = [
+        {
+            "status": "running",
+            "start": 0.0,
+            "end": 9.0,
+            "step": 25,
+            "restored": True,
+            "resumed_from": None,
+            "auto_restart": False,
+            "buckets": b(8.0),
+            "marks": {"20": {"compute": 6.0, "data_wait": 0, "eval": 0, "logging": 0}},
+        },
+        {
+            "status": "running",
+            "start": 9.5,
+            "end": 10.3,
+            "step": 0,
+            "restored": False,
+            "resumed_from": None,
+            "auto_restart": True,
+            "buckets": {"program_start": 0.5, "init": 0.3},
+            "marks": {},
+        },
+        {
+            "status": "finished",
+            "start": 10.5,
+            "end": 17.5,
+            "step": 40,
+            "restored": True,
+            "resumed_from": 20,
+            "auto_restart": True,
+            "buckets": b(6.0),
+            "marks": {},
+        },
+    ]
+    t = account(attempts)["totals"]
+    assert t["lost"] == 2.0 and t["productive"] == 6.0 + 6.0
+    # An attempt that restored and found nothing (resumed_from None) does throw everything away.
+    attempts[1].update(restored=True, buckets=b(0.0))
+    assert account(attempts)["totals"]["lost"] == 8.0
+
+
+def test_auto_interval_sources_and_start_value(caplog):
+    with caplog.at_level(logging.INFO, logger="pitstop.goodput.interval"):
+        auto = AutoInterval(None, "")
+    assert auto.mtbf == 86400 and "no MTBF known yet" in caplog.text
+    assert math.isclose(auto.update(0.5, 0.0), math.sqrt(2 * 0.5 * 86400))
+    assert AutoInterval(None, "", observed_failures=4, observed_seconds=200).mtbf == 50  # seen in this run dir
+    assert AutoInterval(30.0, "fault.mtbf_seconds", observed_failures=4, observed_seconds=200).mtbf == 30
+    async_ = AutoInterval(30.0, "x")
+    assert async_.update(0.01, write_seconds=2.0) == 2.0  # never due before the previous save is durable
+
+
+@pytest.mark.parametrize(
+    "signals,grace,expected",
+    [
+        (["SIGKILL"], 30, "trainer.preempt_signals: 'SIGKILL' is not a signal that can be caught"),
+        (["SIGTERM"], -1, "trainer.preempt_grace_seconds must be a number of seconds >= 0, got -1"),
+    ],
+)
+def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expected):
+    from pitstop.resilience.preempt import PreemptionNotice
+
+    with pytest.raises(ConfigError, match=expected):
+        PreemptionNotice(signals, grace)

@@ -1,0 +1,30 @@
+"""The watchdog's limits (trainer.hang) come from measured durations: per phase, with a floor, a first-step
+allowance and the native backstop's grace.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pitstop.resilience.watchdog import Watchdog
+
+
+def test_limits_come_from_measured_durations():
+    w = Watchdog(factor=10, min_seconds=2, first_seconds=50)
+    assert w.limit("step") == 50  # nothing measured yet
+    with w.phase("step", timed=False):
+        w.beat()  # the first beat only starts the clock
+        assert "step" not in w.longest
+        time.sleep(0.3)
+        w.beat()
+        with w.phase("checkpoint"):  # nested: pauses the step's clock
+            time.sleep(0.05)
+    assert 0.3 <= w.longest["step"] < 1.0 and w.longest["checkpoint"] >= 0.05
+    assert w.limit("step") == pytest.approx(10 * w.longest["step"])
+    assert w.limit("checkpoint") == 2  # 10 x 0.05 s is below the floor
+    assert w.limit("eval") == 50
+    # The native backstop: the loop's longest limit (not the current phase's: it may change meanwhile) + grace.
+    assert w.backstop_seconds() == pytest.approx(10 * w.longest["step"] + w.grace)
+    assert Watchdog(first_seconds=50, grace=7).backstop_seconds() == 57  # nothing measured yet
