@@ -77,6 +77,31 @@ def step_losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
 
 
+def final_losses(run_dir) -> dict[int, float]:
+    """step -> loss, the last time each step was computed (steps redone after a crash overwrite)."""
+    out: dict[int, float] = {}
+    for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def readme_commands() -> list[str]:
+    """Every ``python -m`` command of README.md: the lines of its fenced blocks, then its inline code."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    cmds: list[str] = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
+            if line.startswith("python -m "):
+                cmds.append(line)
+    for inline in re.findall(r"`(python -m [^`]+)`", text):
+        cmds.append(inline.strip())
+    return cmds
+
+
 def image_tree(root: Path, classes=("cat", "dog", "eel"), per_class: int = 12) -> Path:
     """An ImageFolder tree ``root/<class>/<i>.{png,jpg}`` of small random images (PNG and JPEG alternating)."""
     import io

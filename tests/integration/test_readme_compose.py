@@ -4,26 +4,12 @@ composed only, which this test still covers."""
 
 from __future__ import annotations
 
-import re
 import shlex
 
 import pytest
 
-from conftest import ROOT, compose_cfg
+from conftest import readme_commands, compose_cfg
 from pitstop.config import validate
-
-
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    cmds: list[str] = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
-            if line.startswith("python -m "):
-                cmds.append(line)
-    for inline in re.findall(r"`(python -m [^`]+)`", text):
-        cmds.append(inline.strip())
-    return cmds
 
 
 TRAIN = [c for c in readme_commands() if c.startswith("python -m recipe.train")]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_jsonl, train
+from conftest import final_losses as losses, train
 from pitstop.errors import FingerprintMismatch
 from pitstop.resilience.preempt import Preempted
 
@@ -22,14 +22,6 @@ from pitstop.resilience.preempt import Preempted
 # epoch), so the loader's position and each worker's stream matter; the LR schedule is mid-decay and dropout
 # draws from the torch RNG.
 RUN = ["trainer.max_steps=30", "loader.num_workers=2", "trainer.eval_every_steps=15"]
-
-
-def losses(run_dir) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for r in read_jsonl(Path(run_dir) / "metrics.jsonl"):
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run_cmd
+from conftest import final_losses, PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run_cmd
 
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 
@@ -28,15 +28,6 @@ RUN = [
 
 def summary(run_dir) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def final_losses(run_dir) -> dict[int, float]:
-    """step -> loss, the last time each step was computed (steps redone after a crash overwrite)."""
-    out: dict[int, float] = {}
-    for r in read_jsonl(Path(run_dir) / "metrics.jsonl"):
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import warm
-from conftest import COLD as COLD_ALL
+from conftest import readme_commands, COLD as COLD_ALL
 from conftest import ROOT, image_tree, warm_server
 
 README = ROOT / "README.md"
@@ -53,19 +53,6 @@ SHRINK = {
     "recipe.train": {"trainer.max_steps": "25"},  # one epoch is 23 steps: crosses an epoch boundary + evaluation
     "recipe.prepare": {"data.num_samples": "96", "data.image_size": "32"},  # only where the command sets them
 }
-
-
-def readme_commands() -> list[str]:
-    text = README.read_text()
-    cmds: list[str] = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
-            if line.startswith("python -m "):
-                cmds.append(line)
-    for inline in re.findall(r"`(python -m [^`]+)`", text):
-        cmds.append(inline.strip())
-    return cmds
 
 
 def fill(cmd: str, env: dict) -> str:

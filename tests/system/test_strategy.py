@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, read_jsonl
+from conftest import final_losses as losses, cli, read_jsonl
 from pitstop.audit import audit
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
@@ -26,14 +26,6 @@ RUN = [
 
 def summary(run_dir) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def losses(run_dir) -> dict[int, float]:
-    out = {}
-    for r in read_jsonl(Path(run_dir) / "metrics.jsonl"):
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
 
 
 CKPTS = ["none", "sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]

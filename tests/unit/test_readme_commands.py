@@ -4,24 +4,10 @@ the same way).
 
 from __future__ import annotations
 
-import re
 
-from conftest import ROOT
+from conftest import readme_commands, ROOT
 
 README = ROOT / "README.md"
-
-
-def readme_commands() -> list[str]:
-    text = README.read_text()
-    cmds: list[str] = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
-            if line.startswith("python -m "):
-                cmds.append(line)
-    for inline in re.findall(r"`(python -m [^`]+)`", text):
-        cmds.append(inline.strip())
-    return cmds
 
 
 COMMANDS = readme_commands()
