@@ -74,8 +74,15 @@ def serve(path: str) -> None:
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
     print("ready", flush=True)
+    session = os.getppid()
+    listener.settimeout(5.0)  # (accepted connections are blocking)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != session:  # the test session is gone without saying so (killed): so are we
+                return
+            continue
         request, fds = _receive(conn)
         if request is None:  # the test session ended
             return
