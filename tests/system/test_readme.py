@@ -35,7 +35,7 @@ SKIP = {
 }
 
 # Commands that exercise nothing another test does not already run at these settings, with the test that does:
-# composed only here (integration/test_readme_compose.py composes and validates every one of them).
+# composed only here (unit/test_readme_compose.py composes and validates every one of them).
 COMPOSED_ONLY = {
     "-m optim=sgd,adamw model=cnn,resnet18": "a -m sweep runs in "
     "system/test_cli.py::test_multirun_sweep_over_two_options and with the report in this file's ckpt x loader "
