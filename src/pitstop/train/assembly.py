@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config.build import build
 from pitstop.errors import ConfigError
 from pitstop.train import compiler
+from pitstop.train.batch import map_tensors
 from pitstop.train.precision import DTYPES, Precision
 
 
@@ -82,8 +83,6 @@ def strategy_casts(strategy: Any, precision: str) -> bool:
 
 def fingerprint(cfg: DictConfig, data: Any, accum: int) -> dict:
     """Config parts that must not change across a resume."""
-    from omegaconf import OmegaConf
-
     fp = {
         **data.fingerprint(),
         "seed": int(cfg.seed),
@@ -97,8 +96,6 @@ def fingerprint(cfg: DictConfig, data: Any, accum: int) -> dict:
 
 def channels_last(batch: Any) -> Any:
     """Every 4-D floating input (images) in NHWC, as the model's weights."""
-    from pitstop.train.batch import map_tensors
-
     return map_tensors(_nhwc, batch)
 
 

@@ -25,9 +25,9 @@ from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import plan, server
 from pitstop.train.seed import derive_seed
 
-from pitstop.data.loader.reader import ShardSource, StreamReader, _Failure
-from pitstop.data.loader.sizes import _memory_budget, first_sample, nbytes
-from pitstop.data.loader.workers import _worker_init
+from pitstop.data.loader.reader import ShardSource, StreamReader, Failure
+from pitstop.data.loader.sizes import memory_budget, first_sample, nbytes
+from pitstop.data.loader.workers import worker_init
 
 log = logging.getLogger("pitstop.data.loader")
 
@@ -80,7 +80,7 @@ class ShardLoader(ABC):
                 f"time; K: each reader mixes the samples of K shards)"
             )
         self.window = int(shuffle_shards_window) if train and shuffle else 1
-        self.eval_in_memory = _memory_budget(eval_in_memory)
+        self.eval_in_memory = memory_budget(eval_in_memory)
         options = fsurl.storage_options(storage_options, "loader.storage_options")
         if options and dataset.storage_options != options:  # before the index is read: it may be remote too
             dataset.storage_options = options
@@ -247,7 +247,7 @@ class ShardLoader(ABC):
     def source(self) -> ShardSource:
         """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
 
-    def _reader(self, epoch: int) -> Iterator[dict | _Failure]:
+    def _reader(self, epoch: int) -> Iterator[dict | Failure]:
         """Readers for ``epoch``: from the saved position if it is the current epoch, else from its start."""
         current = epoch == self.epoch
         done = self.batches if current else 0
@@ -290,7 +290,7 @@ class ShardLoader(ABC):
                 timeout=self.timeout,
                 generator=generator,
                 multiprocessing_context=server.context(),
-                worker_init_fn=functools.partial(_worker_init, parent=server.parent(), trainer=os.getpid()),
+                worker_init_fn=functools.partial(worker_init, parent=server.parent(), trainer=os.getpid()),
             )
         )
 
@@ -303,7 +303,7 @@ class ShardLoader(ABC):
             it, ahead = (ahead if ahead is not None else self._reader(self.epoch)), None
             limit = self.steps_per_epoch()
             for item in it:
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     raise DataError(item.message)
                 self.batches += 1
                 self.positions[item["stream"]] = item["end"]
@@ -389,7 +389,7 @@ class ShardLoader(ABC):
             )
 
     @staticmethod
-    def _checked(item: dict | _Failure) -> Any:
-        if isinstance(item, _Failure):
+    def _checked(item: dict | Failure) -> Any:
+        if isinstance(item, Failure):
             raise DataError(item.message)
         return item["data"]

@@ -17,7 +17,7 @@ from pitstop.train.seed import derive_seed
 log = logging.getLogger("pitstop.data.loader")
 
 
-class _Failure:
+class Failure:
     """Sent from a worker instead of raising, so the trainer gets the one-line message intact."""
 
     def __init__(self, message: str):
@@ -84,12 +84,12 @@ class StreamReader(IterableDataset):
         try:
             for s in local_streams:
                 for item in self._stream(plan.stream_id(self.rank, s, self.streams, self.world_size, self.train)):
-                    failed = isinstance(item, _Failure)
+                    failed = isinstance(item, Failure)
                     yield item
         finally:  # after a failure the run goes down: let downloads in flight finish cleaning up first
             self.source.close(wait=failed)
 
-    def _stream(self, g: int) -> Iterator[dict | _Failure]:
+    def _stream(self, g: int) -> Iterator[dict | Failure]:
         total_streams = self.streams * self.world_size
         plan_items = plan.stream_items(
             len(self.refs),
@@ -147,7 +147,7 @@ class StreamReader(IterableDataset):
                         )
                 except DataError as e:
                     if not self.dataset.skip_corrupt:
-                        yield _Failure(str(e))
+                        yield Failure(str(e))
                         return
                     samples = [None] * n
                 loaded[i] = samples, plan.sample_order(n, self.seed, self.epoch, shard, self.shuffle)
@@ -164,7 +164,7 @@ class StreamReader(IterableDataset):
             except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
                 if not self.dataset.skip_corrupt:
                     key = sample["__key__"] if sample else f"#{index}"
-                    yield _Failure(
+                    yield Failure(
                         f"corrupt sample {key!r} in shard {ref.url}: {e} "
                         f"(set data.skip_corrupt=true to skip and count such samples)"
                     )

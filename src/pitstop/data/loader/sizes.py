@@ -53,7 +53,7 @@ def nbytes(batch: Any) -> int:
     return 0
 
 
-def _memory_budget(value: Any) -> int:
+def memory_budget(value: Any) -> int:
     """``loader.eval_in_memory``: a size (bytes, "256MB"), or 0 / false for none."""
     if value is False or value == 0 or str(value).strip().lower() in ("0", "false", "off"):
         return 0

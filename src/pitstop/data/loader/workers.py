@@ -10,7 +10,7 @@ import signal
 log = logging.getLogger("pitstop.data.loader")
 
 
-def _worker_init(worker_id: int, parent: int, trainer: int) -> None:
+def worker_init(worker_id: int, parent: int, trainer: int) -> None:
     """A worker is not the trainer: it must not keep signal handlers of the trainer's (a preemption notice
     caught and ignored by a worker keeps it alive after its loader is gone), it ends when the ``trainer``
     process does, and on SIGUSR2 it writes its threads' stacks to stderr (the hang watchdog asks for them).
