@@ -64,6 +64,11 @@ class Ledger:
     def add(self, bucket: str, seconds: float) -> None:
         self.seconds[bucket] += seconds
 
+    def move(self, source: str, bucket: str, seconds: float) -> None:
+        """``seconds`` measured as ``source`` were spent on ``bucket`` (e.g. compiling inside an evaluation)."""
+        self.seconds[source] -= seconds
+        self.seconds[bucket] += seconds
+
     @contextmanager
     def measure(self, bucket: str):
         t = time.perf_counter()

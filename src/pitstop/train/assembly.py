@@ -9,6 +9,8 @@ the loaders get this rank's share of the data.
 
 from __future__ import annotations
 
+import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +19,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config.build import build
 from pitstop.errors import ConfigError
+from pitstop.goodput.interval import IntervalPolicy
+from pitstop.resilience.fault import FaultContext
+from pitstop.resilience.watchdog import Watchdog
+from pitstop.telemetry.metrics import MetricsFile
+from pitstop.telemetry.profiler import StepProfiler
 from pitstop.train import compiler
 from pitstop.train.batch import map_tensors
+from pitstop.train.metering import StepMeter
 from pitstop.train.precision import DTYPES, Precision
+from pitstop.train.throughput import Throughput
+
+NULL_LOGGER = {"_target_": "pitstop.telemetry.logger.base.NullLogger"}
 
 
 @dataclass
@@ -68,6 +79,64 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         loader=build(cfg.loader, split="train", train=True, **common),
         eval_loader=build(cfg.loader, split=t.eval_split, train=False, **common),
     )
+
+
+def watchdog(hang: Any) -> Watchdog:
+    """The hang detector from ``trainer.hang``."""
+    return Watchdog(
+        enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
+        first_seconds=hang.first_seconds, grace=hang.grace_seconds,
+    )  # fmt: skip
+
+
+@dataclass
+class Telemetry:
+    metrics_file: MetricsFile
+    logger: Any  # the tracker; a NullLogger on ranks other than the main one
+    profiler: StepProfiler
+    throughput: Throughput
+    meter: StepMeter
+
+
+def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, hold: ExitStack) -> Telemetry:
+    """``metrics.jsonl``, the tracker, the profiler and the step meter (``hold`` closes the file and the profiler;
+    the tracker run is ended by its owner, who knows how the run ended)."""
+    t, main = cfg.trainer, strategy.is_main
+    metrics_file = MetricsFile(os.path.join(run_dir, "metrics.jsonl"), enabled=main)
+    hold.callback(metrics_file.close)
+    logger = build(cfg.logger if main else NULL_LOGGER)
+    profiler = StepProfiler(t.profile.steps, t.profile.memory, run_dir, strategy.rank, strategy.device, total_steps)
+    hold.callback(profiler.close)
+    throughput = Throughput(strategy.device, t.precision)
+    meter = StepMeter(throughput, metrics_file, strategy.world_size, t.log_every_steps)
+    return Telemetry(metrics_file, logger, profiler, throughput, meter)
+
+
+def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> IntervalPolicy:
+    """What ``ckpt.interval=auto`` knows of failures: ``fault.mtbf_seconds``, and those seen in this run dir."""
+    mtbf = OmegaConf.select(cfg, "fault.mtbf_seconds") or None
+    return IntervalPolicy(mtbf, "fault.mtbf_seconds" if mtbf else "", failures, job_seconds)
+
+
+def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, start_wall: float, ckpt: Any,
+                accum: int, hold: ExitStack) -> Any:  # fmt: skip
+    """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run."""
+    fault = build(cfg.fault)
+    hold.callback(fault.close)
+    max_restarts = int(cfg.trainer.get("max_restarts") or 0)
+    fault.bind(
+        FaultContext(
+            run_dir=run_dir,
+            rank=strategy.rank,
+            world_size=strategy.world_size,
+            total_steps=total_steps,
+            max_restarts=max_restarts,
+            start_wall=start_wall,
+            checkpointer=ckpt,
+            grad_accum_steps=accum,
+        )  # fmt: skip
+    )
+    return fault
 
 
 def strategy_casts(strategy: Any, precision: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -148,3 +149,12 @@ class StepMeter:
                 self._last_io = counters
             self.metrics_file.flush()
             window.reset(now)
+
+
+def progress_bar(mode: Any, is_main: bool, total: int, initial: int) -> Any:
+    """A tqdm bar on the main rank: ``trainer.progress_bar`` true, or auto when stderr is a terminal."""
+    if not is_main or mode is False or (mode == "auto" and not sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)

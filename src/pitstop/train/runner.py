@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from contextlib import ExitStack, closing, nullcontext
 from typing import Any
@@ -29,27 +28,23 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.ckpt.contract import Target
 from pitstop.ckpt.dcp import ERRORS
-from pitstop.goodput.interval import IntervalPolicy
 from pitstop.config import flatten, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
 from pitstop.errors import ConfigError, FingerprintMismatch
 from pitstop.goodput.ledger import GoodputLog, Ledger, table
-from pitstop.resilience.fault import FaultContext
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
-from pitstop.resilience.watchdog import Hung, Watchdog
+from pitstop.resilience.watchdog import Hung
 from pitstop.strategy.nodes import check_nodes
-from pitstop.telemetry.metrics import MetricsFile, write_json_atomic
-from pitstop.telemetry.profiler import StepProfiler
-from pitstop.train import steps, summary
-from pitstop.train.assembly import build_step_parts, channels_last, fingerprint
-from pitstop.train.digest import state_sha256
+from pitstop.telemetry.metrics import write_json_atomic
+from pitstop.train import assembly, steps, summary
+from pitstop.train.assembly import channels_last
+from pitstop.train.digest import model_sha256
 from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
-from pitstop.train.metering import StepMeter
+from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
 from pitstop.train.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState
-from pitstop.train.throughput import Throughput
 
 log = logging.getLogger("pitstop")
 
@@ -69,12 +64,8 @@ class Runner:
         self._finished = self._preempted = False
         self.goodput: GoodputLog | None = None
         self.samples: SampleLog | None = None
-        self._micro, self._evaluated_epochs = 1, 0
-        hang = cfg.trainer.hang
-        self.watchdog = Watchdog(
-            enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
-            first_seconds=hang.first_seconds, grace=hang.grace_seconds,
-        )  # fmt: skip
+        self._micro = 1
+        self.watchdog = assembly.watchdog(cfg.trainer.hang)
 
     @property
     def step(self) -> int:
@@ -105,63 +96,34 @@ class Runner:
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            self.goodput = GoodputLog(
-                self.run_dir,
-                self.ledger,
-                enabled=main,
-                auto_restart=self.launch.restart > 0,
-                start_method=self.launch.start_method,
-            )
+            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main, auto_restart=self.launch.restart > 0,
+                                      start_method=self.launch.start_method)  # fmt: skip
             hold.push(self._record_failure)
-            parts = build_step_parts(cfg, self.strategy)
+            parts = assembly.build_step_parts(cfg, self.strategy)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
             self.model, self.compile_clock, self.optimizer = parts.model, parts.compile_clock, parts.optimizer
             self.loader, self.eval_loader = parts.loader, parts.eval_loader
             self.total_steps = steps.total_steps(t, self.loader, self.accum)
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
-            fp = fingerprint(cfg, self.data, self.accum)
+            self.evals = steps.EvalSchedule(t.eval_every_steps, self.loader)
+            fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
-            self.metrics_file = MetricsFile(os.path.join(self.run_dir, "metrics.jsonl"), enabled=main)
-            hold.callback(self.metrics_file.close)
-            self.logger = build(cfg.logger) if main else build({"_target_": "pitstop.telemetry.logger.base.NullLogger"})
+            tele = assembly.build_telemetry(cfg, self.run_dir, self.strategy, self.total_steps, hold)
+            self.metrics_file, self.logger, self.profiler = tele.metrics_file, tele.logger, tele.profiler
+            self.throughput, self.meter = tele.throughput, tele.meter
             hold.callback(self._close_logger, "FAILED")  # a no-op once finish() closed it
             self.ckpt = build(cfg.ckpt)
             hold.callback(self._release_ckpt)
-            fault_mtbf = OmegaConf.select(cfg, "fault.mtbf_seconds") or None
-            intervals = IntervalPolicy(
-                fault_mtbf,
-                "fault.mtbf_seconds" if fault_mtbf else "",
-                self.goodput.failures(),
-                self.goodput.job_seconds(),
-            )
+            intervals = assembly.interval_policy(cfg, self.goodput.failures(), self.goodput.job_seconds())
             self.ckpt.setup(self.strategy, self.report, intervals)
             if cfg.data.get("record_sample_ids"):
                 attempt_id = self.strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
                 self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking)
                 hold.callback(self.samples.close)
                 self.loader.sample_log = self.samples.write
-            self.fault = build(cfg.fault)
-            hold.callback(self.fault.close)
-            self.fault.bind(
-                FaultContext(
-                    run_dir=self.run_dir,
-                    rank=self.strategy.rank,
-                    world_size=self.strategy.world_size,
-                    total_steps=self.total_steps,
-                    max_restarts=int(t.get("max_restarts") or 0),
-                    start_wall=self.ledger.start_wall,
-                    checkpointer=self.ckpt,
-                    grad_accum_steps=self.accum,
-                )
-            )
-            self.profiler = StepProfiler(
-                t.profile.steps, t.profile.memory, self.run_dir, self.strategy.rank, self.strategy.device,
-                self.total_steps,
-            )  # fmt: skip
-            hold.callback(self.profiler.close)
-            self.throughput = Throughput(self.strategy.device, t.precision)
-            self.meter = StepMeter(self.throughput, self.metrics_file, self.strategy.world_size, t.log_every_steps)
+            self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.total_steps,
+                                              self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
 
@@ -209,7 +171,7 @@ class Runner:
     def restore(self) -> None:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
             self.resumed_from = self.ckpt.restore(self.target)
-        self._evaluated_epochs = self._epochs_ended()
+        self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
             self.total_steps = steps.steps_at_this_world_size(
@@ -227,18 +189,13 @@ class Runner:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})
         if self.strategy.is_main:
-            tags = {"strategy": self.strategy.name, "ckpt": self.ckpt.name, "loader": self.loader.kind}
-            sweep = self.cfg.get("sweep")
-            if sweep:  # mlflow ui: filter tags.sweep = '<id>' and compare the jobs side by side
-                tags.update(
-                    {"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)}
-                )
+            tags = summary.run_tags(self.cfg, self.strategy.name, self.ckpt.name, self.loader.kind)
             self.logger.start(self.run_dir, flatten(self.cfg), tags=tags)
 
     def fit(self) -> None:
         ledger, meter, watch = self.ledger, self.meter, self.watchdog
         batches = Batches(self.loader, self.watchdog)
-        bar = self._progress_bar()
+        bar = progress_bar(self.cfg.trainer.progress_bar, self.strategy.is_main, self.total_steps, self.step)
         meter.start()
         for cb in self.callbacks:
             cb.on_train_start(self.view)
@@ -268,7 +225,7 @@ class Runner:
                     lr = self.optimizer.param_groups[0]["lr"]
                     meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait,
                                  compute, self.logger, bar, self.data_stats)  # fmt: skip
-                if self._eval_due():  # 3. evaluate
+                if self.evals.due(self.step, self.total_steps):  # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps
                 with watch.phase("checkpoint"):
@@ -348,31 +305,12 @@ class Runner:
         if self.samples is not None:
             self.samples.flush()
 
-    def _eval_due(self) -> bool:
-        every = self.cfg.trainer.eval_every_steps
-        if every:
-            return self.step % every == 0 or self.step == self.total_steps
-        ended = self._epochs_ended()  # (with accumulation an epoch can end inside a step)
-        due = ended > self._evaluated_epochs or self.step == self.total_steps
-        self._evaluated_epochs = ended
-        return due
-
-    def _epochs_ended(self) -> int:
-        return self.loader.epoch + int(self.loader.batches >= self.loader.steps_per_epoch())
-
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
-            # Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see iterate_once.
-            passes = self.eval_loader.iterate_once(
-                self.cfg.trainer.eval_max_batches, share=self.strategy.broadcast_object
-            )
-            batches = ((self._device_batch(b), counted) for b, counted in passes)
-            with self.precision.autocast():
-                out = self.task.evaluate(self.model, batches, self.strategy.all_reduce_sum, self.strategy.device)
+            out = steps.evaluate(self.model, self.task, self.eval_loader, self.cfg.trainer.eval_max_batches,
+                                 self.strategy, self.precision, self._device_batch)  # fmt: skip
         if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
-            compiling = self.compile_clock.take()
-            self.ledger.add("eval", -compiling)
-            self.ledger.add("compile", compiling)
+            self.ledger.move("eval", "compile", self.compile_clock.take())
         self.last_eval = out
         self.logger.log_metrics(out, self.step)
         self.metrics_file.write({"step": self.step, **out})
@@ -390,20 +328,12 @@ class Runner:
         self.logger.log_metrics(summary.goodput_metrics(account), self.step)
         digest = self.params_sha256()
         out = summary.summary(
-            step=self.step,
-            total_steps=self.total_steps,
-            epoch=self.loader.epoch,
-            samples_seen=self.samples_seen,
-            resumed_from=self.resumed_from,
-            metrics=self.last_eval,
-            params_sha256=digest,
+            step=self.step, total_steps=self.total_steps, epoch=self.loader.epoch, samples_seen=self.samples_seen,
+            resumed_from=self.resumed_from, metrics=self.last_eval, params_sha256=digest,
             data={**self.loader.stats, "data_wait_fraction": summary.data_wait_fraction(self.ledger.seconds)},
-            checkpoint=self.ckpt.stats(),
-            strategy=self.strategy,
-            throughput=self.throughput.summary(),
-            precision=self.precision.name,
-            account=account,
-        )
+            checkpoint=self.ckpt.stats(), strategy=self.strategy, throughput=self.throughput.summary(),
+            precision=self.precision.name, account=account,
+        )  # fmt: skip
         for cb in self.callbacks:
             cb.on_train_end(self.view)
         if self.strategy.is_main:
@@ -426,15 +356,4 @@ class Runner:
         return (logger.close(status) or {}) if logger is not None else {}
 
     def params_sha256(self) -> str:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state_sha256(sd)
-
-    def _progress_bar(self):
-        mode = self.cfg.trainer.progress_bar
-        if not self.strategy.is_main or mode is False or (mode == "auto" and not sys.stderr.isatty()):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        return model_sha256(self.model)

@@ -1,6 +1,6 @@
 """How many optimizer steps a run has: ``trainer.max_steps``, or the batches of ``trainer.epochs`` over
 ``trainer.grad_accum_steps`` — recomputed after a resume at another world size, with the LR schedule
-re-planned to decay over the steps left."""
+re-planned to decay over the steps left; and after which steps the loop evaluates, and one evaluation pass."""
 
 from __future__ import annotations
 
@@ -55,3 +55,36 @@ def steps_at_this_world_size(
             else f"the LR schedule ({type(scheduler).__name__}) cannot be re-planned and keeps its length",
         )
     return new_total
+
+
+class EvalSchedule:
+    """After which steps the loop evaluates: every ``trainer.eval_every_steps``, else when an epoch has ended
+    (with accumulation an epoch can end inside a step); and after the last step."""
+
+    def __init__(self, every: int | None, loader: Any):
+        self.every, self.loader, self.evaluated_epochs = every, loader, 0
+
+    def epochs_ended(self) -> int:
+        return self.loader.epoch + int(self.loader.batches >= self.loader.steps_per_epoch())
+
+    def resumed(self) -> None:
+        """The loader is where the checkpoint left it: the epochs ended before are evaluated already."""
+        self.evaluated_epochs = self.epochs_ended()
+
+    def due(self, step: int, total_steps: int) -> bool:
+        if self.every:
+            return step % self.every == 0 or step == total_steps
+        ended = self.epochs_ended()
+        due = ended > self.evaluated_epochs or step == total_steps
+        self.evaluated_epochs = ended
+        return due
+
+
+def evaluate(model: Any, task: Any, loader: Any, max_batches: int | None, strategy: Any, precision: Any,
+             to_device: Any) -> dict[str, float]:  # fmt: skip
+    """One pass over the evaluation split (at most ``max_batches``): the task's metrics, reduced over ranks.
+    Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see ``iterate_once``."""
+    passes = loader.iterate_once(max_batches, share=strategy.broadcast_object)
+    batches = ((to_device(b), counted) for b, counted in passes)
+    with precision.autocast():
+        return task.evaluate(model, batches, strategy.all_reduce_sum, strategy.device)

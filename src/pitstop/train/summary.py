@@ -37,6 +37,16 @@ class RunView:
         return self._runner.run_dir
 
 
+def run_tags(cfg: Any, strategy: str, ckpt: str, loader: str) -> dict[str, str]:
+    """The tracker run's tags: the options compared most, and the sweep a job belongs to (in the mlflow ui,
+    filter ``tags.sweep = '<id>'`` to compare a sweep's jobs side by side)."""
+    tags = {"strategy": strategy, "ckpt": ckpt, "loader": loader}
+    sweep = cfg.get("sweep")
+    if sweep:
+        tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)})
+    return tags
+
+
 def goodput_metrics(account: dict) -> dict[str, float]:
     """The job's goodput account as tracker metrics."""
     restart = {"restart_seconds": account["restart_seconds"]} if account["restart_seconds"] is not None else {}
