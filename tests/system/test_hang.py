@@ -129,6 +129,7 @@ def remote(store, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow  # (in-process, but ~30 s each)
+@pytest.mark.serial
 def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(make_cfg, data_root, tmp_path, caplog):
     # One request to the store never returns (the 3rd training-shard read): the loop waits for that worker's
     # batch, the watchdog raises DataStall, the runner restarts the workers from the current data position.
@@ -147,6 +148,7 @@ def test_a_data_worker_stuck_once_is_restarted_in_place_and_the_run_stays_exact(
 
 
 @pytest.mark.slow  # (in-process, but ~30 s each)
+@pytest.mark.serial
 def test_a_store_that_stops_answering_is_a_hang_with_the_data_workers_stacks(make_cfg, data_root, capfd, caplog):
     # Healing does not help (every later read hangs too): after the restart of the workers it is a hang.
     from pitstop.testing.slowstore import SlowStore
