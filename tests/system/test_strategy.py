@@ -13,7 +13,8 @@ import pytest
 from conftest import final_losses as losses, cli, read_jsonl
 from pitstop.audit import audit
 
-pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
+# every test here starts real ranks in subprocesses; the module-scoped reference is built once (one xdist worker)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_strategy")]
 
 RUN = [
     "debug=tiny",
