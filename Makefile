@@ -5,8 +5,7 @@
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
 # pytest-xdist processes for make test / test-fast: 2 = this machine's (and CI's) cores; WORKERS=0 runs serially.
-# Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone; a module
-# marked xdist_group (a module-scoped fixture: a reference run) stays on one worker, other tests spread one by one.
+# Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone.
 WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -27,14 +26,14 @@ train: $(STAMP)
 	$(BIN)/python -m recipe.train $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # (5: PYTEST_ARGS selected none of them)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -10,9 +10,6 @@ import pytest
 
 from conftest import CONF, compose_cfg, image_tree, read_jsonl, train
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_config_groups")
-
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))

@@ -18,9 +18,6 @@ from conftest import final_losses as losses, train
 from pitstop.errors import FingerprintMismatch
 from pitstop.resilience.preempt import Preempted
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_resume_in_process")
-
 # 30 steps of 16 with 2 data workers: the notice at step 17 is mid-epoch (1438 training samples: ~90 steps an
 # epoch), so the loader's position and each worker's stream matter; the LR schedule is mid-decay and dropout
 # draws from the torch RNG.

@@ -12,9 +12,6 @@ import pytest
 
 from conftest import cli, read_jsonl
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_accel_kills")
-
 # Every new option on at once; aot_eager compiles through dynamo + AOT autograd like inductor does, without
 # inductor's C++ builds (30 s per process on 2 cores; one test below uses inductor itself).
 ALL_ON = [

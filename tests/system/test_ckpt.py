@@ -14,9 +14,6 @@ import pytest
 
 from conftest import final_losses, PY, ROOT, cli, cli_cmd, flatten, popen_cmd, read_jsonl, run_cmd
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_ckpt")
-
 BACKENDS = ["sync_save", "sync_dcp", "async_dcp", "async_dcp_pinned"]
 
 # 40 steps of 64 with 2 workers: crosses an epoch boundary (24 steps/epoch); dropout uses the torch RNG.

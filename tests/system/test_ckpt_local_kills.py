@@ -14,9 +14,6 @@ import pytest
 
 from conftest import cli
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_ckpt_local_kills")
-
 RUN = [
     "debug=tiny",
     "trainer.max_steps=40",

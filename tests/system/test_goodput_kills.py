@@ -16,9 +16,6 @@ import pytest
 from conftest import PY, cli, read_jsonl, run_cmd
 from pitstop.goodput.ledger import JOB_BUCKETS
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_goodput_kills")
-
 RUN = [
     "debug=tiny",
     "trainer.max_steps=40",

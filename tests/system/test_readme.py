@@ -26,9 +26,6 @@ import warm
 from conftest import readme_commands, COLD as COLD_ALL
 from conftest import ROOT, image_tree, warm_server
 
-# its module-scoped fixture is built once: make test keeps the module on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("test_readme")
-
 README = ROOT / "README.md"
 
 # Commands this machine cannot run, with why (matched by substring).

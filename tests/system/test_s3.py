@@ -21,7 +21,7 @@ import pytest
 from conftest import cli, cli_cmd, run_cmd
 from pitstop.audit import audit
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_s3")]
+pytestmark = pytest.mark.slow
 
 BUCKET = "pitstop-data"
 

@@ -13,8 +13,7 @@ import pytest
 from conftest import final_losses as losses, cli, read_jsonl
 from pitstop.audit import audit
 
-# every test here starts real ranks in subprocesses; the module-scoped reference is built once (one xdist worker)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_strategy")]
+pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
 
 RUN = [
     "debug=tiny",

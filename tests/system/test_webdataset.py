@@ -14,7 +14,7 @@ from conftest import cli
 from pitstop.audit import audit
 from pitstop.data.shards import read_shard
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_webdataset")]
+pytestmark = pytest.mark.slow
 
 
 def digits_samples(data_root: Path, split: str) -> list[dict]:
