@@ -224,11 +224,11 @@ from pitstop.data.loader.plain import PlainLoader
 from recipe.vision import ImageShards
 ds = ImageShards(root=sys.argv[1], name="digits", num_classes=10, channels=1, augment={"pad": 1})
 loader = PlainLoader(ds, "train", batch_size=16, seed=0, num_workers=2)
-with open(f"/proc/{server.parent()}/cmdline", "rb") as f:
-    spawned = ("from multiprocessing." + "forkserver import main").encode() in f.read()  # (not this script)
 h = hashlib.sha256()
 for _, (x, y) in zip(range(100), loader):  # (more than an epoch: a second set of workers too)
     h.update(x.numpy().tobytes() + y.numpy().tobytes())
+with open(f"/proc/{server.parent()}/cmdline", "rb") as f:  # (read once the workers ran: the server is up)
+    spawned = ("from multiprocessing." + "forkserver import main").encode() in f.read()  # (not this script)
 print(json.dumps({"server": "spawned" if spawned else "forked", "digest": h.hexdigest()}))
 """
 
