@@ -4,6 +4,7 @@ restart, clear errors on bad shards, data workers that die with their trainer (c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -32,8 +33,10 @@ def take(loader: PlainLoader, n: int) -> list[tuple[list[str], torch.Tensor]]:
     keys: list[list[str]] = []
     loader.sample_log = keys.append
     out = []
-    for i, (x, y) in enumerate(itertools.islice(iter(loader), n)):
-        out.append((keys[i], x.clone()))
+    batches = iter(loader)
+    with contextlib.closing(batches):  # its workers stop now, not when a later test collects it (5 s each)
+        for i, (x, y) in enumerate(itertools.islice(batches, n)):
+            out.append((keys[i], x.clone()))
     return out
 
 

@@ -301,10 +301,11 @@ class ShardLoader(ABC):
             if self.batches >= self.steps_per_epoch():
                 self.epoch, self.batches, self.positions, self.base = self.epoch + 1, 0, {}, {}
             it, ahead = (ahead if ahead is not None else self._reader(self.epoch)), None
-            limit = self.steps_per_epoch()
+            limit, failure = self.steps_per_epoch(), None
             for item in it:
                 if isinstance(item, Failure):
-                    raise DataError(item.message)
+                    failure = item
+                    break
                 self.batches += 1
                 self.positions[item["stream"]] = item["end"]
                 self.stats["samples"] += len(item["keys"])
@@ -319,6 +320,9 @@ class ShardLoader(ABC):
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
                     ahead = self._reader(self.epoch + 1)
             del it
+            if failure is not None:  # (raised once the readers are released: their workers stop now, not when
+                del ahead  # the traceback that holds this frame is collected, which takes 5 s per worker)
+                raise DataError(failure.message)
             if self.batches < limit:  # every reader ran dry early (samples skipped as corrupt)
                 self.batches = limit
 
