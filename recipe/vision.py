@@ -116,6 +116,15 @@ class ImageShards(ShardedDataset):
         return x
 
 
+class GlobalAvgPool(nn.Module):
+    """(N, C, H, W) -> (N, C): the mean over height and width. Bitwise what ``AdaptiveAvgPool2d(1)`` + ``Flatten``
+    compute (the same mean kernel, forward and backward), but a tensor of its own, not a view: a unit under FSDP2
+    that returns a view makes it warn (an in-place op on the view would skip the unit's pre-backward all-gather)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((-2, -1))
+
+
 class SmallCNN(nn.Module):
     """A compact conv net; adaptive pooling makes it work for any input size (8x8 digits and up)."""
 
@@ -132,8 +141,7 @@ class SmallCNN(nn.Module):
             block(width, 2 * width),
             nn.MaxPool2d(2),
             block(2 * width, 4 * width),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
+            GlobalAvgPool(),
         )
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
 
