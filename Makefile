@@ -4,9 +4,12 @@
 # make test-unit — tests/unit only: pure logic, seconds
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
-# pytest-xdist processes for make test / test-fast: 2 = this machine's (and CI's) cores; WORKERS=0 runs serially.
+# pytest-xdist processes for make test / test-fast. Default 0 (one process): under xdist a test that forks from
+# the worker process (which has execnet threads) once deadlocked in the child (CI run, 2026-12-02), so parallel
+# runs are opt-in until that is fixed: WORKERS=2 (this machine's cores) takes ~18 min instead of ~26.
 # Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone.
-WORKERS ?= 2
+WORKERS ?= 0
+XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -26,14 +29,14 @@ train: $(STAMP)
 	$(BIN)/python -m recipe.train $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # (5: PYTEST_ARGS selected none of them)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
