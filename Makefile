@@ -4,11 +4,10 @@
 # make test-unit — tests/unit only: pure logic, seconds
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
-# pytest-xdist processes for make test / test-fast. Default 0 (one process): under xdist a test that forks from
-# the worker process (which has execnet threads) once deadlocked in the child (CI run, 2026-12-02), so parallel
-# runs are opt-in until that is fixed: WORKERS=2 (this machine's cores) takes ~18 min instead of ~26.
-# Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone.
-WORKERS ?= 0
+# pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker). Default 2,
+# this machine's (and CI's) cores; WORKERS=0 runs in one process. Tests marked `serial` (in-process, timed by their
+# own watchdog) run after the parallel part, alone.
+WORKERS ?= 2
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 VENV   := .venv
 BIN    := $(VENV)/bin

@@ -77,7 +77,9 @@ def _acquire_all(args) -> list[str]:
 
 def test_one_download_per_shard_per_machine_with_concurrent_processes(data_root, tmp_path, store):
     shard_refs = refs(data_root, store.url)
-    with mp.get_context("fork").Pool(4) as pool:  # four processes race for the same eight shards
+    # (spawn, not fork: a fork beside the pytest process's threads can hang; not forkserver: a plain one
+    # started here would stay the fork server of every later test's data workers, none of them preloaded)
+    with mp.get_context("spawn").Pool(4) as pool:  # four processes race for the same eight shards
         results = pool.map(_acquire_all, [(str(tmp_path / "cache"), shard_refs, k) for k in range(4)])
     assert all(r == [s.sha256 for s in shard_refs] for r in results)
     assert shard_requests(store) == {f"/digits/{Path(s.url).name}": 1 for s in shard_refs}

@@ -100,14 +100,22 @@ def parent() -> int:
     return getattr(forkserver._forkserver, "_forkserver_pid", None) or os.getpid()
 
 
+def python_threads() -> int:
+    """How many threads run Python code in this process. ``threading.active_count()`` is not it: a thread
+    started with ``_thread.start_new_thread`` (execnet's, under pytest-xdist) is not in ``threading``'s list
+    until it asks for ``threading.current_thread()``; a fork taken beside it can inherit a lock it holds and
+    hang forever. Every Python thread has a frame here."""
+    return max(len(sys._current_frames()), threading.active_count())
+
+
 def _cannot_fork(server: Any) -> str | None:
     """Why this process must not fork its workers' server now (None: it may)."""
     import torch
 
     if sys.version_info >= (3, 13) or not all(hasattr(server, a) for a in (*_STATE, "_lock")):
         return "this Python's fork server is not the one pitstop knows"
-    if threading.active_count() > 1:
-        return f"{threading.active_count()} threads already"
+    if python_threads() > 1:
+        return f"{python_threads()} threads already"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "process groups exist"
     if torch.cuda.is_initialized():
