@@ -41,35 +41,71 @@ def _records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _dirs(run_dir: str) -> list[str]:
+    """The dirs with sample logs: the run dir, or a ``strategy=ft`` job's ``replica*/`` groups."""
+    groups = sorted(
+        os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.startswith("replica") and n[7:].isdigit()
+    )
+    return groups if groups and not any(n.startswith("samples.rank") for n in os.listdir(run_dir)) else [run_dir]
+
+
 def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
     """``{step: [sample keys of that step, all ranks]}`` of the steps that survive, and the last header."""
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith("samples.rank") and n.endswith(".jsonl"))
+    names = sorted(
+        os.path.join(d, n) for d in _dirs(run_dir) for n in os.listdir(d)
+        if n.startswith("samples.rank") and n.endswith(".jsonl")
+    )  # fmt: skip
     if not names:
         raise SystemExit(f"error: no samples.rank*.jsonl in {run_dir}: train with data.record_sample_ids=true")
     resumed: dict[float, int] = {}
+    healed: set[float] = set()  # attempts that resumed from a live peer (strategy=ft): they roll nobody back
     rows: list[tuple[float, int, int, int, list[str]]] = []  # (attempt, rank, step, micro, keys)
     header: dict = {}
+    last_t: dict[float, float] = {}  # an attempt's last commit line's wall clock (strategy=ft)
+    committed: set[tuple[int, int]] = set()  # (step, quorum) that some replica group committed (strategy=ft)
+    orphans: list[tuple[tuple, int]] = []  # (row, quorum): a group's last step, written before it died
     for name in names:
-        attempt = None
-        for r in _records(os.path.join(run_dir, name)):
+        attempt, pending = None, None  # pending: (row, quorum) of a strategy=ft step not yet decided
+        for r in _records(name):
             if "attempt" in r:
+                if pending is not None:
+                    orphans.append(pending)
+                    pending = None
                 attempt, header = r["attempt"], max(header, r, key=lambda h: h.get("attempt", 0))
                 resumed[attempt] = int(r["resumed_from"])
+                if r.get("healed"):
+                    healed.add(attempt)
                 rank = int(r["rank"])
             elif attempt is None:
                 raise SystemExit(
-                    f"error: {name} has steps before any attempt header: it was written by an older "
-                    f"pitstop; audit runs that this version trained"
+                    f"error: {os.path.basename(name)} has steps before any attempt header: it was written by an "
+                    f"older pitstop; audit runs that this version trained"
                 )
+            elif "commit" in r:  # the step's outcome: its keys were consumed only if it committed
+                last_t[attempt] = max(last_t.get(attempt, 0.0), float(r.get("t", 0.0)))
+                if pending is not None and r["ok"]:
+                    rows.append(pending[0])
+                    committed.add((int(r["commit"]), int(r["quorum"])))
+                pending = None
             else:
-                rows.append((attempt, rank, int(r["step"]), int(r.get("micro", 1)), r["keys"]))
-    order = sorted(resumed)
-    # the lowest resume point of any later attempt: how far an attempt's steps are kept
+                row = (attempt, rank, int(r["step"]), int(r.get("micro", 1)), r["keys"])
+                if "quorum" in r:
+                    pending = (row, int(r["quorum"]))
+                else:
+                    rows.append(row)
+        if pending is not None:
+            orphans.append(pending)
+    # A group killed between its step's all-reduce and the line saying it committed: its share was consumed iff
+    # another group of the same quorum committed that step (their all-reduce had its gradients).
+    rows.extend(row for row, quorum in orphans if (row[2], quorum) in committed)
+    # How far an attempt's steps are kept: the lowest resume point of any later attempt that restored from a
+    # checkpoint (not healed from a live peer) after this one had ended. (An attempt of a strategy=ft group
+    # says when it last committed; a later one that started while it was still running did not roll it back.)
     keep: dict[float, float] = {}
-    floor = float("inf")
-    for a in reversed(order):
-        keep[a] = floor
-        floor = min(floor, resumed[a])
+    for a in resumed:
+        ended = last_t.get(a, float("-inf"))
+        later = [resumed[b] for b in resumed if b > a and b not in healed and ended < b]
+        keep[a] = min(later, default=float("inf"))
     steps: dict[int, list[str]] = defaultdict(list)
     for attempt, _, step, _, keys in rows:
         if step <= keep[attempt]:
@@ -80,9 +116,10 @@ def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
 def epochs_of(run_dir: str) -> dict[int, int]:
     """step -> epoch, from metrics.jsonl (the last record of a step: the attempt whose step survived)."""
     out: dict[int, int] = {}
-    for r in _records(os.path.join(run_dir, "metrics.jsonl")):
-        if "loss" in r and "epoch" in r:
-            out[int(r["step"])] = int(r["epoch"])
+    for d in _dirs(run_dir):
+        for r in _records(os.path.join(d, "metrics.jsonl")):
+            if "loss" in r and "epoch" in r:
+                out[int(r["step"])] = int(r["epoch"])
     return out
 
 

@@ -85,7 +85,19 @@ def test_loader(make_cfg, opt):
 
 @pytest.mark.parametrize("opt", options("strategy"))
 def test_strategy(make_cfg, default_run, opt, recwarn):
-    # In-process (a world of one; multi-rank runs are in test_strategy.py).
+    # In-process (a world of one; multi-rank runs are in test_strategy.py, replica groups in test_ft.py).
+    if opt == "ft":  # one replica group, against a real Lighthouse started here
+        lighthouse = pytest.importorskip("torchft.coordination").LighthouseServer(
+            bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20, heartbeat_timeout_ms=250
+        )
+        try:
+            extra = ["strategy.replicas=1", "strategy.replica_id=0", f"strategy.lighthouse={lighthouse.address()}"]
+            cfg, summary = run_option("strategy", opt, make_cfg, default_run, *extra)
+        finally:
+            lighthouse.shutdown()
+        check_run(cfg, summary)
+        assert summary["ft"]["discarded_steps"] == 0 and summary["ft"]["heals"] == []
+        return
     check_run(
         *run_option("strategy", opt, make_cfg, default_run, *([] if opt == "single" else ["strategy.nproc_per_node=1"]))
     )

@@ -18,7 +18,7 @@ def test_every_group_has_its_documented_options():
     assert options("data") == ["digits", "imagefolder", "synthetic", "webdataset"]
     assert options("model") == ["cnn", "resnet18", "torchvision"]
     assert options("optim") == ["adamw", "sgd"]
-    assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "single"]
+    assert {"plain"} <= set(options("loader")) and options("strategy") == ["ddp", "fsdp", "ft", "single"]
     assert options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
     assert options("fault") == ["crash_at_step", "during_save", "none", "preempt", "random", "stall"]
     assert options("logger") == ["mlflow", "none"] and options("loader") == ["cached", "plain"]

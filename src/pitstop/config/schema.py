@@ -118,6 +118,20 @@ class FSDP(DDP):
     mixed_precision: Optional[str] = MISSING  # ${trainer.precision} | null | bfloat16 | float16
 
 
+@dataclass
+class FT(Single):
+    replicas: int = MISSING
+    replica_id: Optional[int] = MISSING
+    lighthouse: Optional[str] = MISSING  # HOST:PORT | null (start one here)
+    min_replicas: int = MISSING
+    inner: str = MISSING  # ddp
+    nproc_per_node: int = MISSING
+    timeout: float = MISSING
+    heartbeat_ms: int = MISSING
+    quorum_timeout: float = MISSING
+    max_restarts: int = MISSING
+
+
 # ---- fault ---------------------------------------------------------------------------------------------
 
 
@@ -218,7 +232,7 @@ class Trainer:
 SCHEMAS = {
     "ckpt": {"sync": Ckpt, "dcp": DcpCkpt, "async": AsyncCkpt},
     "loader": {"plain": Loader, "cached": CachedLoader},
-    "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP},
+    "strategy": {"single": Single, "ddp": DDP, "fsdp": FSDP, "ft": FT},
     "fault": {
         "none": NoFault,
         "at_step": AtStep,

@@ -22,6 +22,8 @@ where they match:
 - ``recovery_gap``   for an automatic restart, the previous attempt's last record → this process's start
                      (infrastructure recovery from disruption);
 - ``lost``           compute, data wait, evaluation and logging of steps computed again (wasted progress);
+- ``quorum``         (``strategy=ft``) waiting for each step's quorum of replica groups, heals from a peer included;
+- ``discarded``      (``strategy=ft``) steps computed and thrown away because a peer group failed during them;
 - ``other``          logging and whatever the loop did outside those (e.g. the final close).
 
 Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore + compile of
@@ -42,8 +44,9 @@ from typing import Any
 from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "init", "restore", "compile")
-BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging")
-JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", "other")
+REPLICA = ("quorum", "discarded")  # strategy=ft only (a table shows them when they are not zero)
+BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA)
+JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", *REPLICA, "other")
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
 
@@ -241,6 +244,8 @@ def account(attempts: list[dict]) -> dict[str, Any]:
             t[k] += b.get(k, 0.0)
         t["init"] += b.get("startup", 0.0)  # goodput.json of an older pitstop: one startup bucket
         t["lost"] += sum(lost.values())
+        for k in REPLICA:
+            t[k] += b.get(k, 0.0)
         t["eval"] += b.get("eval", 0.0) - lost["eval"]
         t["other"] += b.get("logging", 0.0) - lost["logging"] + b.get("other", 0.0)
         if i > 0 and a.get("auto_restart"):  # the gap: the previous attempt's unrecorded tail + restart
@@ -270,6 +275,8 @@ def table(doc: dict) -> str:
         f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"
     ]
     for k in JOB_BUCKETS:
+        if k in REPLICA and not totals.get(k):
+            continue
         lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
     if doc.get("restart_seconds") is not None:
         lines.append(f"  restart cost R {doc['restart_seconds']:>9.2f} s per automatic restart")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pitstop.launch.attempt import log_to
 from pitstop.launch.elastic import elastic
@@ -28,6 +28,16 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
+    if OmegaConf.select(cfg, "strategy.replicas") is not None and "RANK" not in os.environ:  # strategy=ft
+        if OmegaConf.select(cfg, "strategy.replica_id") is None:  # this command starts the Lighthouse and groups
+            from pitstop.launch.replicas import run_replicas
+
+            return run_replicas(cfg, run_dir)
+        k = int(cfg.strategy.replica_id)  # one group of a job started on several machines: restarted alone
+        from pitstop.launch.replicas import check_job, replica_dir
+
+        check_job(cfg)
+        return supervise(cfg, replica_dir(run_dir, k), int(cfg.strategy.max_restarts))
     n, restarts, (min_nodes, max_nodes) = nproc(cfg), max_restarts(cfg), nnodes(cfg)
     mode = launch_mode(n, restarts, os.environ, max_nodes)
     if mode == LaunchMode.SUPERVISED:

@@ -42,15 +42,28 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
-        return _attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace)
+        return attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
 
 
-def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_start: float, grace: float = 30.0) -> dict:
+def attempts(
+    ctx: Any,
+    cfg_yaml: str,
+    run_dir: str,
+    max_restarts: int,
+    job_start: float,
+    grace: float = 30.0,
+    started: Any = None,
+    name: str = "attempt",
+    limit_key: str = "trainer.max_restarts",
+) -> dict:
+    """Run attempts of one job (or one replica group) in ``run_dir`` until one finishes; ``started(process)``
+    is told of each attempt's process (a launcher of several groups stops them all on its way out)."""
     import json
 
+    os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
     for attempt in range(max_restarts + 1):
         if os.path.exists(errors):
@@ -64,8 +77,10 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
             restart=attempt,
             start_method=ctx.get_start_method(),  # recorded in goodput.json (forkserver: a warm attempt)
         )
-        child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-attempt{attempt}")
+        child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-{name}{attempt}")
         child.start()
+        if started is not None:
+            started(child)
         try:
             child.join()
         finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): a notice for the attempt too
@@ -89,15 +104,17 @@ def _attempts(ctx: Any, cfg_yaml: str, run_dir: str, max_restarts: int, job_star
             raise ConfigError(why)
         if attempt < max_restarts:
             log.warning(
-                "attempt %d failed (%s); restarting (%d of trainer.max_restarts=%d)",
+                "%s %d failed (%s); restarting (%d of %s=%d)",
+                name,
                 attempt + 1,
                 why,
                 attempt + 1,
+                limit_key,
                 max_restarts,
             )
     raise PitstopError(
         f"the job failed {max_restarts + 1} times (last: {why}); "
-        f"trainer.max_restarts={max_restarts} is used up — see {run_dir}/train.log"
+        f"{limit_key}={max_restarts} is used up — see {run_dir}/train.log"
     )
 
 

@@ -79,6 +79,31 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    # ---- replica groups (strategy=ft); every other strategy: one group that always commits ---------------
+    def attach(self, state: Any, load: Any) -> None:
+        """What a heal from a peer would send (``state()``) and apply (``load``): nothing to attach here."""
+
+    def join(self) -> bool:
+        """Before restore: True if this process healed from a live peer (no checkpoint to read)."""
+        return False
+
+    def restored(self, step: int) -> None:
+        """The checkpoint set the run at ``step``."""
+
+    def begin_step(self) -> None:
+        """Before a step's first fetch."""
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """After the last backward: gradients not reduced by the wrapper yet (none here)."""
+
+    def commit(self) -> bool:
+        """Before the optimizer step: False discards the step (nothing changes, the loop goes on)."""
+        return True
+
+    def saves_checkpoints(self) -> bool:
+        """This process writes the durable checkpoints (with its ranks, via the checkpointer)."""
+        return True
+
     @abstractmethod
     def teardown(self) -> None:
         """Leave the process group this strategy joined (idempotent)."""

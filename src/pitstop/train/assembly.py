@@ -68,6 +68,11 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         world_size=strategy.world_size,
         pin_memory=strategy.pin_memory,
     )
+    loader = build(cfg.loader, split="train", train=True, **common)
+    if getattr(strategy, "replicas", None):  # strategy=ft: one global order, cut among the step's groups
+        from pitstop.data.loader.replica import ReplicaLoader
+
+        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas)
     return StepParts(
         precision=precision,
         accum=int(t.grad_accum_steps),
@@ -76,7 +81,7 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         model=model,
         compile_clock=compiler.CompileClock() if t.compile else None,
         optimizer=optimizer,
-        loader=build(cfg.loader, split="train", train=True, **common),
+        loader=loader,
         eval_loader=build(cfg.loader, split=t.eval_split, train=False, **common),
     )
 

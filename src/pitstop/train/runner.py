@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.ckpt.contract import Target
+from pitstop.ckpt.contract import SaveResult, Target
 from pitstop.ckpt.dcp import ERRORS
 from pitstop.config import flatten, validate
 from pitstop.config.build import build, target_modules
@@ -44,7 +44,7 @@ from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
 from pitstop.train.seed import seed_everything
-from pitstop.train.state import Batches, Progress, StepResult, TrainState
+from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 
 log = logging.getLogger("pitstop")
 
@@ -109,6 +109,7 @@ class Runner:
             fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
+            self.strategy.attach(lambda: live_state(self.target), lambda sd: load_live_state(self.target, sd))
             tele = assembly.build_telemetry(cfg, self.run_dir, self.strategy, self.total_steps, hold)
             self.metrics_file, self.logger, self.profiler = tele.metrics_file, tele.logger, tele.profiler
             self.throughput, self.meter = tele.throughput, tele.meter
@@ -119,7 +120,8 @@ class Runner:
             self.ckpt.setup(self.strategy, self.report, intervals)
             if cfg.data.get("record_sample_ids"):
                 attempt_id = self.strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
-                self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking)
+                quorum = (lambda: self.strategy.quorum_id) if hasattr(self.strategy, "quorum_id") else None
+                self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking, quorum)
                 hold.callback(self.samples.close)
                 self.loader.sample_log = self.samples.write
             self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.total_steps,
@@ -170,7 +172,12 @@ class Runner:
 
     def restore(self) -> None:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
-            self.resumed_from = self.ckpt.restore(self.target)
+            healed = self.strategy.join()  # (strategy=ft) healed from a live peer's state: no checkpoint is read
+            if healed:
+                self.resumed_from = self.step
+            else:
+                self.resumed_from = self.ckpt.restore(self.target)
+                self.strategy.restored(self.step)
         self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
@@ -183,7 +190,7 @@ class Runner:
         if self.samples is not None:
             epochs = int(t.epochs) if t.max_steps is None else None
             self.samples.header(
-                self.resumed_from, self.strategy.world_size, self.data.index.num_samples("train"), epochs
+                self.resumed_from, self.strategy.world_size, self.data.index.num_samples("train"), epochs, healed
             )
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
@@ -208,13 +215,21 @@ class Runner:
                 t0 = time.perf_counter()
                 out = self.train_step(batches)  # 1. fetch + step (syncs on loss.item())
                 took = time.perf_counter() - t0
+                ledger.add("quorum", out.quorum)
+                if not out.committed:  # (strategy=ft) a peer failed during the step: it is redone next
+                    ledger.add("discarded", took - out.quorum)
+                    self._outcome(self.step + 1, False)
+                    continue
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
-                compute = took - out.data_wait - out.staging - compiling
+                compute = took - out.data_wait - out.staging - compiling - out.quorum
                 ledger.add("data_wait", out.data_wait)
                 ledger.add("compute", compute)
                 ledger.add("compile", compiling)
                 self.progress.step += 1
-                self.progress.samples_seen += out.samples * self.strategy.world_size
+                self._outcome(self.step, True)
+                self.progress.samples_seen += (
+                    out.samples * self.strategy.world_size * getattr(self.strategy, "participants", 1)
+                )
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
                     with ledger.measure("init"):
@@ -229,8 +244,9 @@ class Runner:
                     self.evaluate()
                 last = self.step >= self.total_steps
                 with watch.phase("checkpoint"):
-                    saved = self.ckpt.maybe_save(self.target, self.step, last=last)  # 4. save
-                ledger.add("checkpoint", saved.blocked)
+                    saves = self.strategy.saves_checkpoints()  # (strategy=ft: one group writes them)
+                    saved = self.ckpt.maybe_save(self.target, self.step, last=last) if saves else SaveResult()
+                ledger.add("checkpoint", saved.blocked)  # 4. save
                 if saved.started == self.step:
                     self._flush_logs()  # what a resume would not redo is on disk
                     self.goodput.mark(self.step)
@@ -243,11 +259,17 @@ class Runner:
         if bar is not None:
             bar.close()
 
+    def _outcome(self, step: int, committed: bool) -> None:
+        quorum = getattr(self.strategy, "quorum_id", None)  # (strategy=ft: one line per step in the sample log)
+        if self.samples is not None and quorum is not None:
+            self.samples.outcome(step, committed, quorum)
+
     def _stop_for_preemption(self) -> None:
         """Every rank is here after the same step: save if it fits the grace period, wait until it is durable,
         write down where the time went, and leave with the 'requeue me' exit status."""
         why = self.preempt.received.name if self.preempt.received is not None else "a peer's notice"
-        save_for_notice(self.ckpt, self.target, self.step, self.preempt.grace, why, self.ledger, self.watchdog)
+        if self.strategy.saves_checkpoints():  # (strategy=ft: the group that writes the durable checkpoints)
+            save_for_notice(self.ckpt, self.target, self.step, self.preempt.grace, why, self.ledger, self.watchdog)
         self._flush_logs()
         self.goodput.write(self.step, status="preempted")
         self._preempted = True
@@ -257,6 +279,9 @@ class Runner:
     def train_step(self, batches: Batches) -> StepResult:
         """One optimizer step over ``trainer.grad_accum_steps`` micro-batches (gradients reduced across ranks on
         the last one only), in ``trainer.precision``."""
+        t = time.perf_counter()
+        self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
+        quorum = time.perf_counter() - t
         self.optimizer.zero_grad(set_to_none=True)
         losses, samples, wait = [], 0, 0.0
         for micro in range(1, self.accum + 1):
@@ -277,6 +302,11 @@ class Runner:
         loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
+        self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
+        if not self.strategy.commit():
+            return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
+        if hasattr(self.loader, "commit"):  # (strategy=ft) the step's samples, every group's, are consumed
+            self.loader.commit()
         self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
@@ -285,7 +315,7 @@ class Runner:
         # (what forward changes, BatchNorm statistics, was copied when the save started)
         self.precision.step(self.optimizer)
         self.scheduler.step()
-        return StepResult(loss.item(), samples, wait, staging)
+        return StepResult(loss.item(), samples, wait, staging, quorum=quorum)
 
     def _device_batch(self, batch: Any) -> Any:
         batch = self.data.on_device(self.strategy.to_device(batch))
@@ -334,6 +364,8 @@ class Runner:
             checkpoint=self.ckpt.stats(), strategy=self.strategy, throughput=self.throughput.summary(),
             precision=self.precision.name, account=account,
         )  # fmt: skip
+        if hasattr(self.strategy, "ft_stats"):
+            out["ft"] = self.strategy.ft_stats()
         for cb in self.callbacks:
             cb.on_train_end(self.view)
         if self.strategy.is_main:

@@ -5,25 +5,46 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Callable
 
 
 class SampleLog:
-    def __init__(self, run_dir: str, rank: int, attempt_id: float, accum: int, where: Callable[[], tuple[int, int]]):
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        attempt_id: float,
+        accum: int,
+        where: Callable[[], tuple[int, int]],
+        quorum: Callable[[], int] | None = None,
+    ):
         """``attempt_id``: rank 0's clock at its setup, the same on every rank; ``where()``: the step being
-        taken and its micro-batch."""
+        taken and its micro-batch. ``quorum()`` (``strategy=ft``): the id of the step's quorum of replica
+        groups, written with its keys; each step's lines are then on disk before its gradients leave (a peer
+        commits a step this group may not live to write down)."""
         self.attempt_id, self.rank = attempt_id, rank
         self.file = open(os.path.join(run_dir, f"samples.rank{rank}.jsonl"), "a", buffering=1 << 16)
         f = self.file
-        if accum == 1:
+        if quorum is not None:
+
+            def write(keys: list[str]) -> None:
+                f.write(f'{{"step":{where()[0]},"quorum":{quorum()},"keys":{keys!r}}}\n'.replace("'", '"'))
+                f.flush()
+
+            self.write = write
+        elif accum == 1:
             self.write = lambda keys: f.write(f'{{"step":{where()[0]},"keys":{keys!r}}}\n'.replace("'", '"'))
         else:  # which micro-batch of the step
             self.write = lambda keys: f.write(
                 f'{{"step":{where()[0]},"micro":{where()[1]},"keys":{keys!r}}}\n'.replace("'", '"')
             )
 
-    def header(self, resumed_from: int | None, world_size: int, epoch_samples: int, epochs: int | None) -> None:
-        """This attempt: where it resumed, its world, what an epoch holds."""
+    def header(
+        self, resumed_from: int | None, world_size: int, epoch_samples: int, epochs: int | None, healed: bool = False
+    ) -> None:
+        """This attempt: where it resumed, its world, what an epoch holds; ``healed``: it resumed from a live
+        peer's state (``strategy=ft``), so it rolled nobody back."""
         head = {
             "attempt": self.attempt_id,
             "resumed_from": resumed_from or 0,
@@ -32,7 +53,15 @@ class SampleLog:
             "epoch_samples": epoch_samples,
             "epochs": epochs,
         }
+        if healed:
+            head["healed"] = True
         self.file.write(json.dumps(head) + "\n")
+
+    def outcome(self, step: int, committed: bool, quorum: int) -> None:
+        """(``strategy=ft``) whether the keys written for ``step`` were consumed: False, the step was discarded."""
+        t = round(time.time(), 3)
+        self.file.write(f'{{"commit":{step},"ok":{str(committed).lower()},"quorum":{quorum},"t":{t}}}\n')
+        self.file.flush()
 
     def flush(self) -> None:
         self.file.flush()

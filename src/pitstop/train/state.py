@@ -63,14 +63,36 @@ class TrainState:
         set_rng_state(state["rng"])
 
 
+def live_state(target: Any) -> dict:
+    """The whole live state of a run, as a peer heals from it (``strategy=ft``). Parameters and optimizer state
+    by reference (they change only at the optimizer step, after the peer's heal has ended: it takes part in the
+    step's all-reduce); buffers copied (the forward that runs meanwhile updates BatchNorm's statistics)."""
+    model = target.model.state_dict()
+    buffers = {name for name, _ in target.model.named_buffers()}
+    return {
+        "model": {k: (v.clone() if k in buffers else v) for k, v in model.items()},
+        "optimizer": target.optimizer.state_dict(),
+        "train": target.state.state_dict(),
+    }
+
+
+def load_live_state(target: Any, state: dict) -> None:
+    target.model.load_state_dict(state["model"])
+    target.optimizer.load_state_dict(state["optimizer"])
+    target.state.load_state_dict(state["train"])
+
+
 @dataclass
 class StepResult:
-    """One optimizer step: its mean loss, this rank's samples, and where its seconds went besides compute."""
+    """One optimizer step: its mean loss, this rank's samples, and where its seconds went besides compute;
+    ``committed`` False: a replica group's step discarded because a peer failed during it (``strategy=ft``)."""
 
     loss: float
     samples: int
     data_wait: float
     staging: float
+    committed: bool = True
+    quorum: float = 0.0
 
 
 class Batches:

@@ -1,0 +1,153 @@
+"""``strategy=ft``: one command starts a Lighthouse and the replica groups, each under its own supervisor.
+
+    python -m recipe.train strategy=ft strategy.replicas=2 ckpt=async_dcp
+
+Group ``K`` runs in ``RUN_DIR/replica{K}/`` (its train.log, metrics, ledger, sample log, summary) as a warm
+attempt (a fork of a pre-imported server, as :mod:`pitstop.launch.supervisor` starts them). When it dies, its
+supervisor starts it again up to ``strategy.max_restarts`` times, alone: the other groups go on, and the new
+attempt heals from one of them. The durable checkpoints are the job's (``ckpt.dir``, shared): the group at
+place 0 of each step's quorum writes them, so if every group dies the same command resumes from the newest.
+``RUN_DIR/summary.json`` is the job's: each group's summary, restarts per group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pitstop.config import validate
+from pitstop.launch.attempt import warm_context
+from pitstop.launch.supervisor import attempts
+from pitstop.resilience.preempt import Preempted
+from pitstop.telemetry.metrics import write_json_atomic
+from pitstop.train import launch_facts
+
+log = logging.getLogger("pitstop.launch")
+
+
+def replica_dir(run_dir: str, k: int) -> str:
+    return os.path.join(run_dir, f"replica{k}")
+
+
+def start_lighthouse(strategy: Any) -> Any:
+    """A torchft Lighthouse in this process (its server runs in threads of its own)."""
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError as e:
+        from pitstop.errors import ConfigError
+
+        raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
+    return LighthouseServer(
+        bind="[::]:0",
+        min_replicas=int(strategy.min_replicas),
+        join_timeout_ms=100,  # a quorum forms this long after the first group asks (the others join later)
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=int(strategy.heartbeat_ms),
+    )
+
+
+def check_job(cfg: DictConfig) -> None:
+    """strategy=ft's keys and what it does not support yet, each refused in one line naming the key."""
+    from pitstop.errors import ConfigError
+    from pitstop.strategy.ft import check_keys
+
+    validate(cfg)
+    s = cfg.strategy
+    check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
+               s.max_restarts)  # fmt: skip
+    if int(cfg.trainer.grad_accum_steps) != 1:
+        raise ConfigError(
+            f"trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}: strategy=ft takes one micro-batch per step "
+            f"for now; raise trainer.batch_size instead"
+        )
+
+
+def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
+    import multiprocessing as mp
+
+    check_job(cfg)
+    strategy = cfg.strategy
+    groups = int(strategy.replicas)
+    os.makedirs(run_dir, exist_ok=True)
+    lighthouse = start_lighthouse(strategy) if not strategy.lighthouse else None
+    address = strategy.lighthouse or lighthouse.address()
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
+    job_start = launch_facts.job_start()
+    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
+    restarts = int(strategy.max_restarts)
+    results: dict[int, dict] = {}
+    errors: dict[int, BaseException] = {}
+    children: list[Any] = []
+    started: dict[int, int] = {k: 0 for k in range(groups)}
+
+    def group(k: int) -> None:
+        own = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        own.strategy.replica_id, own.strategy.lighthouse = k, address
+        own.loader.num_workers = 0  # (a group reads its share of each step in its own process, for now)
+
+        def seen(child: Any) -> None:
+            children.append(child)
+            started[k] += 1
+
+        try:
+            results[k] = attempts(
+                ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
+                name=f"replica{k}-attempt", limit_key="strategy.max_restarts",
+            )  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
+            errors[k] = e
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    threads = [
+        threading.Thread(target=group, args=(k,), name=f"pitstop-replica{k}", daemon=True) for k in range(groups)
+    ]
+    t0 = time.time()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        for child in children:  # (on the way out of an interrupted launcher: a notice, then a kill)
+            if child.is_alive():
+                child.terminate()
+        for child in children:
+            child.join(grace + 30)
+            if child.is_alive():
+                child.kill()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    job = {
+        "replicas": groups,
+        "wall_seconds": round(time.time() - t0, 3),
+        "attempts_per_group": {str(k): started[k] for k in range(groups)},
+        "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
+                   for k in sorted(results)},
+        "errors": {str(k): str(e).splitlines()[0][:300] for k, e in errors.items()},
+    }  # fmt: skip
+    # The job's summary.json: the first group's (the same parameters in every group), with the job's facts.
+    out = {**results[min(results)], "ft_job": job} if results else {"ft_job": job}
+    write_json_atomic(os.path.join(run_dir, "summary.json"), out)
+    if errors:
+        first = errors[min(errors)]
+        if all(isinstance(e, Preempted) for e in errors.values()):
+            raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
+        if len(errors) == groups:
+            raise first
+        log.warning("replica groups %s failed: %s", sorted(errors), job["errors"])
+    return out
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

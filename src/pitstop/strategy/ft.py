@@ -1,0 +1,251 @@
+"""``strategy=ft``: replica groups joined by torchft, so that healthy groups keep training when one dies.
+
+Each replica group is one process (one rank for now) with its own ``torchft.Manager``. Every step:
+
+    begin_step()        the step's quorum at the Lighthouse: which groups take part, this group's place among
+                        them; a group that is behind (new, or its last step failed) heals here from a live peer
+    (fetch + forward/backward: this group's share of the step, see ``pitstop.data.loader.replica``)
+    reduce_gradients()  one all-reduce (average) of the gradients over the groups of the quorum (Gloo)
+    commit()            torchft's should_commit: False if a collective of this step failed (a peer died) --
+                        the step is discarded, nothing changes, the loop goes on; True: the optimizer steps
+
+A peer's death costs a healthy group the step in flight and a pause of about the Lighthouse's heartbeat timeout
+(``strategy.heartbeat_ms``); the dead group's launcher restarts it alone and it heals from a peer's live state
+(model, optimizer, step, data position, RNGs) over torchft's checkpoint transport: no checkpoint file is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pitstop.config.checks import is_integer
+from pitstop.errors import ConfigError
+from pitstop.strategy.single import Single
+
+log = logging.getLogger("pitstop.strategy")
+
+
+def lighthouse_url(address: str) -> str:
+    """``HOST:PORT`` (or a URL) -> the URL torchft's clients take."""
+    return address if "://" in address else f"http://{address}"
+
+
+class FT(Single):
+    name = "ft"
+
+    def __init__(
+        self,
+        replicas: int = 2,
+        replica_id: Any = None,
+        lighthouse: Any = None,
+        min_replicas: int = 1,
+        inner: str = "ddp",
+        nproc_per_node: int = 1,
+        timeout: float = 10,
+        heartbeat_ms: int = 250,
+        quorum_timeout: float = 60,
+        max_restarts: int = 5,
+        device: str = "auto",
+    ):
+        super().__init__(device=device)
+        check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
+        self.replicas, self.min_replicas = int(replicas), int(min_replicas)
+        self.replica_id = None if replica_id is None else int(replica_id)
+        self.lighthouse = lighthouse
+        self.timeout, self.quorum_timeout, self.heartbeat_ms = float(timeout), float(quorum_timeout), int(heartbeat_ms)
+        self.manager: Any = None
+        self._store: Any = None
+        self._ready = False  # a quorum was formed (by join) that the next step uses
+        self._load: Callable[[dict], None] | None = None
+        self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
+        self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
+        self.discarded = 0  # steps of this attempt whose commit failed
+        self.participants, self.place = 1, 0
+        self._model: nn.Module | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    # ---- joining ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        if self.replica_id is None or not self.lighthouse:
+            raise ConfigError(
+                "strategy=ft: this process is no replica group (strategy.replica_id and strategy.lighthouse are "
+                "unset): start the job with python -m recipe.train strategy=ft, which starts the groups"
+            )
+        try:
+            from torch.distributed import TCPStore
+            from torchft import Manager, ProcessGroupGloo
+        except ImportError as e:
+            raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
+        timeout = timedelta(seconds=self.timeout)
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self.min_replicas,
+                use_async_quorum=False,  # the step's data share depends on the quorum: known before the fetch
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=self.quorum_timeout),
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_addr="127.0.0.1",
+                store_port=self._store.port,
+                lighthouse_addr=lighthouse_url(str(self.lighthouse)),
+                replica_id=f"replica{self.replica_id}",
+                heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
+                init_sync=False,  # every group starts from the same seeded parameters
+            )
+        except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError for an unreachable Lighthouse
+            raise ConfigError(
+                f"strategy.lighthouse={self.lighthouse} cannot be reached within strategy.timeout={self.timeout:g}s "
+                f"({str(e).splitlines()[0][:200]}): start the job's Lighthouse or fix the address"
+            ) from None
+        log.info("replica group %d of %d, Lighthouse %s", self.replica_id, self.replicas, self.lighthouse)
+
+    def attach(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
+        """What a heal sends and receives: the run's whole live state (``state()``), applied with ``load``."""
+
+        def loaded(sd: dict) -> None:
+            load(sd)
+            self._healed = True
+
+        self._healed = False
+        self.manager.register_state_dict_fn("pitstop", loaded, state)
+
+    def join(self) -> bool:
+        """The first quorum of this attempt; True if the group healed from a live peer in it (its state is that
+        peer's: no checkpoint is read), False if no peer is ahead (a new job, or every group restarted: restore
+        from the newest durable checkpoint, as every group of the quorum does)."""
+        for attempt in range(3):  # a heal that failed (its source died meanwhile): the next quorum, another peer
+            self._quorum()
+            if self.heals or self.manager.errored() is None:
+                break
+            log.warning("joining: the quorum or the heal failed; trying again (%d of 3)", attempt + 1)
+        self._ready = True
+        return bool(self.heals)
+
+    def restored(self, step: int) -> None:
+        """The durable checkpoint set the run at ``step``: torchft's step must agree."""
+        self.manager.load_state_dict({"step": int(step), "batches_committed": int(step) * self.participants})
+
+    def _quorum(self) -> None:
+        t0 = time.perf_counter()
+        step = self.manager.current_step()
+        self._healed = False
+        self.manager.start_quorum()
+        took = time.perf_counter() - t0
+        self.quorum_seconds += took
+        if self._healed:
+            self.heals.append({"step": self.manager.current_step(), "from_step": step, "seconds": round(took, 4)})
+            log.info("healed from a live peer at step %d in %.3fs", self.manager.current_step(), took)
+        if self.manager.errored() is not None:
+            log.warning("quorum: %s", str(self.manager.errored()).splitlines()[0][:300])
+        self.participants = max(1, self.manager.num_participants())
+        place = self.manager.participating_rank()
+        self.place = 0 if place is None else int(place)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self._model = super().wrap(model)
+        return self._model
+
+    def begin_step(self) -> None:
+        if not self._ready:
+            self._quorum()
+        self._ready = False
+        # what the forward changes besides parameters (BatchNorm statistics): put back if the step is discarded
+        self._buffers = [b.detach().clone() for b in self._model.buffers()]
+
+    @property
+    def quorum_id(self) -> int:
+        """The id of this step's quorum (the same in every group of it)."""
+        return int(getattr(self.manager, "_quorum_id", -1)) if self.manager is not None else -1
+
+    def participation(self) -> tuple[int, int]:
+        """(groups taking part in this step, this group's place among them)."""
+        return self.participants, self.place
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Average the gradients over the step's groups, and the floating-point buffers (BatchNorm's running
+        statistics, updated by each group's own forward) with them: one flat all-reduce, after which every
+        group holds the same numbers."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        tensors = [p.grad for p in params] + buffers
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.manager.allreduce(flat).wait()
+        at = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[at : at + n].view_as(t))
+                at += n
+
+    def commit(self) -> bool:
+        ok = bool(self.manager.should_commit())
+        if not ok:
+            with torch.no_grad():
+                for b, saved in zip(self._model.buffers(), self._buffers):
+                    b.copy_(saved)
+            self.discarded += 1
+            why = self.manager.errored()
+            log.warning(
+                "step discarded (a peer group failed during it)%s", f": {str(why).splitlines()[0][:200]}" if why else ""
+            )
+        return ok
+
+    def saves_checkpoints(self) -> bool:
+        """One group writes the durable checkpoints: the first of the step's quorum (another takes over when
+        it is gone)."""
+        return self.place == 0
+
+    def ft_stats(self) -> dict:
+        return {
+            "replica_id": self.replica_id,
+            "replicas": self.replicas,
+            "heals": self.heals,
+            "quorum_seconds": round(self.quorum_seconds, 4),
+            "discarded_steps": self.discarded,
+        }
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            try:
+                self.manager.shutdown(wait=False)
+            finally:
+                self.manager = None
+        super().teardown()
+
+
+def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts) -> None:
+    """strategy=ft's values, each refused in one line naming its key."""
+    if not is_integer(replicas) or replicas < 1:
+        raise ConfigError(f"strategy.replicas must be a positive integer (replica groups), got {replicas!r}")
+    if not is_integer(min_replicas) or not 1 <= min_replicas <= replicas:
+        raise ConfigError(f"strategy.min_replicas={min_replicas!r} must be between 1 and strategy.replicas={replicas}")
+    if replica_id is not None and (not is_integer(replica_id) or not 0 <= replica_id < replicas):
+        raise ConfigError(f"strategy.replica_id={replica_id!r} must be null or 0 .. strategy.replicas-1={replicas - 1}")
+    if inner != "ddp":
+        raise ConfigError(f"strategy.inner={inner!r}: only ddp inside a replica group for now")
+    if nproc_per_node != 1:
+        raise ConfigError(
+            f"strategy.nproc_per_node={nproc_per_node!r}: strategy=ft runs one rank per replica group for now; "
+            f"use strategy.replicas for more processes"
+        )
+    for key, value in (("timeout", timeout), ("heartbeat_ms", heartbeat_ms)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"strategy.{key} must be a positive number, got {value!r}")
+    if not is_integer(max_restarts) or max_restarts < 0:
+        raise ConfigError(f"strategy.max_restarts must be an integer >= 0, got {max_restarts!r}")

@@ -1,0 +1,73 @@
+"""strategy=ft's training batches on the real digits shards, replica groups played in-process: every sample of
+every epoch once while groups leave, come back healed from a peer's state, and steps are discarded."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import torch
+
+from pitstop.data.loader.plain import PlainLoader
+from pitstop.data.loader.replica import ReplicaLoader
+from recipe.vision import ImageShards
+
+
+def group_loader(data_root, place: list[int]) -> ReplicaLoader:
+    ds = ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10, channels=1,
+                     augment={"pad": 1})  # fmt: skip
+    inner = PlainLoader(ds, "train", batch_size=32, seed=11, num_workers=0)
+    return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3)
+
+
+def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(data_root):
+    rng = random.Random(4)
+    places = {k: [3, k] for k in range(3)}
+    loaders = {k: group_loader(data_root, places[k]) for k in range(3)}
+    alive = {0, 1, 2}
+    seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    shapes = set()
+    while loaders[min(alive)].epoch < 2:
+        if rng.random() < 0.15 and len(alive) > 1:  # a group dies
+            alive.discard(rng.choice(sorted(alive)))
+        elif rng.random() < 0.3 and len(alive) < 3:  # a group comes back: healed from a live peer's state
+            k = rng.choice(sorted({0, 1, 2} - alive))
+            loaders[k] = group_loader(data_root, places[k])
+            loaders[k].load_state_dict(loaders[min(alive)].state_dict())
+            alive.add(k)
+        members = sorted(alive)
+        for place, k in enumerate(members):
+            places[k][:] = [len(members), place]
+        keys = {}
+        for k in members:
+            got = []
+            loaders[k].sample_log = got.extend
+            x, y = loaders[k].next_batch()
+            assert len(x) == len(y) == len(got)
+            shapes.add(tuple(x.shape[1:]))
+            keys[k] = got
+        epoch = loaders[members[0]].epoch
+        assert len({loaders[k].epoch for k in members}) == 1
+        if rng.random() < 0.1:  # a peer failed during the all-reduce: the step is discarded everywhere
+            continue
+        for k in members:
+            loaders[k].commit()
+            seen[epoch].update(keys[k])
+    total = loaders[0].num_samples
+    for epoch in (0, 1):
+        assert len(seen[epoch]) == total and set(seen[epoch].values()) == {1}, epoch
+    assert len(shapes) == 1  # (one image size throughout)
+
+
+def test_a_sample_decodes_as_the_per_rank_loaders_decode_it(data_root):
+    # the same key, epoch and seed give the same augmented tensor as the other loaders (derive_seed)
+    loader = group_loader(data_root, [1, 0])
+    got: list[str] = []
+    loader.sample_log = got.extend
+    x, _ = loader.next_batch()
+    plain = PlainLoader(loader.dataset, "train", batch_size=1438, seed=11, num_workers=0)
+    keys: list[list[str]] = []
+    plain.sample_log = keys.append
+    batch = next(iter(plain))
+    where = {k: i for i, k in enumerate(keys[0])}
+    assert torch.equal(x[0], batch[0][where[got[0]]])

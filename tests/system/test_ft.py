@@ -1,0 +1,127 @@
+"""strategy=ft with real processes: a torchft Lighthouse and two replica groups, each a process under its own
+supervisor. A group's SIGKILL leaves the other's process and attempt alone; the killed one restarts, heals from the
+live peer without reading a checkpoint, and every sample is still read exactly once. A whole job killed resumes
+bitwise from the durable checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, cli_cmd, final_losses, popen_cmd
+from pitstop.audit import audit
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft: pip install -e '.[ft]'"),
+]
+
+FT = ["strategy=ft", "debug=tiny", "data.record_sample_ids=true", "ckpt=sync_save"]
+
+
+def group_summary(run: Path, k: int) -> dict:
+    return json.loads((run / f"replica{k}" / "summary.json").read_text())
+
+
+def attempts(run: Path, k: int) -> list[dict]:
+    try:
+        return json.loads((run / f"replica{k}" / "goodput.json").read_text())["attempts"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def committed_step(run: Path, k: int) -> int:
+    """The last step group ``k`` committed (its sample log is on disk step by step)."""
+    try:
+        lines = (run / f"replica{k}" / "samples.rank0.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        r = json.loads(line) if line.startswith("{") and line.endswith("}") else {}
+        if r.get("ok"):
+            return int(r["commit"])
+    return 0
+
+
+def wait_for(what, timeout: float = 60.0, p=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return
+        if p is not None and p.poll() is not None:
+            raise AssertionError(f"the job ended ({p.returncode}) while waiting")
+        time.sleep(0.1)
+    raise AssertionError("timed out waiting")
+
+
+def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_read_once(data_root, tmp_path):
+    run = tmp_path / "run"
+    args = [*FT, "trainer.max_steps=400", "trainer.eval_every_steps=200", "ckpt.interval_steps=40", f"run_dir={run}"]
+    log = open(tmp_path / "job.log", "w")
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    rng, kills = random.Random(7), {0: 0, 1: 0}
+    try:
+        for _ in range(5):  # five SIGKILLs of a group drawn at random, each while both train
+            base = min(committed_step(run, 0), committed_step(run, 1))
+            wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= base + 25, p=p)
+            assert max(committed_step(run, 0), committed_step(run, 1)) < 330, "too close to the end to kill"
+            k = rng.choice([0, 1])
+            healthy = attempts(run, 1 - k)
+            victim = attempts(run, k)
+            os.kill(victim[-1]["pid"], signal.SIGKILL)
+            kills[k] += 1
+            wait_for(lambda: len(attempts(run, k)) == len(victim) + 1, p=p)  # restarted (alone)
+            at = committed_step(run, 1 - k)
+            wait_for(lambda: committed_step(run, k) > at, p=p)  # healed and training again
+            assert [a["pid"] for a in attempts(run, 1 - k)] == [a["pid"] for a in healthy]  # not restarted
+        assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+    for k in (0, 1):
+        assert len(attempts(run, k)) == 1 + kills[k]  # only a killed group ever restarted
+        text = (run / f"replica{k}" / "train.log").read_text()
+        assert text.count("healed from a live peer") >= kills[k]  # every restart healed from the peer ...
+        assert "restored " not in text  # ... and no attempt read a checkpoint
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 400 and s0["params_sha256"] == s1["params_sha256"]
+    discarded = s0["ft"]["discarded_steps"] + s1["ft"]["discarded_steps"]
+    assert discarded <= 5  # at most the step in flight per failure (counted by the group that lived)
+    epochs = audit(str(run))
+    assert epochs and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
+    job = json.loads((run / "summary.json").read_text())["ft_job"]
+    assert job["attempts_per_group"] == {"0": 1 + kills[0], "1": 1 + kills[1]}
+
+
+def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_root, tmp_path):
+    # min_replicas=2: every step has both groups (the steps' shares, and so the arithmetic, are the same in both runs)
+    args = [*FT, "strategy.min_replicas=2", "trainer.max_steps=60", "trainer.eval_every_steps=30",
+            "ckpt.interval_steps=20"]  # fmt: skip
+    ref = tmp_path / "ref"
+    r = cli([*args, f"run_dir={ref}"], data_root, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    cmd = cli_cmd([*args, f"run_dir={run}"], data_root, tmp_path)
+    p = popen_cmd(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000040").is_dir() and committed_step(run, 1) >= 45, p=p)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher, its Lighthouse, both groups, their fork server
+        p.wait()
+    again = cli([*args, f"run_dir={run}"], data_root, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for k in (0, 1):
+        s = group_summary(run, k)
+        assert s["resumed_from"] == 40 and s["params_sha256"] == group_summary(ref, k)["params_sha256"]
+        assert final_losses(run / f"replica{k}") == final_losses(ref / f"replica{k}")
+    assert group_summary(ref, 0)["params_sha256"] == group_summary(ref, 1)["params_sha256"]
+    assert all(e.ok for e in audit(str(run)))

@@ -1,0 +1,143 @@
+"""strategy=ft's pure parts: how a step's samples are cut among the replica groups that take part in it, which
+steps of replica groups' sample logs the audit counts, and the one-line refusals of strategy=ft's keys."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pitstop.audit import audit
+from pitstop.data.loader.replica import ReplicaLoader
+from pitstop.errors import ConfigError
+from pitstop.strategy.ft import check_keys
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_sample_of_an_epoch_once_however_the_groups_of_each_step_change(seed):
+    rng = random.Random(seed)
+    total, batch = rng.choice([97, 1438, 64]), rng.choice([1, 7, 16])
+    position, committed = 0, []
+    while total - position >= 4:  # (fewer samples than groups are left only if groups joined just then)
+        groups = rng.choice([1, 2, 3, 4])
+        shares = [ReplicaLoader.share(position, total, batch, groups, r) for r in range(groups)]
+        assert len({s[2] for s in shares}) == 1  # every group agrees how many samples the step takes
+        assert all(1 <= end - start <= batch + 1 for start, end, _ in shares)
+        if rng.random() < 0.2:  # a discarded step: nothing is consumed, the next step reads the same samples
+            continue
+        committed.extend(i for start, end, _ in shares for i in range(start, end))
+        position += shares[0][2]
+    assert committed == list(range(position)) and total - position < 4
+
+
+def test_a_step_takes_batch_size_per_group_until_the_epoch_end_splits_the_rest_evenly():
+    assert [ReplicaLoader.share(0, 100, 16, 2, r) for r in (0, 1)] == [(0, 16, 32), (16, 32, 32)]
+    # 33 left for 2 groups of 16: one step of 17 + 16 instead of 16 + 16 and a last step of 1 for one group only
+    assert [ReplicaLoader.share(67, 100, 16, 2, r) for r in (0, 1)] == [(67, 84, 33), (84, 100, 33)]
+    assert [ReplicaLoader.share(97, 100, 16, 3, r) for r in (0, 1, 2)] == [(97, 98, 3), (98, 99, 3), (99, 100, 3)]
+
+
+class _Shards:
+    """What ReplicaLoader takes from the loader it wraps (its plan needs no data)."""
+
+    dataset, batch_size, seed, shuffle = None, 4, 3, True
+    refs, counts = [f"shard{i}" for i in range(5)], [7, 7, 7, 7, 3]
+
+
+def test_the_epoch_order_is_every_sample_once_a_pure_function_of_seed_and_epoch():
+    loader = ReplicaLoader(_Shards(), lambda: (1, 0), replicas=2)
+    orders = [loader.order(e) for e in (0, 1, 0)]
+    assert sorted(orders[0]) == sorted((s, i) for s, n in enumerate(_Shards.counts) for i in range(n))
+    assert orders[0] == orders[2] != orders[1]
+    assert loader.steps_per_epoch() == 4  # 31 samples, 2 groups x 4
+    loader.position, loader.epoch = 12, 1
+    other = ReplicaLoader(_Shards(), lambda: (1, 0), replicas=2)
+    other.load_state_dict(loader.state_dict())
+    assert (other.epoch, other.position) == (1, 12)
+    with pytest.raises(Exception, match="another strategy than strategy=ft"):
+        other.load_state_dict({"epoch": 0, "batches": 3})  # a per-rank loader's position
+
+
+def _write(path, lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
+def _head(attempt, resumed=0, healed=False, samples=8):
+    h = {"attempt": attempt, "resumed_from": resumed, "rank": 0, "world_size": 1, "epoch_samples": samples}
+    h["epochs"] = None
+    return {**h, "healed": True} if healed else h
+
+
+def _step(step, quorum, keys, ok=True, t=0.0, decided=True):
+    out = [{"step": step, "quorum": quorum, "keys": keys}]
+    return out + ([{"commit": step, "ok": ok, "quorum": quorum, "t": t}] if decided else [])
+
+
+def _metrics(run_dir, steps):
+    for k in (0, 1):
+        _write(run_dir / f"replica{k}" / "metrics.jsonl", [{"step": s, "epoch": 0, "loss": 1.0} for s in steps])
+
+
+def test_the_audit_of_replica_groups_counts_committed_steps_and_a_dead_groups_last_step_if_a_peer_committed_it(
+    tmp_path,
+):
+    run = tmp_path / "run"
+    # group 0 lives throughout; group 1 dies twice: once after its step 2's all-reduce (group 0 committed step 2
+    # in the same quorum: its keys count), once before (group 0 discarded that step: they do not)
+    _write(run / "replica0" / "samples.rank0.jsonl", [
+        _head(10.0, samples=10),
+        *_step(1, 1, ["a", "b"], t=11), *_step(2, 1, ["c", "d"], t=12),
+        *_step(3, 2, ["e"], ok=False, t=13),  # group 1 died during step 3: discarded, read again next step
+        *_step(3, 3, ["e", "f"], t=14), *_step(4, 4, ["g"], t=15),
+    ])  # fmt: skip
+    _write(run / "replica1" / "samples.rank0.jsonl", [
+        _head(10.1, samples=10), *_step(1, 1, ["x"], t=11),
+        *_step(2, 1, ["y"], decided=False),  # killed: its peer committed step 2 (in quorum 1)
+        _head(12.5, resumed=2, healed=True, samples=10),
+        *_step(3, 2, ["z"], decided=False),  # killed: its peer discarded step 3 (in quorum 2)
+        _head(13.5, resumed=3, healed=True, samples=10), *_step(4, 4, ["h"], t=15),
+    ])  # fmt: skip
+    _metrics(run, [1, 2, 3, 4])
+    [epoch] = audit(str(run))
+    # 10 keys once: y counts (its step was committed by the peer), e once (its discarded read not), z not at all
+    assert (epoch.once, epoch.repeated, epoch.missing, epoch.expected) == (10, 0, 0, 10), epoch
+
+
+def test_the_audit_of_replica_groups_rolls_back_only_what_a_whole_job_restart_redid(tmp_path):
+    run = tmp_path / "run"
+    # both groups start together (neither rolls the other back), are killed after step 3; the job's next run
+    # restores both from the step-2 checkpoint and redoes step 3 with other samples' order: counted once
+    _write(run / "replica0" / "samples.rank0.jsonl", [
+        _head(10.0), *_step(1, 1, ["a", "b"], t=11), *_step(2, 2, ["c", "d"], t=12), *_step(3, 3, ["e", "f"], t=13),
+        _head(20.0, resumed=2), *_step(3, 1, ["e", "g"], t=21),
+    ])  # fmt: skip
+    _write(run / "replica1" / "samples.rank0.jsonl", [
+        _head(10.05), *_step(1, 1, ["h"], t=11), *_step(2, 2, [], t=12),
+        _head(20.05, resumed=2), *_step(3, 1, ["f"], t=21),
+    ])  # fmt: skip
+    _metrics(run, [1, 2, 3])
+    [epoch] = audit(str(run))
+    assert (epoch.once, epoch.repeated, epoch.missing) == (8, 0, 0), epoch
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(replicas=0), "strategy.replicas must be a positive integer"),
+        (dict(min_replicas=3), "strategy.min_replicas=3 must be between 1 and strategy.replicas=2"),
+        (dict(replica_id=2), "strategy.replica_id=2 must be null or 0 .. strategy.replicas-1=1"),
+        (dict(inner="fsdp"), "strategy.inner='fsdp': only ddp inside a replica group for now"),
+        (dict(nproc_per_node=2), "strategy.nproc_per_node=2: strategy=ft runs one rank per replica group"),
+        (dict(timeout=0), "strategy.timeout must be a positive number"),
+        (dict(max_restarts=-1), "strategy.max_restarts must be an integer >= 0"),
+    ],
+)
+def test_strategy_ft_keys_are_refused_in_one_line_naming_the_key(keys, message):
+    values = dict(replicas=2, replica_id=None, min_replicas=1, inner="ddp", nproc_per_node=1, timeout=10,
+                  heartbeat_ms=250, max_restarts=5) | keys  # fmt: skip
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        check_keys(**values)
