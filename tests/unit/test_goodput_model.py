@@ -185,3 +185,9 @@ def test_bad_preemption_settings_are_one_line_config_errors(signals, grace, expe
 
     with pytest.raises(ConfigError, match=expected):
         PreemptionNotice(signals, grace)
+
+
+def test_the_sweep_reports_plot_has_a_colour_for_every_job_bucket():
+    from pitstop.goodput.report import COLORS
+
+    assert set(COLORS) == set(JOB_BUCKETS)  # (a missing one made the plot fail: the report had no report.png)

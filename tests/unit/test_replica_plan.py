@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -141,3 +142,39 @@ def test_strategy_ft_keys_are_refused_in_one_line_naming_the_key(keys, message):
                   heartbeat_ms=250, max_restarts=5) | keys  # fmt: skip
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         check_keys(**values)
+
+
+class _Group:
+    """What build_fault reads of a strategy=ft strategy (rank 1 of 2: a random fault, aimed at rank 0, arms no
+    timer in this process)."""
+
+    rank, world_size, replicas = 1, 2, 2
+
+    def __init__(self, replica_id):
+        self.replica_id = replica_id
+
+
+def _fault(tmp_path, group, *overrides):
+    from contextlib import ExitStack
+
+    from conftest import compose_cfg
+    from pitstop.train.assembly import build_fault
+
+    cfg = compose_cfg(["strategy=ft", "strategy.max_restarts=3", *overrides], tmp_path)
+    with ExitStack() as hold:
+        fault = build_fault(cfg, str(tmp_path), group, 100, time.time(), None, 1, hold)
+        return type(fault).__name__, getattr(fault, "mtbf", None), getattr(fault, "seed", None)
+
+
+def test_a_fault_is_aimed_at_one_replica_group_or_at_each_at_the_jobs_rate(tmp_path):
+    crash = ["fault=crash_at_step", "fault.step=5", "fault.replica=1"]
+    assert _fault(tmp_path, _Group(0), *crash)[0] == "NoFault"
+    assert _fault(tmp_path, _Group(1), *crash)[0] == "CrashAtStep"
+    any_ = ["fault=random", "fault.mtbf_seconds=8", "fault.seed=3", "fault.replica=any"]
+    (_, mtbf0, seed0), (_, mtbf1, seed1) = (_fault(tmp_path, _Group(k), *any_) for k in (0, 1))
+    assert mtbf0 == mtbf1 == 16.0 and seed0 != seed1  # two groups at 16 s each: the job's 8 s, independent draws
+    with pytest.raises(ConfigError, match=r"fault.replica=2 must be null, any or 0 .. strategy.replicas-1"):
+        _fault(tmp_path, _Group(0), "fault=crash_at_step", "fault.step=5", "fault.replica=2")
+    single = type("Single", (), {"rank": 1, "world_size": 2})()
+    with pytest.raises(ConfigError, match=r"fault.replica=1 aims a fault at a replica group: it needs strategy=ft"):
+        _fault(tmp_path, single, *crash)

@@ -130,6 +130,7 @@ class FT(Single):
     heartbeat_ms: int = MISSING
     quorum_timeout: float = MISSING
     max_restarts: int = MISSING
+    cpu_threads: Any = MISSING  # auto | N
 
 
 # ---- fault ---------------------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class FT(Single):
 @dataclass
 class NoFault:
     _target_: str = MISSING
+    replica: Any = MISSING  # strategy=ft: null | K | any
 
 
 @dataclass

@@ -38,6 +38,8 @@ COLORS = {
     "recovery_gap": "#ff7043",
     "compile": "#bcaaa4",
     "lost": "#c62828",
+    "quorum": "#00838f",
+    "discarded": "#ef9a9a",
     "other": "#9e9e9e",
 }
 

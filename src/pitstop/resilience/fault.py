@@ -72,8 +72,8 @@ class NoFault(Fault):
     name = "none"
     rank = 0
 
-    def __init__(self):
-        pass
+    def __init__(self, replica: Any = None):
+        self.replica = replica  # strategy=ft: which replica group it is aimed at (read by the runner's assembly)
 
     def bind(self, ctx: FaultContext) -> None:
         if not 0 <= int(self.rank) < ctx.world_size:
@@ -99,7 +99,8 @@ class CrashAtStep(NoFault):
 
     name = "crash_at_step"
 
-    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None):
+    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None, replica: Any = None):
+        self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
         self.micro_batch = None if micro_batch is None else checks.integer("fault.micro_batch", micro_batch)
 
@@ -193,7 +194,8 @@ class RandomFault(NoFault):
 
     name = "random"
 
-    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0):
+    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: Any = None):
+        self.replica = replica
         checks.positive("fault.mtbf_seconds", mtbf_seconds, what="a positive number of seconds")
         self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
@@ -234,7 +236,8 @@ class DuringSave(NoFault):
 
     name = "during_save"
 
-    def __init__(self, step: int = 1, rank: int = 0):
+    def __init__(self, step: int = 1, rank: int = 0, replica: Any = None):
+        self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
         self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
         self.stop = threading.Event()

@@ -17,6 +17,7 @@ A peer's death costs a healthy group the step in flight and a pause of about the
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -51,9 +52,13 @@ class FT(Single):
         heartbeat_ms: int = 250,
         quorum_timeout: float = 60,
         max_restarts: int = 5,
+        cpu_threads: Any = "auto",
         device: str = "auto",
     ):
         super().__init__(device=device)
+        from pitstop.strategy.ddp import _threads
+
+        self.cpu_threads = _threads(cpu_threads)
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
         self.replicas, self.min_replicas = int(replicas), int(min_replicas)
         self.replica_id = None if replica_id is None else int(replica_id)
@@ -73,6 +78,8 @@ class FT(Single):
     # ---- joining ------------------------------------------------------------------------------------
     def setup(self) -> None:
         super().setup()
+        if self.device.type != "cuda":  # this machine's cores, shared by the groups started here
+            torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // self.replicas))
         if self.replica_id is None or not self.lighthouse:
             raise ConfigError(
                 "strategy=ft: this process is no replica group (strategy.replica_id and strategy.lighthouse are "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from pitstop.config import checks
 from pitstop.config.build import build
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import IntervalPolicy
@@ -125,10 +126,24 @@ def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> Inter
 
 def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, start_wall: float, ckpt: Any,
                 accum: int, hold: ExitStack) -> Any:  # fmt: skip
-    """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run."""
-    fault = build(cfg.fault)
+    """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run. ``fault.replica``
+    (``strategy=ft``) aims it at one replica group (K), or at every group (any: a random fault then fires in
+    each group with ``replicas x mtbf_seconds``, seeded per group, so the job sees failures at the mean
+    ``mtbf_seconds``)."""
+    spec = OmegaConf.to_container(cfg.fault, resolve=True)
+    replica, group = spec.pop("replica", None), getattr(strategy, "replica_id", None)
+    if replica is not None and group is None:
+        raise ConfigError(f"fault.replica={replica!r} aims a fault at a replica group: it needs strategy=ft")
+    if replica not in (None, "any") and (not checks.is_integer(replica) or not 0 <= replica < strategy.replicas):
+        raise ConfigError(f"fault.replica={replica!r} must be null, any or 0 .. strategy.replicas-1")
+    if replica not in (None, "any") and replica != group:
+        spec = {"_target_": "pitstop.resilience.fault.NoFault"}
+    elif group is not None and "mtbf_seconds" in spec and replica == "any":
+        spec["mtbf_seconds"] = float(spec["mtbf_seconds"]) * strategy.replicas
+        spec["seed"] = int(spec.get("seed") or 0) * 1000 + int(group)
+    fault = build(OmegaConf.create(spec))
     hold.callback(fault.close)
-    max_restarts = int(cfg.trainer.get("max_restarts") or 0)
+    max_restarts = int(cfg.strategy.max_restarts if group is not None else cfg.trainer.get("max_restarts") or 0)
     fault.bind(
         FaultContext(
             run_dir=run_dir,

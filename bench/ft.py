@@ -1,0 +1,145 @@
+"""Replica groups (strategy=ft) against elastic DDP restarts, under the same failures, side by side in one run.
+
+    python bench/ft.py [--steps 600] [--mtbf 8] [--seed 7]     # needs torchft (the dev or ft extra)
+
+The recovery bench's job (SmallCNN on digits, ``--steps`` steps of batch 64 per process, ``ckpt=async_dcp``
+every 7 steps), two processes either way:
+- ``ft``:  ``strategy=ft strategy.replicas=2`` with ``fault=random fault.replica=any``: each group is SIGKILLed
+  at random (the job sees one failure per ``--mtbf`` seconds on average); its supervisor restarts it alone, it
+  heals from the other group, which goes on.
+- ``ddp``: ``strategy=ddp strategy.nproc_per_node=2`` with ``fault=random`` (rank 0, the same mean time between
+  failures) and ``trainer.max_restarts``: torch's elastic agent restarts both ranks, and they resume from the
+  newest checkpoint.
+And both without failures: the step rate of ft against ddp (the price of a quorum per step).
+
+Goodput: productive seconds / wall seconds, summed over the processes (ft: every group's ledger; ddp: rank 0's
+ledger covers the job). Per failure of a group (ft): the healthy group's pause (its longest step around the kill,
+less its median step), its discarded steps, whether it restarted (target: never), and the heal (restart to the
+first committed step). Targets (issue 25): pause median <= 1 s; 0 restarts of healthy groups; <= 1 lost step per
+failure; ft goodput >= ddp goodput + 15 points; no-failure step rate ft / ddp >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, ensure_data
+
+JOB = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=64", "trainer.eval_every_steps=null",
+       "loader.num_workers=0", "ckpt=async_dcp", "ckpt.interval_steps=7", "data.record_sample_ids=true"]  # fmt: skip
+
+
+def train(run_dir: str, args: list[str], timeout: float = 3600) -> float:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "recipe.train", *JOB, *args, f"run_dir={run_dir}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[3:])} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.startswith("{")]
+
+
+def ledger(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "goodput.json")) as f:
+        return json.load(f)
+
+
+def step_rate(run_dir: str) -> float:
+    """Committed steps per second of the loop (compute + data wait + quorum + checkpoint blocking)."""
+    t = ledger(run_dir)["totals"]
+    busy = t["productive"] + t["data_wait"] + t["checkpoint"] + t.get("quorum", 0.0) + t.get("discarded", 0.0)
+    steps = max(r["step"] for r in lines(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r)
+    return steps / busy
+
+
+def ft_failures(run: str, groups: int) -> dict:
+    """Per failure of a group: the healthy groups' pause, discarded steps and restarts, and the heal."""
+    pauses, discarded, healthy_restarts, heals, failures = [], 0, 0, [], 0
+    kills = {k: [r["time"] for r in lines(os.path.join(run, f"replica{k}", "faults.jsonl"))] for k in range(groups)}
+    commits = {
+        k: [r for r in lines(os.path.join(run, f"replica{k}", "samples.rank0.jsonl")) if "commit" in r]
+        for k in range(groups)
+    }
+    for k in range(groups):
+        attempts = ledger(os.path.join(run, f"replica{k}"))["attempts"]
+        healthy_restarts += max(0, len(attempts) - 1 - len(kills[k]))
+        text = open(os.path.join(run, f"replica{k}", "train.log")).read()
+        heals += [float(s) for s in re.findall(r"healed from a live peer at step \d+ in ([\d.]+)s", text)]
+    for k, times in kills.items():
+        for t in times:
+            failures += 1
+            for h in (h for h in range(groups) if h != k):
+                c = [r for r in commits[h] if r.get("t")]
+                gaps = [(b["t"] - a["t"], a["t"]) for a, b in zip(c, c[1:])]
+                if not gaps:
+                    continue
+                normal = statistics.median(g for g, _ in gaps)
+                around = [g for g, start in gaps if t - 1.0 <= start <= t + 5.0]
+                if around:
+                    pauses.append(max(around) - normal)
+                discarded += sum(1 for r in commits[h] if not r["ok"] and t - 1.0 <= r["t"] <= t + 5.0)
+    return {"failures": failures, "pauses": pauses, "discarded": discarded, "healthy_restarts": healthy_restarts,
+            "heals": heals}  # fmt: skip
+
+
+def goodput_ft(run: str, groups: int) -> float:
+    docs = [ledger(os.path.join(run, f"replica{k}"))["totals"] for k in range(groups)]
+    return sum(d["productive"] for d in docs) / sum(d["total"] for d in docs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--mtbf", type=float, default=8.0, help="mean seconds between failures of the job")
+    ap.add_argument("--seed", type=int, default=7)
+    a = ap.parse_args()
+    ensure_data()
+    tmp = tempfile.mkdtemp(prefix="pitstop-bench-ft-")
+    steps = [f"trainer.max_steps={a.steps}"]
+    ft = ["strategy=ft", "strategy.replicas=2", "strategy.max_restarts=100"]
+    ddp = ["strategy=ddp", "strategy.nproc_per_node=2", "trainer.max_restarts=100"]
+    faults = ["fault=random", f"fault.mtbf_seconds={a.mtbf}", f"fault.seed={a.seed}"]
+    walls = {}
+    walls["ft_clean"] = train(f"{tmp}/ft_clean", [*ft, *steps])
+    walls["ddp_clean"] = train(f"{tmp}/ddp_clean", [*ddp, *steps])
+    walls["ft"] = train(f"{tmp}/ft", [*ft, *steps, *faults, "fault.replica=any"])
+    walls["ddp"] = train(f"{tmp}/ddp", [*ddp, *steps, *faults])
+    rate_ft = statistics.mean(step_rate(f"{tmp}/ft_clean/replica{k}") for k in (0, 1))
+    rate_ddp = step_rate(f"{tmp}/ddp_clean")
+    f = ft_failures(f"{tmp}/ft", 2)
+    d = ledger(f"{tmp}/ddp")
+    g_ft, g_ddp = goodput_ft(f"{tmp}/ft", 2), d["goodput"]
+    print(f"strategy=ft (2 replica groups) vs ddp(2) with elastic restarts: {a.steps} steps, async_dcp every 7, "
+          f"failures ~ Exponential({a.mtbf:g} s) seeded {a.seed}; 2 CPU cores, gloo")  # fmt: skip
+    print("| | ft | ddp | target |\n|---|---|---|---|")
+    print(f"| goodput | {g_ft:.1%} | {g_ddp:.1%} | ft >= ddp + 15 points ({(g_ft - g_ddp) * 100:+.1f}) |")
+    print(f"| failures | {f['failures']} | {d['failures']} | |")
+    print(f"| wall seconds | {walls['ft']:.1f} | {walls['ddp']:.1f} | |")
+    pause = statistics.median(f["pauses"]) if f["pauses"] else float("nan")
+    print(f"| healthy group's pause per failure, median (max) | {pause:.2f} s ({max(f['pauses'], default=0):.2f}) "
+          f"| every rank restarts: R = {d.get('restart_seconds') or 0:.2f} s | <= 1 s |")  # fmt: skip
+    print(f"| restarts of healthy groups | {f['healthy_restarts']} | {d['restarts']} (all ranks) | 0 |")
+    lost = f["discarded"] / max(f["failures"], 1)
+    print(f"| lost steps on healthy groups per failure | {lost:.2f} | since the last checkpoint | <= 1 |")
+    heal = statistics.median(f["heals"]) if f["heals"] else float("nan")
+    print(f"| heal (quorum + state from the peer), median | {heal:.2f} s | restore from a checkpoint | |")
+    print(f"| no-failure step rate | {rate_ft:.1f}/s | {rate_ddp:.1f}/s | ft / ddp >= 0.9 ({rate_ft / rate_ddp:.2f}) |")
+    print(f"(runs in {tmp})")
+
+
+if __name__ == "__main__":
+    main()
