@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import CONF, compose_cfg, image_tree, read_jsonl, train
+from conftest import CONF, compose_cfg, image_tree, read_jsonl, refused, train
 
 
 def options(group: str) -> list[str]:
@@ -103,6 +105,19 @@ def test_strategy(make_cfg, default_run, opt, recwarn):
     )
     # No FSDP unit of the model hands back a view (FSDP2 warns: an in-place op on one would skip its all-gather).
     assert not [str(w.message)[:80] for w in recwarn if "returned a view tensor" in str(w.message)]
+
+
+def test_an_unreachable_lighthouse_is_refused_in_one_line_naming_the_key(make_cfg):
+    pytest.importorskip("torchft")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = ["strategy=ft", "strategy.replicas=1", "strategy.replica_id=0", "strategy.timeout=2"]
+    cfg = make_cfg(*group, f"strategy.lighthouse=127.0.0.1:{port}")
+    t0 = time.monotonic()
+    message = refused(cfg)
+    assert message.startswith(f"strategy.lighthouse=127.0.0.1:{port} cannot be reached within strategy.timeout=2s")
+    assert "start the job's Lighthouse or fix the address" in message and time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize("opt", options("ckpt"))

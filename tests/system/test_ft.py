@@ -100,6 +100,10 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
     assert epochs and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
     job = json.loads((run / "summary.json").read_text())["ft_job"]
     assert job["attempts_per_group"] == {"0": 1 + kills[0], "1": 1 + kills[1]}
+    for k in (0, 1):  # the job's account of each group, over all its attempts
+        g = job["ft"]["groups"][str(k)]
+        assert g["restarts"] == g["failures"] == kills[k] and g["heals"] >= kills[k], job["ft"]
+    assert discarded <= job["ft"]["discarded_steps"] <= 5  # at most one per failure, over every attempt
 
 
 def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_root, tmp_path):

@@ -112,9 +112,12 @@ class GoodputLog:
         *,
         auto_restart: bool = False,
         start_method: str | None = None,
+        extra: Any = None,
     ):
         """``auto_restart``: started by a supervisor or an agent after a failure (not by a person);
-        ``start_method``: forkserver for a warm attempt (see ``LaunchFacts``)."""
+        ``start_method``: forkserver for a warm attempt (see ``LaunchFacts``); ``extra()``: more facts of the
+        attempt, written with it (``strategy=ft``: its heals and discarded steps)."""
+        self.extra = extra
         self.path = os.path.join(run_dir, "goodput.json")
         self.ledger, self.enabled, self.heartbeat = ledger, enabled, heartbeat
         self.previous = self._read_attempts()
@@ -193,6 +196,8 @@ class GoodputLog:
 
     def write(self, step: int, status: str = "running") -> dict:
         self.attempt.update(step=step, status=status, end=round(time.time(), 3), buckets=self.ledger.split())
+        if self.extra is not None:
+            self.attempt.update(self.extra())
         doc = {"attempts": [*self.previous, self.attempt]}
         doc.update(account(doc["attempts"]))
         if self.enabled:

@@ -130,6 +130,7 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             lighthouse.shutdown()
     job = {
         "replicas": groups,
+        "ft": replica_account(run_dir, groups),
         "wall_seconds": round(time.time() - t0, 3),
         "attempts_per_group": {str(k): started[k] for k in range(groups)},
         "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
@@ -147,6 +148,37 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             raise first
         log.warning("replica groups %s failed: %s", sorted(errors), job["errors"])
     return out
+
+
+def replica_account(run_dir: str, groups: int) -> dict:
+    """Failures, restarts, heals and discarded steps of every group over all its attempts (their ledgers)."""
+    import json
+    import statistics
+
+    per, heals = {}, []
+    for k in range(groups):
+        try:
+            with open(os.path.join(replica_dir(run_dir, k), "goodput.json")) as f:
+                attempts = json.load(f)["attempts"]
+        except (OSError, ValueError, KeyError):
+            attempts = []
+        own = [h["seconds"] for a in attempts for h in (a.get("ft") or {}).get("heals", [])]
+        heals += own
+        per[str(k)] = {
+            "attempts": len(attempts),
+            "restarts": max(0, len(attempts) - 1),
+            "failures": sum(1 for a in attempts[:-1] if a.get("status") != "finished")
+            + (1 if attempts and attempts[-1].get("status") == "failed" else 0),
+            "heals": len(own),
+            "discarded_steps": sum((a.get("ft") or {}).get("discarded_steps", 0) for a in attempts),
+            "quorum_seconds": round(sum((a.get("ft") or {}).get("quorum_seconds", 0.0) for a in attempts), 3),
+        }
+    return {
+        "groups": per,
+        "heals": len(heals),
+        "heal_seconds_median": round(statistics.median(heals), 4) if heals else None,
+        "discarded_steps": sum(g["discarded_steps"] for g in per.values()),
+    }
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

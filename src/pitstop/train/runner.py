@@ -96,8 +96,10 @@ class Runner:
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
+            ft = getattr(self.strategy, "ft_stats", None)  # (strategy=ft: each attempt's heals, discarded steps)
             self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main, auto_restart=self.launch.restart > 0,
-                                      start_method=self.launch.start_method)  # fmt: skip
+                                      start_method=self.launch.start_method,
+                                      extra=(lambda: {"ft": ft()}) if ft else None)  # fmt: skip
             hold.push(self._record_failure)
             parts = assembly.build_step_parts(cfg, self.strategy)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
