@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import validate
 from pitstop.launch.attempt import warm_context
-from pitstop.launch.supervisor import attempts
+from pitstop.launch.supervisor import _exit_on_signal, attempts
 from pitstop.resilience.preempt import Preempted
 from pitstop.telemetry.metrics import write_json_atomic
 from pitstop.train import launch_facts
@@ -179,7 +179,3 @@ def replica_account(run_dir: str, groups: int) -> dict:
         "heal_seconds_median": round(statistics.median(heals), 4) if heals else None,
         "discarded_steps": sum(g["discarded_steps"] for g in per.values()),
     }
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)

@@ -18,6 +18,8 @@ class Strategy(ABC):
     device: torch.device = torch.device("cpu")
     compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
     channels_last_params: bool = True  # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
+    participants: int = 1  # replica groups taking part in this step (strategy=ft); 1 otherwise
+    quorum_id: int | None = None  # the id of this step's quorum of replica groups (strategy=ft); None otherwise
 
     @property
     def is_main(self) -> bool:
@@ -103,6 +105,10 @@ class Strategy(ABC):
     def saves_checkpoints(self) -> bool:
         """This process writes the durable checkpoints (with its ranks, via the checkpointer)."""
         return True
+
+    def ft_stats(self) -> dict | None:
+        """This attempt's heals, quorum seconds and discarded steps (strategy=ft); None: no replica groups."""
+        return None
 
     @abstractmethod
     def teardown(self) -> None:

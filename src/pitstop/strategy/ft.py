@@ -67,7 +67,6 @@ class FT(Single):
         self.manager: Any = None
         self._store: Any = None
         self._ready = False  # a quorum was formed (by join) that the next step uses
-        self._load: Callable[[dict], None] | None = None
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
         self.discarded = 0  # steps of this attempt whose commit failed

@@ -96,10 +96,10 @@ class Runner:
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            ft = getattr(self.strategy, "ft_stats", None)  # (strategy=ft: each attempt's heals, discarded steps)
+            ft = self.strategy.ft_stats() is not None  # (strategy=ft: each attempt's heals, discarded steps)
             self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main, auto_restart=self.launch.restart > 0,
                                       start_method=self.launch.start_method,
-                                      extra=(lambda: {"ft": ft()}) if ft else None)  # fmt: skip
+                                      extra=(lambda: {"ft": self.strategy.ft_stats()}) if ft else None)  # fmt: skip
             hold.push(self._record_failure)
             parts = assembly.build_step_parts(cfg, self.strategy)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
@@ -122,7 +122,7 @@ class Runner:
             self.ckpt.setup(self.strategy, self.report, intervals)
             if cfg.data.get("record_sample_ids"):
                 attempt_id = self.strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
-                quorum = (lambda: self.strategy.quorum_id) if hasattr(self.strategy, "quorum_id") else None
+                quorum = (lambda: self.strategy.quorum_id) if self.strategy.quorum_id is not None else None
                 self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking, quorum)
                 hold.callback(self.samples.close)
                 self.loader.sample_log = self.samples.write
@@ -229,9 +229,7 @@ class Runner:
                 ledger.add("compile", compiling)
                 self.progress.step += 1
                 self._outcome(self.step, True)
-                self.progress.samples_seen += (
-                    out.samples * self.strategy.world_size * getattr(self.strategy, "participants", 1)
-                )
+                self.progress.samples_seen += out.samples * self.strategy.world_size * self.strategy.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
                     with ledger.measure("init"):
@@ -262,7 +260,7 @@ class Runner:
             bar.close()
 
     def _outcome(self, step: int, committed: bool) -> None:
-        quorum = getattr(self.strategy, "quorum_id", None)  # (strategy=ft: one line per step in the sample log)
+        quorum = self.strategy.quorum_id  # (strategy=ft: one line per step in the sample log)
         if self.samples is not None and quorum is not None:
             self.samples.outcome(step, committed, quorum)
 
@@ -307,8 +305,7 @@ class Runner:
         self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
         if not self.strategy.commit():
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
-        if hasattr(self.loader, "commit"):  # (strategy=ft) the step's samples, every group's, are consumed
-            self.loader.commit()
+        self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
         self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
         if self.cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
@@ -366,7 +363,7 @@ class Runner:
             checkpoint=self.ckpt.stats(), strategy=self.strategy, throughput=self.throughput.summary(),
             precision=self.precision.name, account=account,
         )  # fmt: skip
-        if hasattr(self.strategy, "ft_stats"):
+        if self.strategy.ft_stats() is not None:
             out["ft"] = self.strategy.ft_stats()
         for cb in self.callbacks:
             cb.on_train_end(self.view)

@@ -186,6 +186,10 @@ class ShardLoader(ABC):
             return None
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
+    def commit(self) -> None:
+        """The step of the batches handed out committed (a per-rank loader counts them as it hands them out;
+        ``strategy=ft``'s loader advances its position only here)."""
+
     def state_dict(self) -> dict:
         ended = self.batches >= self.steps_per_epoch()
         offsets: plan.Consumed = {}
