@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -54,6 +55,51 @@ def make_cfg(data_root, tmp_path):
         return cfg
 
     return make
+
+
+@pytest.fixture
+def store(data_root):
+    """A real HTTP store (pitstop.testing.slowstore) serving the digits shards: 5 ms latency, 50 Mbit/s."""
+    from pitstop.testing.slowstore import SlowStore
+
+    with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50) as s:
+        yield s
+
+
+def shard_refs(data_root, url: str) -> list:
+    """The digits training shards as ``ShardRef`` s at ``url``/digits (their sizes and digests from index.json)."""
+    from pitstop.data.remote import ShardRef
+
+    index = json.loads((data_root / "data" / "digits" / "index.json").read_text())
+    return [
+        ShardRef(f"{url}/digits/{s['url']}", s["bytes"], s["sha256"], s["samples"]) for s in index["splits"]["train"]
+    ]
+
+
+def shard_requests(srv) -> dict[str, int]:
+    """path -> how many requests the store served for each .tar shard."""
+    return {p: v["requests"] for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
+
+
+def cached_tars(cache: Path) -> list[Path]:
+    """The shards kept in a cache dir (not its hidden bookkeeping)."""
+    return sorted(p for p in cache.iterdir() if not p.name.startswith("."))
+
+
+def config_options(group: str) -> list[str]:
+    """The options of a config group: the YAML files in conf/<group>/."""
+    return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
+
+
+def check_run(cfg, summary: dict) -> None:
+    """A finished run of ``cfg``: every step logged with a finite loss, a digest, an evaluation, the wall clock."""
+    assert summary["final_step"] == cfg.trainer.max_steps
+    lines = [r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, cfg.trainer.max_steps + 1))
+    assert all(math.isfinite(r["loss"]) and r["fetch_seconds"] >= 0 and r["lr"] > 0 for r in lines)
+    assert len(summary["params_sha256"]) == 64
+    assert 0.0 <= summary["metrics"]["val_accuracy"] <= 1.0
+    assert set(summary["wall_clock"]) >= {"compute", "data_wait", "checkpoint", "other", "total"}
 
 
 def train(cfg) -> dict:

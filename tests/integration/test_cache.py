@@ -9,29 +9,22 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from pitstop.data.remote import FetchPolicy, ShardRef
+from pitstop.data.remote import FetchPolicy
 from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader.cache import ShardCache
 from pitstop.data.loader.cached import CachedLoader, parse_size
 from pitstop.data.loader.plain import PlainLoader
 from pitstop.testing.slowstore import SlowStore
+from conftest import cached_tars, shard_refs, shard_requests
 from recipe.vision import ImageShards
 
 FAST = FetchPolicy(retries=3, backoff=0.01, timeout=10)
-
-
-@pytest.fixture
-def store(data_root):
-    with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50) as s:
-        yield s
 
 
 def remote_digits(url: str, **kw) -> ImageShards:
@@ -42,48 +35,11 @@ def index(data_root) -> dict:
     return json.loads((data_root / "data" / "digits" / "index.json").read_text())
 
 
-def refs(data_root, url: str) -> list[ShardRef]:
-    return [
-        ShardRef(f"{url}/digits/{s['url']}", s["bytes"], s["sha256"], s["samples"])
-        for s in index(data_root)["splits"]["train"]
-    ]
-
-
 def epoch(loader) -> list[tuple[list[str], object]]:
     keys: list[list[str]] = []
     loader.sample_log = keys.append
     out = [(keys[i], x.clone()) for i, (x, _) in enumerate(itertools.islice(iter(loader), loader.steps_per_epoch()))]
     return out
-
-
-def shard_requests(srv: SlowStore) -> dict[str, int]:
-    return {p: v["requests"] for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
-
-
-def cached_tars(cache: Path) -> list[Path]:
-    return sorted(p for p in cache.iterdir() if not p.name.startswith("."))
-
-
-def _acquire_all(args) -> list[str]:
-    cache_dir, shard_refs, order_seed = args
-    cache = ShardCache(cache_dir, None, FAST)
-    order = list(range(len(shard_refs)))
-    order = order[order_seed:] + order[:order_seed]
-    out = [""] * len(shard_refs)
-    for i in order:
-        out[i] = hashlib.sha256(cache.read(cache.acquire(shard_refs[i]))).hexdigest()
-    return out
-
-
-def test_one_download_per_shard_per_machine_with_concurrent_processes(data_root, tmp_path, store):
-    shard_refs = refs(data_root, store.url)
-    # (spawn, not fork: a fork beside the pytest process's threads can hang; not forkserver: a plain one
-    # started here would stay the fork server of every later test's data workers, none of them preloaded)
-    with mp.get_context("spawn").Pool(4) as pool:  # four processes race for the same eight shards
-        results = pool.map(_acquire_all, [(str(tmp_path / "cache"), shard_refs, k) for k in range(4)])
-    assert all(r == [s.sha256 for s in shard_refs] for r in results)
-    assert shard_requests(store) == {f"/digits/{Path(s.url).name}": 1 for s in shard_refs}
-    assert len(cached_tars(tmp_path / "cache")) == 8 and not list((tmp_path / "cache").glob("*.part.*"))
 
 
 def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(data_root, tmp_path, store):
@@ -114,33 +70,33 @@ def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(d
 
 
 def test_lru_eviction_within_the_limit_never_evicts_a_shard_in_use(data_root, tmp_path, store):
-    shard_refs = refs(data_root, store.url)
-    size = max(r.bytes for r in shard_refs)
+    refs = shard_refs(data_root, store.url)
+    size = max(r.bytes for r in refs)
     cache = ShardCache(str(tmp_path / "cache"), 3 * size, FAST)
 
     def present(i: int) -> bool:
-        return os.path.exists(cache.path(shard_refs[i]))
+        return os.path.exists(cache.path(refs[i]))
 
-    held = cache.acquire(shard_refs[0])  # in use for the whole time
+    held = cache.acquire(refs[0])  # in use for the whole time
     for i in range(1, 5):
         time.sleep(0.02)  # distinct mtimes
-        cache.read(cache.acquire(shard_refs[i]))
+        cache.read(cache.acquire(refs[i]))
         assert sum(p.stat().st_size for p in cached_tars(tmp_path / "cache")) <= 3 * size
     assert present(0) and present(3) and present(4) and not present(1) and not present(2)
     cache.read(held)  # released
     for i in (0, 3):  # touch 0 and 3: now 4 is the least recently used idle shard
         time.sleep(0.02)
-        cache.read(cache.acquire(shard_refs[i]))
+        cache.read(cache.acquire(refs[i]))
     time.sleep(0.02)
-    cache.read(cache.acquire(shard_refs[5]))
+    cache.read(cache.acquire(refs[5]))
     assert present(0) and present(3) and present(5) and not present(4)
     st = cache.take_stats()
     assert st["cache_evictions"] == 3 and st["cache_hits"] == 2 and st["cache_misses"] == 6
     # Everything in use and no room: served without being kept, not an error and not a wait.
     tight = ShardCache(str(tmp_path / "tight"), size, FAST)
-    held = tight.acquire(shard_refs[0])
-    data = tight.acquire(shard_refs[1])
-    assert isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == shard_refs[1].sha256
+    held = tight.acquire(refs[0])
+    data = tight.acquire(refs[1])
+    assert isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == refs[1].sha256
     assert tight.take_stats()["cache_bypass"] == 1 and len(cached_tars(tmp_path / "tight")) == 1
     tight.read(held)
 
@@ -256,26 +212,26 @@ def test_any_fsspec_url_is_a_source(data_root, tmp_path):
 def test_eviction_takes_the_shard_read_furthest_ahead_and_ignores_readers_that_died(data_root, tmp_path, store):
     # cache_policy=future: each reader publishes its next reads (here: this thread, by hand); eviction takes first
     # what no live reader will read, then what is read furthest ahead; a reader that died no longer counts.
-    shard_refs = refs(data_root, store.url)
-    size = max(r.bytes for r in shard_refs)
+    refs = shard_refs(data_root, store.url)
+    size = max(r.bytes for r in refs)
     cache = ShardCache(str(tmp_path / "cache"), 3 * size, FAST)
-    present = lambda i: os.path.exists(cache.path(shard_refs[i]))  # noqa: E731
+    present = lambda i: os.path.exists(cache.path(refs[i]))  # noqa: E731
     for i in (0, 1, 2):
-        cache.read(cache.acquire(shard_refs[i]))
+        cache.read(cache.acquire(refs[i]))
         time.sleep(0.02)
-    cache.publish([shard_refs[i] for i in (3, 0, 2)])  # reading 3 now, then 0, then 2; 1 not again
-    cache.read(cache.acquire(shard_refs[3]))
+    cache.publish([refs[i] for i in (3, 0, 2)])  # reading 3 now, then 0, then 2; 1 not again
+    cache.read(cache.acquire(refs[3]))
     assert not present(1) and present(0) and present(2)  # (LRU would have taken 0, the least recently used)
-    cache.publish([shard_refs[i] for i in (4, 3, 0, 2)])  # 2 is read furthest ahead
-    cache.read(cache.acquire(shard_refs[4]))
+    cache.publish([refs[i] for i in (4, 3, 0, 2)])  # 2 is read furthest ahead
+    cache.read(cache.acquire(refs[4]))
     assert not present(2) and present(0) and present(3)
     # A reader that died (its process is gone) claimed it would read 4 next: ignored, and its file removed.
     dead = subprocess.Popen(["true"])
     dead.wait()
     ghost = tmp_path / "cache" / ".future" / f"{dead.pid}-1.json"
-    ghost.write_text(json.dumps({os.path.basename(cache.path(shard_refs[4])): 0}))
-    cache.publish([shard_refs[i] for i in (5, 0, 3)])  # 4: not read again by anyone alive
-    cache.read(cache.acquire(shard_refs[5]))
+    ghost.write_text(json.dumps({os.path.basename(cache.path(refs[4])): 0}))
+    cache.publish([refs[i] for i in (5, 0, 3)])  # 4: not read again by anyone alive
+    cache.read(cache.acquire(refs[5]))
     assert not present(4) and present(0) and present(3) and not ghost.exists()
     assert cache.take_stats()["cache_evictions"] == 3
 
@@ -288,7 +244,7 @@ def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tm
     futures = [json.loads(p.read_text()) for p in (tmp_path / "c" / ".future").glob("*.json")]
     assert len(futures) == 2  # one per worker (loader.num_workers=2), each its stream's reads
     cache = ShardCache(str(tmp_path / "c"), None, FAST)
-    names = {os.path.basename(cache.path(r)) for r in refs(data_root, store.url)}
+    names = {os.path.basename(cache.path(r)) for r in shard_refs(data_root, store.url)}
     assert set().union(*futures) == names  # next epoch reads every shard, so between them they name all
     it.close()
     lru = CachedLoader(
@@ -311,20 +267,20 @@ def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store
 
     with SlowStore(str(data_root / "data"), latency_ms=300) as slow:
         source = CachedSource(str(tmp_path / "a"), None, FAST, "size", "auto")
-        shard_refs = refs(data_root, slow.url)
+        refs = shard_refs(data_root, slow.url)
         assert source.depth == 2  # nothing measured yet
-        for k in range(len(shard_refs)):
-            source.lookahead(shard_refs[k:])
-            source.read(shard_refs[k])
+        for k in range(len(refs)):
+            source.lookahead(refs[k:])
+            source.read(refs[k])
             time.sleep(0.05)
         assert 4 <= source.depth <= MAX_DEPTH, (source._download_s, source._shard_s)
         source.close()
     with SlowStore(str(data_root / "data"), latency_ms=20) as fast:
         source = CachedSource(str(tmp_path / "b"), None, FAST, "size", "auto")
-        shard_refs = refs(data_root, fast.url)
-        for k in range(len(shard_refs)):
-            source.lookahead(shard_refs[k:])
-            source.read(shard_refs[k])
+        refs = shard_refs(data_root, fast.url)
+        for k in range(len(refs)):
+            source.lookahead(refs[k:])
+            source.read(refs[k])
             time.sleep(0.3)
         assert source.depth <= 2, (source._download_s, source._shard_s)
         source.close()

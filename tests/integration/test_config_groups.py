@@ -5,16 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import CONF, compose_cfg, image_tree, read_jsonl, refused, train
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
+from conftest import check_run, compose_cfg, config_options, read_jsonl, refused, train
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +38,7 @@ def run_option(group: str, option: str, make_cfg, default_run, *overrides: str):
 DEFAULTS = {"model": "cnn", "optim": "sgd", "strategy": "single", "ckpt": "none", "fault": "none", "logger": "none"}
 
 
-def check_run(cfg, summary: dict) -> None:
-    assert summary["final_step"] == cfg.trainer.max_steps
-    lines = [r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in r]
-    assert [r["step"] for r in lines] == list(range(1, cfg.trainer.max_steps + 1))
-    assert all(np.isfinite(r["loss"]) and r["fetch_seconds"] >= 0 and r["lr"] > 0 for r in lines)
-    assert len(summary["params_sha256"]) == 64
-    assert 0.0 <= summary["metrics"]["val_accuracy"] <= 1.0
-    assert set(summary["wall_clock"]) >= {"compute", "data_wait", "checkpoint", "other", "total"}
-
-
-@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("model", config_options("model"))
 def test_model(make_cfg, default_run, model):
     overrides = (
         [
@@ -70,7 +54,7 @@ def test_model(make_cfg, default_run, model):
     check_run(*run_option("model", model, make_cfg, default_run, *overrides))
 
 
-@pytest.mark.parametrize("optim", options("optim"))
+@pytest.mark.parametrize("optim", config_options("optim"))
 def test_optim(make_cfg, default_run, optim):
     cfg, summary = run_option("optim", optim, make_cfg, default_run)
     check_run(cfg, summary)
@@ -79,13 +63,13 @@ def test_optim(make_cfg, default_run, optim):
     assert 0 < peak < len(lrs) - 1 and lrs[0] < lrs[peak] > lrs[-1]  # the schedule warms up, then decays
 
 
-@pytest.mark.parametrize("opt", options("loader"))
+@pytest.mark.parametrize("opt", config_options("loader"))
 def test_loader(make_cfg, opt):
     cfg = make_cfg(f"loader={opt}", "loader.num_workers=2")
     check_run(cfg, train(cfg))
 
 
-@pytest.mark.parametrize("opt", options("strategy"))
+@pytest.mark.parametrize("opt", config_options("strategy"))
 def test_strategy(make_cfg, default_run, opt, recwarn):
     # In-process (a world of one; multi-rank runs are in test_strategy.py, replica groups in test_ft.py).
     if opt == "ft":  # one replica group, against a real Lighthouse started here
@@ -120,7 +104,7 @@ def test_an_unreachable_lighthouse_is_refused_in_one_line_naming_the_key(make_cf
     assert "start the job's Lighthouse or fix the address" in message and time.monotonic() - t0 < 30
 
 
-@pytest.mark.parametrize("opt", options("ckpt"))
+@pytest.mark.parametrize("opt", config_options("ckpt"))
 def test_ckpt(make_cfg, default_run, opt):
     cfg, summary = run_option("ckpt", opt, make_cfg, default_run, *([] if opt == "none" else ["ckpt.interval_steps=5"]))
     check_run(cfg, summary)
@@ -152,66 +136,6 @@ def test_logger_none(make_cfg, default_run):
     cfg, summary = run_option("logger", "none", make_cfg, default_run)
     check_run(cfg, summary)
     assert not os.path.exists(os.path.join(cfg.run_dir, "mlflow_run_id")) and "mlflow_run_id" not in summary
-
-
-def test_logger_mlflow_real_store(make_cfg, tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = make_cfg("logger=mlflow", f"logger.tracking_uri={uri}")
-    summary = train(cfg)
-    check_run(cfg, summary)
-    client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(summary["mlflow_run_id"])
-    assert run.info.status == "FINISHED"
-    assert (
-        run.data.params["trainer.batch_size"] == "16" and run.data.params["model._target_"] == "recipe.vision.SmallCNN"
-    )
-    for key in ("loss", "lr", "samples_per_s", "fetch_seconds", "compute_seconds", "val_accuracy"):
-        assert key in run.data.metrics, key
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4, 8, 12]
-
-
-def test_data_synthetic(make_cfg, tmp_path):
-    from recipe.prepare import prepare
-
-    cfg = make_cfg(
-        "data=synthetic",
-        "data.num_samples=80",
-        "data.image_size=32",
-        "data.prepare.samples_per_shard=16",
-        f"data.root={tmp_path}/synth",
-    )
-    prepare(cfg.data)
-    check_run(cfg, train(cfg))
-
-
-def test_data_imagefolder(make_cfg, tmp_path):
-    from recipe.prepare import prepare
-
-    src = image_tree(tmp_path / "tree")
-    cfg = make_cfg(
-        "data=imagefolder",
-        f"data.source={src}",
-        "data.num_classes=3",
-        "data.image_size=16",
-        "data.prepare.samples_per_shard=8",
-        "data.prepare.val_fraction=0.25",
-    )
-    prepare(cfg.data)
-    summary = train(cfg)
-    check_run(cfg, summary)
-    # 27 train images, batch 16, partial last batch kept: 2 steps/epoch, so 12 steps = 6 full epochs
-    assert summary["data"]["samples"] == 6 * 27 and summary["epoch"] == 5
-
-
-@pytest.mark.parametrize("name", options("experiment"))
-def test_experiment_presets_compose(make_cfg, name):
-    cfg = make_cfg(f"experiment={name}")
-    assert cfg.trainer.max_steps == 12  # debug overlay still applies on top of the experiment
-    if name == "digits_resnet18":
-        cfg = make_cfg(f"experiment={name}", "trainer.max_steps=3")
-        check_run(cfg, train(cfg))
 
 
 def test_debug_preset_is_tiny(make_cfg):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONF
+from conftest import config_options
 from pitstop.config.build import build
 from pitstop.ckpt.contract import Checkpointer, SaveResult
 from pitstop.resilience.fault import Fault
@@ -29,10 +29,6 @@ REQUIRED = {
 }
 
 
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
-
-
 def contract_methods(base: type) -> dict[str, inspect.Signature]:
     return {
         name: inspect.signature(fn)
@@ -42,7 +38,7 @@ def contract_methods(base: type) -> dict[str, inspect.Signature]:
     }
 
 
-@pytest.mark.parametrize("group,option", [(g, o) for g in CONTRACTS for o in options(g)])
+@pytest.mark.parametrize("group,option", [(g, o) for g in CONTRACTS for o in config_options(g)])
 def test_every_option_implements_its_contract(group, option, make_cfg):
     cfg = make_cfg(f"{group}={option}", *REQUIRED.get(group, {}).get(option, []))
     kw = {}
@@ -69,8 +65,8 @@ ALL_ON = [
 ]
 
 
-@pytest.mark.parametrize("strategy", options("strategy"))
-@pytest.mark.parametrize("ckpt", options("ckpt"))
+@pytest.mark.parametrize("strategy", config_options("strategy"))
+@pytest.mark.parametrize("ckpt", config_options("ckpt"))
 def test_accelerator_options_compose_with_every_strategy_and_ckpt_backend(strategy, ckpt, make_cfg):
     import torch
 

@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
-from conftest import step_losses, train
+import pytest
+
+from conftest import compose_cfg, step_losses, train
+
+RUN = ("trainer.max_steps=30", "loader.num_workers=2")
 
 
 def run(make_cfg, tmp_path, name, *overrides):
-    cfg = make_cfg(f"run_dir={tmp_path / name}", "trainer.max_steps=30", "loader.num_workers=2", *overrides)
+    cfg = make_cfg(f"run_dir={tmp_path / name}", *RUN, *overrides)
     summary = train(cfg)
     return step_losses(cfg.run_dir), summary["params_sha256"]
 
 
-def test_same_seed_gives_bitwise_identical_losses_and_params(make_cfg, tmp_path):
-    a_losses, a_sha = run(make_cfg, tmp_path, "a")
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory):
+    """One run of the default seed (30 steps, 2 loader workers), compared with by both seed tests."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = compose_cfg(
+        [
+            f"paths.data_dir={data_root / 'data'}",
+            f"paths.output_dir={tmp / 'outputs'}",
+            "debug=tiny",
+            f"run_dir={tmp / 'a'}",
+            *RUN,
+        ],
+        tmp,
+    )
+    summary = train(cfg)
+    return step_losses(cfg.run_dir), summary["params_sha256"]
+
+
+def test_same_seed_gives_bitwise_identical_losses_and_params(make_cfg, tmp_path, reference):
+    a_losses, a_sha = reference
     b_losses, b_sha = run(make_cfg, tmp_path, "b")
     assert len(a_losses) == 30
     assert a_losses == b_losses  # exact float equality, not closeness
     assert a_sha == b_sha
 
 
-def test_different_seed_gives_different_losses(make_cfg, tmp_path):
-    a_losses, a_sha = run(make_cfg, tmp_path, "a")
+def test_different_seed_gives_different_losses(make_cfg, tmp_path, reference):
+    a_losses, a_sha = reference
     c_losses, c_sha = run(make_cfg, tmp_path, "c", "seed=99")
     assert a_losses != c_losses and a_sha != c_sha
 

@@ -8,19 +8,8 @@ import json
 
 import pytest
 
-from conftest import cli, read_jsonl
+from conftest import cli, read_jsonl, shard_requests
 from pitstop.audit import audit
-from pitstop.testing.slowstore import SlowStore
-
-
-@pytest.fixture
-def store(data_root):
-    with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50) as s:
-        yield s
-
-
-def shard_requests(srv: SlowStore) -> dict[str, int]:
-    return {p: v["requests"] for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
 
 
 @pytest.mark.slow

@@ -171,9 +171,30 @@ def read_shard(data: bytes, url: str) -> list[dict]:
     """Parse a whole shard held in memory into samples ``{"__key__", "__offset__", ext: bytes}``.
 
     Raises :class:`DataError` naming the shard and byte offset if the tar is truncated or corrupt.
+
+    The tars that shard writers make (ustar headers, pax records for paths and sizes) are read by
+    :func:`_members`, a direct walk over the headers: ``tarfile`` costs ~0.2 ms of Python per member, about half
+    of reading a shard of small images. A shard with anything else in it (GNU long names, sparse files, a
+    bad checksum, a truncated member) is read by ``tarfile`` instead, so the samples and errors are its own.
     """
+    members = _members(data)
+    if members is None:
+        members = _tarfile_members(data, url)
     samples: list[dict] = []
     by_key: dict[str, dict] = {}
+    for offset, name, payload in members:
+        key, ext = split_key(name)
+        sample = by_key.get(key)
+        if sample is None:
+            sample = by_key[key] = {"__key__": key, "__offset__": offset}
+            samples.append(sample)
+        sample[ext] = payload
+    return samples
+
+
+def _tarfile_members(data: bytes, url: str) -> list[tuple[int, str, bytes]]:
+    """``(header offset, name, payload)`` of each file member, read by ``tarfile``."""
+    out = []
     offset = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
@@ -181,16 +202,109 @@ def read_shard(data: bytes, url: str) -> list[dict]:
                 offset = member.offset
                 if not member.isfile():
                     continue
-                key, ext = split_key(member.name)
                 f = tar.extractfile(member)
                 payload = f.read() if f is not None else b""
                 if len(payload) != member.size:
                     raise tarfile.ReadError(f"member {member.name} truncated")
-                sample = by_key.get(key)
-                if sample is None:
-                    sample = by_key[key] = {"__key__": key, "__offset__": member.offset}
-                    samples.append(sample)
-                sample[ext] = payload
+                out.append((member.offset, member.name, payload))
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"corrupt or truncated shard {url} near byte offset {offset}: {e}") from e
-    return samples
+    return out
+
+
+_BLOCK = 512
+_FILE_TYPES = (b"0", b"\0")  # regular files (tarfile's REGTYPE, AREGTYPE)
+_OTHER_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: no data of their own
+
+
+def _padded(size: int) -> int:
+    """A member's data in the tar: its size rounded up to whole blocks."""
+    return -(-size // _BLOCK) * _BLOCK
+
+
+def _octal(field: bytes) -> int | None:
+    """A header's octal number (NUL or space terminated); None where it is not one (base-256 and the like)."""
+    text = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        return None
+
+
+def _pax(record: bytes) -> dict[str, bytes] | None:
+    """The ``LEN KEY=VALUE\\n`` records of a pax extended header; None where one is malformed."""
+    out, pos = {}, 0
+    while pos < len(record) and record[pos : pos + 1] != b"\0":
+        space = record.find(b" ", pos)
+        if space < 0:
+            return None
+        try:
+            length = int(record[pos:space])
+        except ValueError:
+            return None
+        line = record[space + 1 : pos + length]
+        if length <= 0 or not line.endswith(b"\n") or b"=" not in line:
+            return None
+        key, _, value = line[:-1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value
+        pos += length
+    return out
+
+
+def _members(data: bytes) -> list[tuple[int, str, bytes]] | None:
+    """``(header offset, name, payload)`` of each file member, as ``tarfile`` would read them (the offset of
+    a member with a pax header is the pax header's); None where the tar holds anything this walk does not
+    know, for ``tarfile`` to read."""
+    out = []
+    pos, end = 0, len(data)
+    pending: dict[str, bytes] | None = None  # the pax records that apply to the next member
+    start = 0  # the offset of the next member's first header (its pax header's, if any)
+    while True:
+        header = data[pos : pos + _BLOCK]
+        if len(header) < _BLOCK or header.count(0) == _BLOCK:  # the end (or a short tail: tarfile decides)
+            return out if pos > 0 and len(header) in (0, _BLOCK) and pending is None else None
+        chksum = _octal(header[148:156])
+        if chksum is None or chksum != sum(header[:148]) + 256 + sum(header[156:]):
+            return None
+        size = _octal(header[124:136])
+        kind = header[156:157]
+        body = pos + _BLOCK
+        if size is None or body + _padded(size) > end:  # (tarfile wants a member's padding there too)
+            return None
+        if kind == b"x":
+            if pending is not None:
+                return None
+            pending = _pax(data[body : body + size])
+            if pending is None or any(k not in _PAX_KEYS for k in pending):
+                return None
+            start = pos
+            pos = body + _padded(size)
+            continue
+        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        if prefix:
+            name = f"{prefix}/{name}"
+        if pending is None:
+            start = pos
+        else:
+            if "path" in pending:
+                name = pending["path"].decode("utf-8", "surrogateescape")
+            if "size" in pending:
+                try:
+                    size = int(pending["size"])
+                except ValueError:
+                    return None
+                if body + _padded(size) > end:
+                    return None
+            pending = None
+        if kind in _FILE_TYPES and not (kind == b"\0" and name.endswith("/")):
+            out.append((start, name, data[body : body + size]))
+            pos = body + _padded(size)
+        elif kind in _OTHER_TYPES or kind == b"\0":
+            pos = body
+        else:
+            return None
+
+
+# pax keys that change nothing this walk reads (times, owners) and the two it applies (path, size)
+_PAX_KEYS = {"path", "size", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname", "mode"}

@@ -1,14 +1,17 @@
-"""python -m pitstop.audit: which steps survive restarts, and what it reports (the sample logs of real runs are
-audited in tests/system/test_nodes.py; here logs written by hand pin down the rules, including the failures it
-must catch). Each audit runs as a warm process (its exit status and output are the contract), so this is not a
-unit test although nothing trains.
+"""pitstop.audit: which steps survive restarts, and what it reports (the sample logs of real runs are audited in
+tests/system/test_nodes.py and others, and ``python -m pitstop.audit`` runs as a process in tests/system/test_s3.py);
+here logs written by hand pin down the rules, including the failures it must catch. Its ``main`` runs in-process:
+its printed report and the exit status that ``python -m pitstop.audit`` would end with are the contract.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import types
 
-from conftest import PY, run_cmd
+from pitstop.audit import main
 
 
 def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
@@ -40,8 +43,17 @@ def write_run(run_dir, attempts, epoch_of, samples=8, epochs=None):
             f.write(json.dumps({"step": step, "epoch": epoch, "loss": 1.0}) + "\n")
 
 
-def audit(run_dir):
-    return run_cmd([PY, "-m", "pitstop.audit", str(run_dir)], 60)
+def audit(run_dir) -> types.SimpleNamespace:
+    """``python -m pitstop.audit run_dir``, in-process: its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(run_dir)])
+        except SystemExit as e:  # (what the interpreter does with a SystemExit: a message goes to stderr, status 1)
+            code = e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, int):
+                print(e.code, file=err)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_redone_steps_count_once_and_a_rank_that_did_not_come_back_loses_its_steps(tmp_path):
