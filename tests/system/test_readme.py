@@ -30,8 +30,9 @@ README = ROOT / "README.md"
 
 # Commands this machine cannot run, with why (matched by substring).
 SKIP = {
-    "hydra/launcher=slurm": "needs a SLURM cluster; the same sweep path runs through hydra/launcher=submitit_local "
-    "in system/test_cli.py::test_sweep_through_the_submitit_launcher",
+    "hydra/launcher=slurm": "asks for a GPU node (slurm.yaml: 16 CPUs, 8 GPUs, 256 GB); the same commands run with "
+    "a node's size of the local cluster in system/test_slurm.py (a sweep with a preempted job, and the two-node "
+    "command for ddp and fsdp)",
 }
 
 # Commands that exercise nothing another test does not already run at these settings, with the test that does:

@@ -257,7 +257,10 @@ class Watchdog:
 
 
 def _ask_data_workers_for_stacks() -> int:
-    """SIGUSR2 to this process's DataLoader workers: they write their stacks to stderr (see pitstop.data.loader)."""
+    """``STACKS_SIGNAL`` to this process's DataLoader workers: they write their stacks to stderr (see
+    pitstop.data.loader.workers)."""
+    from pitstop.data.loader.workers import STACKS_SIGNAL
+
     asked = 0
     try:
         children = list(multiprocessing.active_children())
@@ -266,7 +269,7 @@ def _ask_data_workers_for_stacks() -> int:
     for p in children:
         if p.daemon and p.pid:  # (the loader's workers are this process's daemon children)
             try:
-                os.kill(p.pid, signal.SIGUSR2)
+                os.kill(p.pid, STACKS_SIGNAL)
                 asked += 1
             except OSError:
                 pass

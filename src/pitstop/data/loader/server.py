@@ -26,10 +26,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 from typing import Any, Iterable
+
+from pitstop.data.loader.workers import NOTICES, notices_blocked
 
 log = logging.getLogger("pitstop.data.loader")
 
@@ -59,6 +62,10 @@ def start(modules: Iterable[str] = ()) -> str:
         forkserver.ensure_running()  # (starts a new one if it died)
         return "running"
     quiet_resource_tracker()
+    from multiprocessing import resource_tracker
+
+    with notices_blocked():  # (the tracker is a fresh interpreter: it keeps the blocked notices for good)
+        resource_tracker.ensure_running()
     wanted = sorted({"torch", *modules, *entry_point_imports()})
     for name in wanted:
         try:
@@ -71,7 +78,8 @@ def start(modules: Iterable[str] = ()) -> str:
         return "forked"
     log.debug("data workers' fork server: a fresh interpreter (%s)", why)
     mp.get_context("forkserver").set_forkserver_preload(wanted)
-    forkserver.ensure_running()
+    with notices_blocked():
+        forkserver.ensure_running()
     return "spawned"
 
 
@@ -128,7 +136,8 @@ def _fork(server: Any) -> None:
     process's fork server: the state ``ForkServer.ensure_running`` would have set after spawning one."""
     from multiprocessing import connection, forkserver, resource_tracker, util
 
-    resource_tracker.ensure_running()  # (before the fork: the server and its workers share this tracker)
+    with notices_blocked():  # (before the fork: the server and its workers share this tracker)
+        resource_tracker.ensure_running()
     with server._lock:
         listener = socket.socket(socket.AF_UNIX)
         address = connection.arbitrary_address("AF_UNIX")
@@ -146,6 +155,8 @@ def _fork(server: Any) -> None:
             code = 0
             try:
                 os.close(alive_w)
+                for sig in NOTICES:  # (not the handler the trainer has now: submitit's requeue, say)
+                    signal.signal(sig, signal.SIG_IGN)
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:
                 pass

@@ -2,18 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+from typing import Iterator
 
 
 log = logging.getLogger("pitstop.data.loader")
 
+# The notices a scheduler sends to every process of a job step (SLURM's --signal=USR1@90, submitit's
+# scancel --signal=USR2): they are the trainer's alone. A data worker, the workers' fork server and
+# multiprocessing's resource tracker ignore them; by default each of them would end (the tracker then comes back
+# and prints KeyError tracebacks for the semaphores it no longer knows), and a fork server forked from a trainer
+# would run the handler the trainer had at that instant (submitit's requeue, a second time).
+NOTICES = (signal.SIGUSR1, signal.SIGUSR2)
+# What the hang watchdog sends a data worker to have its threads' stacks written to stderr: a real-time signal,
+# which no scheduler sends (SIGUSR2 was, until it met submitit's notices).
+STACKS_SIGNAL = int(signal.SIGRTMIN) + 2 if hasattr(signal, "SIGRTMIN") else int(signal.SIGUSR2)
+
+
+@contextlib.contextmanager
+def notices_blocked() -> Iterator[None]:
+    """Block :data:`NOTICES` in this thread for the time of the block: a process started (fork + exec) inside
+    inherits them blocked, so a notice never reaches it; this process gets any that came meanwhile after it."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
 
 def worker_init(worker_id: int, parent: int, trainer: int) -> None:
     """A worker is not the trainer: it must not keep signal handlers of the trainer's (a preemption notice
-    caught and ignored by a worker keeps it alive after its loader is gone), it ends when the ``trainer``
-    process does, and on SIGUSR2 it writes its threads' stacks to stderr (the hang watchdog asks for them).
+    caught and ignored by a worker keeps it alive after its loader is gone; SIGTERM ends it), it ignores the
+    scheduler's notices meant for the trainer (:data:`NOTICES`), it ends when the ``trainer`` process does, and
+    on :data:`STACKS_SIGNAL` it writes its threads' stacks to stderr (the hang watchdog asks for them).
 
     Ending with the trainer: torch's own check compares the worker's parent pid with the one it saw at its
     start, but that parent is the fork server (``parent``), which outlives a killed trainer while it has
@@ -23,10 +50,12 @@ def worker_init(worker_id: int, parent: int, trainer: int) -> None:
     and the kernel kills the worker if its parent dies (PR_SET_PDEATHSIG)."""
     import faulthandler
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG):  # preemption notices, the watchdog's wake-up
+    for sig in (signal.SIGTERM, signal.SIGURG):  # a preemption notice to the whole job, the watchdog's wake-up
         signal.signal(sig, signal.SIG_DFL)
+    for sig in NOTICES:
+        signal.signal(sig, signal.SIG_IGN)
     _write_where(trainer)
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)

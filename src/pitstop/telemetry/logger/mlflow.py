@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -120,6 +121,10 @@ class MLflowLogger(Logger):
 # ---- the logger process ---------------------------------------------------------------------------
 def _serve() -> None:
     os.nice(10)  # yield the CPU to training when both want it
+    # A scheduler's notice to every process of the job (SLURM's --signal=USR1, submitit's USR2) is the trainer's:
+    # it saves, then closes this logger, which must still be here to send what is left.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:  # drain stdin continuously so the trainer's writes never block

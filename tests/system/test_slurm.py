@@ -1,0 +1,144 @@
+"""hydra/launcher=slurm against a real SLURM 22.05 cluster on this machine (deploy/slurm/local-cluster.sh: munge,
+slurmctld and two slurmd, nodes n1 and n2, one CPU each), brought up once for this module and taken down after it:
+a sweep whose job is sent SLURM's preemption notice (``scancel --signal=USR2``, as submitit asks for) saves,
+is requeued exactly once and resumes to the uninterrupted job's parameters while the sweep waits and writes its
+report; the README's two-node command trains one rank per node to the one-command ddp(2) and fsdp(2) digest.
+
+The cluster needs root and Debian's slurm-wlm and munge (.ci/run installs them where they are missing); without
+them these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli, cli_cmd, popen_cmd, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = ROOT / "deploy" / "slurm" / "local-cluster.sh"
+# what one job of the local cluster can have (slurm.yaml's defaults are a GPU node's: 16 CPUs, 8 GPUs, 256 GB)
+SMALL = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.partition=debug",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.mem_gb=1",
+    "hydra.launcher.timeout_min=10",
+]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict:
+    """The environment of a command that talks to the local cluster (SLURM_CONF; deploy/slurm first on PATH for
+    its sacct stand-in)."""
+    missing = [t for t in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed here ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster runs its daemons as root")
+    d = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(["bash", str(CLUSTER), "up", str(d)], capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr[-3000:]
+    env = dict(os.environ, SLURM_CONF=str(d / "slurm.conf"))
+    env["PATH"] = f"{CLUSTER.parent}{os.pathsep}{env['PATH']}"
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "down", str(d)], capture_output=True, text=True, timeout=120)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def job_logs(sweep: Path, kind: str = "*") -> str:
+    """The sweep's jobs' stdout and stderr as submitit kept them (``kind``: out, err or both)."""
+    return "".join(p.read_text(errors="replace") for p in sorted((sweep / ".submitit").rglob(f"*_log.{kind}")))
+
+
+def test_a_preempted_sweep_job_saves_is_requeued_once_and_resumes_exactly(slurm, data_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *SMALL,
+        "ckpt=sync_save,async_dcp",
+        "debug=tiny",
+        "loader.num_workers=2",  # (the workers and their fork server get the notice too: they must ignore it)
+        "trainer.max_steps=600",
+        "trainer.eval_every_steps=300",
+        "trainer.log_every_steps=20",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        metrics, deadline = sweep / "1" / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 60):
+            assert time.monotonic() < deadline and p.poll() is None, "the async_dcp job did not reach step 60"
+            time.sleep(0.1)
+        job = subprocess.run(
+            ["squeue", "-h", "-o", "%i %j", "-t", "R"], capture_output=True, text=True, env=slurm, check=True
+        ).stdout.split()[0::2]
+        array = sorted(j for j in job if j.endswith("_1"))
+        assert array, job
+        subprocess.run(["scancel", "--signal=USR2", array[0]], env=slurm, check=True)  # as SLURM's notice comes
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-3000:]
+    assert all((sweep / f"report.{x}").exists() for x in ("md", "csv", "png"))
+    assert not list(sweep.rglob("failed.json"))  # no stale failure of the job's first run
+    train_log = (sweep / "1" / "train.log").read_text()
+    saved = [int(ln.rsplit("at step ", 1)[1].split(":")[0]) for ln in train_log.splitlines() if "preempted (" in ln]
+    resumed = [int(ln.rsplit("resumed from step ", 1)[1]) for ln in train_log.splitlines() if "resumed from step" in ln]
+    assert len(saved) == 1 and resumed == saved, train_log[-3000:]  # 0 steps lost
+    logs = job_logs(sweep)
+    assert job_logs(sweep, "err").count("Caught signal SIGUSR2") == 1 and "Traceback" not in logs, logs[-3000:]
+    restarts = subprocess.run(
+        ["scontrol", "show", "job", array[0].split("_")[0]], capture_output=True, text=True, env=slurm
+    ).stdout
+    assert restarts.count("Restarts=1") == 1 and restarts.count("Restarts=0") == 1, restarts  # requeued once
+    done = [summary(sweep / k) for k in ("0", "1")]
+    assert [s["final_step"] for s in done] == [600, 600]
+    assert done[0]["params_sha256"] == done[1]["params_sha256"]  # the preempted job = the uninterrupted one
+
+
+@pytest.fixture(scope="module")
+def ddp2(data_root, tmp_path_factory) -> str:
+    """The one-command ddp(2) run's digest: two ranks on this machine, one thread each."""
+    tmp = tmp_path_factory.mktemp("ddp2")
+    args = ["strategy=ddp", "strategy.nproc_per_node=2", "strategy.cpu_threads=1", "debug=tiny", f"run_dir={tmp}/r"]
+    p = cli(args, data_root, tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return summary(tmp / "r")["params_sha256"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_two_node_command_trains_one_rank_per_node_to_the_one_command_digest(
+    slurm, data_root, tmp_path, ddp2, strategy
+):
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *SMALL,
+        "hydra.launcher.nodes=2",
+        f"strategy={strategy}",
+        "strategy.nnodes=2",
+        "strategy.nproc_per_node=1",
+        "strategy.rdzv_endpoint=slurm",
+        "strategy.cpu_threads=1",
+        "debug=tiny",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    p = cli(args, data_root, tmp_path, env=slurm, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    s = summary(sweep / "0")
+    assert s["world_size"] == 2 and s["final_step"] == 12
+    assert s["params_sha256"] == ddp2
+    assert "Traceback" not in job_logs(sweep)
