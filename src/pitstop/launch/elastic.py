@@ -36,7 +36,15 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from multiprocessing import resource_tracker
+
+    from pitstop.data.loader.workers import notices_blocked
     from pitstop.resilience.preempt import JobNotice, parse_signals
+
+    # The agent's ranks share its resource tracker; a scheduler's notice reaches every process of the job step,
+    # and the tracker (a fresh interpreter) would die of it, come back and print KeyError tracebacks.
+    with notices_blocked():
+        resource_tracker.ensure_running()
 
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
