@@ -39,20 +39,21 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+def tiny_cfg(data_root: Path, tmp: Path, *overrides: str, debug: str | None = "tiny"):
+    """compose(overrides) with debug=tiny, the shared digits shards, outputs and run dir under ``tmp`` (what
+    ``make_cfg`` gives a test; a module-scoped fixture calls this with its own dir)."""
+    ov = [f"paths.data_dir={data_root / 'data'}", f"paths.output_dir={tmp / 'outputs'}", f"run_dir={tmp / 'run'}"]
+    if debug:
+        ov.append(f"debug={debug}")
+    return compose_cfg([*ov, *overrides], tmp)
+
+
 @pytest.fixture
 def make_cfg(data_root, tmp_path):
     """compose(overrides) -> cfg with debug=tiny, the shared digits shards and a fresh run dir."""
 
     def make(*overrides: str, debug: str | None = "tiny"):
-        ov = [
-            f"paths.data_dir={data_root / 'data'}",
-            f"paths.output_dir={tmp_path / 'outputs'}",
-            f"run_dir={tmp_path / 'run'}",
-        ]
-        if debug:
-            ov.append(f"debug={debug}")
-        cfg = compose_cfg([*ov, *overrides], tmp_path)
-        return cfg
+        return tiny_cfg(data_root, tmp_path, *overrides, debug=debug)
 
     return make
 

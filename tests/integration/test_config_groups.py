@@ -8,22 +8,13 @@ import time
 
 import pytest
 
-from conftest import check_run, compose_cfg, config_options, read_jsonl, refused, train
+from conftest import check_run, config_options, read_jsonl, refused, tiny_cfg, train
 
 
 @pytest.fixture(scope="module")
 def default_run(data_root, tmp_path_factory):
     """One run of the default options (shrunk by debug=tiny), shared by every test of a default option."""
-    tmp = tmp_path_factory.mktemp("default")
-    cfg = compose_cfg(
-        [
-            f"paths.data_dir={data_root / 'data'}",
-            f"paths.output_dir={tmp / 'outputs'}",
-            f"run_dir={tmp / 'run'}",
-            "debug=tiny",
-        ],
-        tmp,
-    )
+    cfg = tiny_cfg(data_root, tmp_path_factory.mktemp("default"))
     return cfg, train(cfg)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose_cfg, step_losses, train
+from conftest import step_losses, tiny_cfg, train
 
 RUN = ("trainer.max_steps=30", "loader.num_workers=2")
 
@@ -19,16 +19,7 @@ def run(make_cfg, tmp_path, name, *overrides):
 def reference(data_root, tmp_path_factory):
     """One run of the default seed (30 steps, 2 loader workers), compared with by both seed tests."""
     tmp = tmp_path_factory.mktemp("reference")
-    cfg = compose_cfg(
-        [
-            f"paths.data_dir={data_root / 'data'}",
-            f"paths.output_dir={tmp / 'outputs'}",
-            "debug=tiny",
-            f"run_dir={tmp / 'a'}",
-            *RUN,
-        ],
-        tmp,
-    )
+    cfg = tiny_cfg(data_root, tmp, f"run_dir={tmp / 'a'}", *RUN)
     summary = train(cfg)
     return step_losses(cfg.run_dir), summary["params_sha256"]
 
