@@ -64,8 +64,8 @@ def start(modules: Iterable[str] = ()) -> str:
     quiet_resource_tracker()
     from multiprocessing import resource_tracker
 
-    with notices_blocked():  # (the tracker is a fresh interpreter: it keeps the blocked notices for good)
-        resource_tracker.ensure_running()
+    with notices_blocked():  # (the tracker is a fresh interpreter: it keeps the blocked notices for good; it
+        resource_tracker.ensure_running()  # runs before any fork, so the fork server and its workers share it)
     wanted = sorted({"torch", *modules, *entry_point_imports()})
     for name in wanted:
         try:
@@ -133,11 +133,10 @@ def _cannot_fork(server: Any) -> str | None:
 
 def _fork(server: Any) -> None:
     """Fork this (single-threaded) process into multiprocessing's fork server loop and register it as this
-    process's fork server: the state ``ForkServer.ensure_running`` would have set after spawning one."""
-    from multiprocessing import connection, forkserver, resource_tracker, util
+    process's fork server: the state ``ForkServer.ensure_running`` would have set after spawning one. (The
+    resource tracker runs already, started by :func:`start`: the server and its workers share it.)"""
+    from multiprocessing import connection, forkserver, util
 
-    with notices_blocked():  # (before the fork: the server and its workers share this tracker)
-        resource_tracker.ensure_running()
     with server._lock:
         listener = socket.socket(socket.AF_UNIX)
         address = connection.arbitrary_address("AF_UNIX")
