@@ -70,7 +70,8 @@ class SlowStore(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def start(self) -> "SlowStore":
-        threading.Thread(target=self.serve_forever, daemon=True, name="slowstore").start()
+        # (polled every 50 ms for stop(), not socketserver's 0.5 s: each test that stops a store waited that long)
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True, name="slowstore").start()
         return self
 
     def stop(self) -> None:
