@@ -4,12 +4,14 @@
 
 The recovery bench's job (SmallCNN on digits, ``--steps`` steps of batch 64 per process, ``ckpt=async_dcp``
 every 7 steps), two processes either way:
-- ``ft``:  ``strategy=ft strategy.replicas=2`` with ``fault=random fault.replica=any``: each group is SIGKILLed
-  at random (the job sees one failure per ``--mtbf`` seconds on average); its supervisor restarts it alone, it
-  heals from the other group, which goes on.
-- ``ddp``: ``strategy=ddp strategy.nproc_per_node=2`` with ``fault=random`` (rank 0, the same mean time between
-  failures) and ``trainer.max_restarts``: torch's elastic agent restarts both ranks, and they resume from the
-  newest checkpoint.
+- ``ft``:  ``strategy=ft strategy.replicas=2``: a SIGKILLed group is restarted alone by its supervisor and heals
+  from the other group, which goes on.
+- ``ddp``: ``strategy=ddp strategy.nproc_per_node=2`` with ``trainer.max_restarts``: torch's elastic agent restarts
+  both ranks, and they resume from the newest checkpoint.
+The failures are the same in both: this script SIGKILLs a process at seeded times on the job's clock (from its
+launch; gaps ~ Exponential(``--mtbf``)): in ft the group drawn for that failure, in ddp rank 0 (any rank's death
+restarts all). A failure whose target is still starting waits until it runs. (``fault=random`` draws its times per
+attempt and per group, so two jobs would not see the same failures.)
 And both without failures: the step rate of ft against ddp (the price of a quorum per step).
 
 Goodput: productive seconds / wall seconds, summed over the processes (ft: every group's ledger; ddp: rank 0's
@@ -24,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,13 +41,67 @@ JOB = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=64", "tr
        "loader.num_workers=0", "ckpt=async_dcp", "ckpt.interval_steps=7", "data.record_sample_ids=true"]  # fmt: skip
 
 
+def command(run_dir: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "recipe.train", *JOB, *args, f"run_dir={run_dir}"]
+
+
 def train(run_dir: str, args: list[str], timeout: float = 3600) -> float:
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "recipe.train", *JOB, *args, f"run_dir={run_dir}"]
+    cmd = command(run_dir, args)
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[3:])} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def schedule(mtbf: float, seed: int, groups: int, horizon: float = 3600) -> list[tuple[float, int]]:
+    """(seconds after launch, group) of each failure: gaps ~ Exponential(mtbf), the group drawn uniformly."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while t < horizon:
+        t += rng.expovariate(1 / mtbf)
+        out.append((t, rng.randrange(groups)))
+    return out
+
+
+def current_pid(ledger_path: str, dead: set[int]) -> int | None:
+    """The pid of the attempt now running (its ledger record is written as it starts), unless already killed."""
+    try:
+        with open(ledger_path) as f:
+            pid = json.load(f)["attempts"][-1]["pid"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return None if pid in dead else pid
+
+
+def train_with_kills(run_dir: str, args: list[str], failures: list[tuple[float, int]], target) -> tuple[float, list]:
+    """Run the job and SIGKILL ``target(run_dir, group)``'s attempt at each failure's time; (wall, kills)."""
+    t0 = time.perf_counter()
+    cmd = command(run_dir, args)
+    log = open(os.path.join(os.path.dirname(run_dir), os.path.basename(run_dir) + ".log"), "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    dead: set[int] = set()
+    kills: list[tuple[float, int]] = []  # (wall-clock time of the kill, group)
+    for at, k in failures:
+        while p.poll() is None and time.perf_counter() - t0 < at:
+            time.sleep(0.02)
+        pid = None
+        while p.poll() is None and pid is None:  # the target is (re)starting: the failure waits for it
+            pid = current_pid(target(run_dir, k), dead)
+            if pid is None:
+                time.sleep(0.02)
+        if p.poll() is not None:
+            break
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # (it ended on its own just now)
+        dead.add(pid)
+        kills.append((time.time(), k))
+    p.wait()
+    log.close()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[3:])} failed ({p.returncode}): see {log.name}")
+    return time.perf_counter() - t0, kills
 
 
 def lines(path: str) -> list[dict]:
@@ -66,10 +124,10 @@ def step_rate(run_dir: str) -> float:
     return steps / busy
 
 
-def ft_failures(run: str, groups: int) -> dict:
+def ft_failures(run: str, groups: int, killed: list[tuple[float, int]]) -> dict:
     """Per failure of a group: the healthy groups' pause, discarded steps and restarts, and the heal."""
     pauses, discarded, healthy_restarts, heals, failures = [], 0, 0, [], 0
-    kills = {k: [r["time"] for r in lines(os.path.join(run, f"replica{k}", "faults.jsonl"))] for k in range(groups)}
+    kills = {k: [t for t, g in killed if g == k] for k in range(groups)}
     commits = {
         k: [r for r in lines(os.path.join(run, f"replica{k}", "samples.rank0.jsonl")) if "commit" in r]
         for k in range(groups)
@@ -112,22 +170,31 @@ def main() -> None:
     steps = [f"trainer.max_steps={a.steps}"]
     ft = ["strategy=ft", "strategy.replicas=2", "strategy.max_restarts=100"]
     ddp = ["strategy=ddp", "strategy.nproc_per_node=2", "trainer.max_restarts=100"]
-    faults = ["fault=random", f"fault.mtbf_seconds={a.mtbf}", f"fault.seed={a.seed}"]
+    failures = schedule(a.mtbf, a.seed, 2)
     walls = {}
     walls["ft_clean"] = train(f"{tmp}/ft_clean", [*ft, *steps])
     walls["ddp_clean"] = train(f"{tmp}/ddp_clean", [*ddp, *steps])
-    walls["ft"] = train(f"{tmp}/ft", [*ft, *steps, *faults, "fault.replica=any"])
-    walls["ddp"] = train(f"{tmp}/ddp", [*ddp, *steps, *faults])
+    walls["ft"], kills_ft = train_with_kills(
+        f"{tmp}/ft", [*ft, *steps], failures, lambda run, k: os.path.join(run, f"replica{k}", "goodput.json")
+    )
+    walls["ddp"], kills_ddp = train_with_kills(
+        f"{tmp}/ddp", [*ddp, *steps], failures, lambda run, k: os.path.join(run, "goodput.json")
+    )
     rate_ft = statistics.mean(step_rate(f"{tmp}/ft_clean/replica{k}") for k in (0, 1))
     rate_ddp = step_rate(f"{tmp}/ddp_clean")
-    f = ft_failures(f"{tmp}/ft", 2)
+    f = ft_failures(f"{tmp}/ft", 2, kills_ft)
     d = ledger(f"{tmp}/ddp")
     g_ft, g_ddp = goodput_ft(f"{tmp}/ft", 2), d["goodput"]
+    clean_ft, clean_ddp = goodput_ft(f"{tmp}/ft_clean", 2), ledger(f"{tmp}/ddp_clean")["goodput"]
     print(f"strategy=ft (2 replica groups) vs ddp(2) with elastic restarts: {a.steps} steps, async_dcp every 7, "
-          f"failures ~ Exponential({a.mtbf:g} s) seeded {a.seed}; 2 CPU cores, gloo")  # fmt: skip
+          f"the same SIGKILLs at seeded times (gaps ~ Exponential({a.mtbf:g} s), seed {a.seed}); "
+          f"2 CPU cores, gloo")  # fmt: skip
     print("| | ft | ddp | target |\n|---|---|---|---|")
     print(f"| goodput | {g_ft:.1%} | {g_ddp:.1%} | ft >= ddp + 15 points ({(g_ft - g_ddp) * 100:+.1f}) |")
-    print(f"| failures | {f['failures']} | {d['failures']} | |")
+    print(f"| goodput without failures | {clean_ft:.1%} | {clean_ddp:.1%} | |")
+    print(f"| failures (SIGKILLs) | {len(kills_ft)} | {len(kills_ddp)} | the same times |")
+    per = [(clean_ft - g_ft) / max(len(kills_ft), 1), (clean_ddp - g_ddp) / max(len(kills_ddp), 1)]
+    print(f"| goodput lost per failure | {per[0] * 100:.2f} points | {per[1] * 100:.2f} points | |")
     print(f"| wall seconds | {walls['ft']:.1f} | {walls['ddp']:.1f} | |")
     pause = statistics.median(f["pauses"]) if f["pauses"] else float("nan")
     print(f"| healthy group's pause per failure, median (max) | {pause:.2f} s ({max(f['pauses'], default=0):.2f}) "
