@@ -82,6 +82,11 @@ class Strategy(ABC):
         """Wait for every rank."""
 
     # ---- replica groups (strategy=ft); every other strategy: one group that always commits ---------------
+    def expect_config(self, cfg: Any) -> None:
+        """Before ``setup``: the job's config, which every process of the job must share (but its node-local
+        keys). Ranks compare theirs after setup (``pitstop.strategy.nodes.check_nodes``); replica groups,
+        which meet only at the Lighthouse, compare theirs in each quorum (ft). Nothing to do here."""
+
     def attach(self, state: Any, load: Any) -> None:
         """What a heal from a peer would send (``state()``) and apply (``load``): nothing to attach here."""
 

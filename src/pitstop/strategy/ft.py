@@ -16,6 +16,7 @@ A peer's death costs a healthy group the step in flight and a pause of about the
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -66,6 +67,8 @@ class FT(Single):
         self.timeout, self.quorum_timeout, self.heartbeat_ms = float(timeout), float(quorum_timeout), int(heartbeat_ms)
         self.manager: Any = None
         self._store: Any = None
+        self._sections: dict[str, str] = {}  # the config's top-level sections -> a digest (expect_config)
+        self._twins: dict[str, set[int]] = {}  # another process's id with this group's replica_id -> its quorums
         self._ready = False  # a quorum was formed (by join) that the next step uses
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
@@ -75,6 +78,54 @@ class FT(Single):
         self._buffers: list[torch.Tensor] = []
 
     # ---- joining ------------------------------------------------------------------------------------
+    def expect_config(self, cfg: Any) -> None:
+        """The job's config, as a digest per top-level section (the keys a group may set on its own left out:
+        node-local ones, ``strategy.replica_id`` and ``strategy.lighthouse``). It travels in this group's
+        replica id, so each quorum shows every group's, and a group started with another config is refused."""
+        from pitstop.strategy.nodes import flat_config
+
+        digests: dict[str, Any] = {}
+        for key, value in sorted(flat_config(cfg).items()):
+            if key in ("strategy.replica_id", "strategy.lighthouse"):
+                continue
+            digests.setdefault(key.split(".")[0], hashlib.sha256()).update(f"{key}={value}\n".encode())
+        self._sections = {name: h.hexdigest()[:4] for name, h in digests.items()}
+
+    def _identity(self) -> str:
+        """``replica{K}:{section digests}:{start, ms}`` (torchft appends ``:{uuid}``)."""
+        self._started_ms = int(time.time() * 1000)
+        return f"replica{self.replica_id}:{''.join(self._sections.values()) or '-'}:{self._started_ms}"
+
+    def _check_peers(self, quorum: Any) -> None:
+        """Refuse, in this group, a peer group of the quorum started with another config or with the same
+        ``strategy.replica_id``, if this group is the later one of the two to start (the earlier one goes on)."""
+        mine = f"{self._identity_sent}:"
+        for other in quorum.replica_ids:
+            parts = other.split(":")
+            if other.startswith(mine) or len(parts) != 4 or not parts[0].startswith("replica"):
+                continue  # this group, or not a pitstop group
+            name, code, started = parts[0], parts[1], parts[2]
+            if not started.isdigit() or int(started) > self._started_ms:
+                continue  # the other group started later: it refuses, not this one
+            if code != "".join(self._sections.values()):
+                names, width = list(self._sections), 4
+                theirs = [code[i * width : (i + 1) * width] for i in range(len(names))]
+                differ = [n for n, t in zip(names, theirs) if self._sections[n] != t] or ["(the config's layout)"]
+                raise ConfigError(
+                    f"strategy=ft: replica group {name.removeprefix('replica')} was started with another config than "
+                    f"this group (replica group {self.replica_id}); they differ in {', '.join(differ)}: start every "
+                    f"group with the same overrides (only strategy.replica_id and strategy.lighthouse differ)"
+                )
+            if name == f"replica{self.replica_id}":
+                seen = self._twins.setdefault(other, set())
+                seen.add(int(quorum.quorum_id))
+                if len(seen) >= 2:  # (a dead earlier attempt of this group can be in one quorum, not in two)
+                    raise ConfigError(
+                        f"strategy.replica_id={self.replica_id} is taken: another process runs as replica group "
+                        f"{self.replica_id} at the same Lighthouse ({self.lighthouse}); give every group its own "
+                        f"strategy.replica_id (0 .. strategy.replicas-1)"
+                    )
+
     def setup(self) -> None:
         super().setup()
         if self.device.type != "cuda":  # this machine's cores, shared by the groups started here
@@ -90,6 +141,7 @@ class FT(Single):
         except ImportError as e:
             raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
         timeout = timedelta(seconds=self.timeout)
+        self._identity_sent = self._identity()
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         try:
             self.manager = Manager(
@@ -106,7 +158,7 @@ class FT(Single):
                 store_addr="127.0.0.1",
                 store_port=self._store.port,
                 lighthouse_addr=lighthouse_url(str(self.lighthouse)),
-                replica_id=f"replica{self.replica_id}",
+                replica_id=self._identity_sent,
                 heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
                 init_sync=False,  # every group starts from the same seeded parameters
             )
@@ -115,6 +167,7 @@ class FT(Single):
                 f"strategy.lighthouse={self.lighthouse} cannot be reached within strategy.timeout={self.timeout:g}s "
                 f"({str(e).splitlines()[0][:200]}): start the job's Lighthouse or fix the address"
             ) from None
+        self.manager._client = _SeenQuorums(self.manager._client, self._check_peers)
         log.info("replica group %d of %d, Lighthouse %s", self.replica_id, self.replicas, self.lighthouse)
 
     def attach(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
@@ -233,6 +286,22 @@ class FT(Single):
             finally:
                 self.manager = None
         super().teardown()
+
+
+class _SeenQuorums:
+    """torchft's manager client, each quorum's result shown to ``check`` before the manager acts on it (torchft
+    keeps no list of the quorum's replica ids)."""
+
+    def __init__(self, client: Any, check: Callable[[Any], None]):
+        self._client, self._check = client, check
+
+    def _quorum(self, **kw: Any) -> Any:
+        quorum = self._client._quorum(**kw)
+        self._check(quorum)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts) -> None:

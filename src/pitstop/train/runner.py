@@ -91,6 +91,7 @@ class Runner:
             hold.callback(self.preempt.install())  # a notice from here on stops the job after a step
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
+            self.strategy.expect_config(cfg)
             self.strategy.setup()
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             main = self.strategy.is_main

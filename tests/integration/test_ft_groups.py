@@ -1,0 +1,102 @@
+"""Replica groups (strategy=ft) in one process against a real torchft Lighthouse: each quorum shows every group's
+identity, so a group started with another config, or with a replica_id another group already runs as, is refused
+in one line naming what differs, while the group that was there first trains on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+pytest.importorskip("torchft")
+
+from pitstop.errors import ConfigError  # noqa: E402
+from pitstop.launch.replicas import start_lighthouse  # noqa: E402
+from pitstop.strategy.ft import FT  # noqa: E402
+
+CONFIG = {"model": {"width": 8}, "optim": {"lr": 0.1}, "trainer": {"batch_size": 4}, "paths": {"root_dir": "/a"}}
+
+
+@pytest.fixture
+def lighthouse():
+    server = start_lighthouse(SimpleNamespace(min_replicas=1, heartbeat_ms=250))
+    yield server.address()
+    server.shutdown()
+
+
+def start_group(address: str, replica_id: int, **changes) -> FT:
+    cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": replica_id, "lighthouse": address}})
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value)
+    group = FT(replicas=2, replica_id=replica_id, lighthouse=address, timeout=2, quorum_timeout=20, cpu_threads=1)
+    group.expect_config(cfg)
+    group.setup()
+    group.wrap(nn.Linear(2, 1))
+    return group
+
+
+def train(group: FT, errors: list, committed: list, until: threading.Event | None = None, steps: int = 8) -> None:
+    """``steps`` steps, or (``until``) steps until the event is set."""
+    try:
+        for _ in range(400 if until else steps):
+            if until is not None and until.is_set():
+                break
+            group.begin_step()
+            group._model(torch.ones(4, 2)).sum().backward()
+            group.reduce_gradients(group._model)
+            committed.append(group.commit())
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        errors.append(e)
+        group.teardown()  # (as the refused process exits: its heartbeats stop)
+
+
+def run_two(first: FT, start_second) -> tuple[list, list, list]:
+    """The first group trains; the second starts (``start_second()``) and does its steps (or is refused); the
+    first goes on alone."""
+    second = first  # (until the second has started)
+    errors: tuple[list, list] = ([], [])
+    committed: tuple[list, list] = ([], [])
+    done = threading.Event()
+    one = threading.Thread(target=train, args=(first, errors[0], committed[0], done))
+    try:
+        one.start()
+        deadline = time.monotonic() + 30
+        while not committed[0] and one.is_alive() and time.monotonic() < deadline:  # the first trains, then
+            time.sleep(0.01)  # the second joins
+        second = start_second()
+        train(second, errors[1], committed[1])
+        at = len(committed[0])
+        while len(committed[0]) < at + 3 and one.is_alive() and time.monotonic() < deadline + 30:  # ... and on
+            time.sleep(0.01)
+        done.set()
+        one.join(60)
+    finally:
+        done.set()
+        one.join(60)
+        for g in (second, first):
+            g.teardown()
+    return errors[0], errors[1], committed[0]
+
+
+def test_a_group_started_with_another_config_is_refused_naming_the_section(lighthouse):
+    first = start_group(lighthouse, 0)
+    changed = {"optim.lr": 0.2, "paths.root_dir": "/b"}  # (paths.root_dir: node-local, may differ)
+    errors_first, errors_second, committed = run_two(first, lambda: start_group(lighthouse, 1, **changed))
+    assert not errors_first and committed[-3:] == [True] * 3  # the first group trained on
+    assert len(errors_second) == 1 and isinstance(errors_second[0], ConfigError), errors_second
+    message = str(errors_second[0])
+    assert "\n" not in message and message.startswith("strategy=ft: replica group 0 was started with another config")
+    assert "they differ in optim:" in message and "same overrides" in message
+
+
+def test_two_groups_with_one_replica_id_the_later_is_refused(lighthouse):
+    first = start_group(lighthouse, 0)
+    errors_first, errors_second, committed = run_two(first, lambda: start_group(lighthouse, 0))
+    assert not errors_first and committed[-3:] == [True] * 3
+    assert len(errors_second) == 1 and isinstance(errors_second[0], ConfigError), errors_second
+    assert str(errors_second[0]).startswith("strategy.replica_id=0 is taken: another process runs as replica group 0")
