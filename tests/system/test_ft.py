@@ -129,3 +129,21 @@ def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_roo
         assert final_losses(run / f"replica{k}") == final_losses(ref / f"replica{k}")
     assert group_summary(ref, 0)["params_sha256"] == group_summary(ref, 1)["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
+
+
+def test_a_stalled_group_is_ended_by_its_own_watchdog_and_the_healthy_group_never_restarts(data_root, tmp_path):
+    # group 1 stops responding at step 40 (its torchft heartbeats go on): the healthy group waits in the "peers"
+    # phase, whose limit torchft's own timeouts bound, so its watchdog leaves it alone; the stalled group's ends it
+    run = tmp_path / "run"
+    stall = ["fault=stall", "fault.step=40", "fault.rank=0", "fault.replica=1", "trainer.hang.min_seconds=3"]
+    args = [*FT, *stall, "trainer.max_steps=120", "trainer.eval_every_steps=null", "ckpt.interval_steps=40",
+            f"run_dir={run}"]  # fmt: skip
+    r = cli(args, data_root, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [a["status"] for a in attempts(run, 0)] == ["finished"]  # never restarted
+    assert [a["status"] for a in attempts(run, 1)] == ["hung", "finished"]
+    assert "no progress in phase 'step'" in (run / "replica1" / "train.log").read_text()
+    assert "healed from a live peer" in (run / "replica1" / "train.log").read_text().split("hang:")[-1]
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 120 and s0["params_sha256"] == s1["params_sha256"]
+    assert all(e.ok for e in audit(str(run)))

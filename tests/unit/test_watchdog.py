@@ -28,3 +28,13 @@ def test_limits_come_from_measured_durations():
     # The native backstop: the loop's longest limit (not the current phase's: it may change meanwhile) + grace.
     assert w.backstop_seconds() == pytest.approx(10 * w.longest["step"] + w.grace)
     assert Watchdog(first_seconds=50, grace=7).backstop_seconds() == 57  # nothing measured yet
+
+
+def test_a_wait_that_something_else_bounds_gets_at_least_its_bound():
+    # replica groups: a wait for peers (torchft's quorum_timeout + 2 x timeout) is not this process's hang
+    w = Watchdog(factor=10, min_seconds=2, first_seconds=50)
+    w.at_least("peers", 80)
+    assert w.limit("peers") == 80  # above first_seconds too
+    with w.phase("peers"):
+        time.sleep(0.01)
+    assert w.limit("peers") == 80 and w.limit("step") == 50  # only that phase

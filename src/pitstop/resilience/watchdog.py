@@ -82,6 +82,7 @@ class Watchdog:
         self.factor, self.min_seconds, self.first_seconds = float(factor), float(min_seconds), float(first_seconds)
         self.grace = float(grace)
         self.longest: dict[str, float] = {}
+        self.floors: dict[str, float] = {}  # a phase's limit is never below this (see at_least)
         self._current: tuple[str, float, bool, bool] | None = None  # (phase, since, timed, healable)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,10 +139,16 @@ class Watchdog:
         self._armed = self.backstop_seconds()
         faulthandler.dump_traceback_later(self._armed, exit=True)
 
+    def at_least(self, name: str, seconds: float) -> None:
+        """``name``'s limit is never below ``seconds``: a wait that something else bounds (the ``peers`` phase
+        of replica groups: torchft's own timeouts fail a wait for a peer that died or stalled, and the step is
+        discarded; the peer's stall is not this process's hang)."""
+        self.floors[name] = float(seconds)
+
     def limit(self, name: str) -> float:
         if name not in self.longest:
-            return self.first_seconds
-        return max(self.min_seconds, self.factor * self.longest[name])
+            return max(self.first_seconds, self.floors.get(name, 0.0))
+        return max(self.min_seconds, self.factor * self.longest[name], self.floors.get(name, 0.0))
 
     def backstop_seconds(self) -> float:
         """How long this watcher may be kept from running (the GIL held by a thread in native code) before

@@ -90,6 +90,11 @@ class Strategy(ABC):
     def attach(self, state: Any, load: Any) -> None:
         """What a heal from a peer would send (``state()``) and apply (``load``): nothing to attach here."""
 
+    def peer_wait_seconds(self) -> float:
+        """The longest one wait for peer replica groups (a quorum, a heal, the all-reduce, the commit) can take
+        before this strategy's own timeouts fail it (the step is discarded): 0, no replica groups here."""
+        return 0.0
+
     def join(self) -> bool:
         """Before restore: True if this process healed from a live peer (no checkpoint to read)."""
         return False

@@ -192,6 +192,11 @@ class FT(Single):
         self._ready = True
         return bool(self.heals)
 
+    def peer_wait_seconds(self) -> float:
+        """A quorum waits up to ``strategy.quorum_timeout``; a heal's transfer, the all-reduce and the commit each
+        up to ``strategy.timeout``."""
+        return self.quorum_timeout + 2 * self.timeout
+
     def restored(self, step: int) -> None:
         """The durable checkpoint set the run at ``step``: torchft's step must agree."""
         self.manager.load_state_dict({"step": int(step), "batches_committed": int(step) * self.participants})

@@ -93,6 +93,7 @@ class Runner:
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
             self.strategy.expect_config(cfg)
             self.strategy.setup()
+            self.watchdog.at_least("peers", self.strategy.peer_wait_seconds())
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=t.deterministic)
@@ -281,7 +282,8 @@ class Runner:
         """One optimizer step over ``trainer.grad_accum_steps`` micro-batches (gradients reduced across ranks on
         the last one only), in ``trainer.precision``."""
         t = time.perf_counter()
-        self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
+        with self.watchdog.phase("peers"):  # (waits for peer replica groups: a peer's stall is not a hang here)
+            self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
         quorum = time.perf_counter() - t
         self.optimizer.zero_grad(set_to_none=True)
         losses, samples, wait = [], 0, 0.0
@@ -303,8 +305,10 @@ class Runner:
         loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
-        self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
-        if not self.strategy.commit():
+        with self.watchdog.phase("peers"):
+            self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
+            committed = self.strategy.commit()
+        if not committed:
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
         self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
         self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
