@@ -95,6 +95,7 @@ class CachedLoader(Loader):
 class Single:
     _target_: str = MISSING
     device: str = MISSING
+    cpu_threads: Any = MISSING  # auto | N
 
 
 @dataclass
@@ -105,7 +106,6 @@ class DDP(Single):
     max_restarts: int = MISSING
     master_port: Optional[int] = MISSING
     oversubscribe: bool = MISSING
-    cpu_threads: Any = MISSING  # auto | N
     nnodes: Any = MISSING  # N | "MIN:MAX"
     rdzv_endpoint: Optional[str] = MISSING  # HOST:PORT of node 0
     last_call_seconds: int = MISSING
@@ -130,7 +130,6 @@ class FT(Single):
     heartbeat_ms: int = MISSING
     quorum_timeout: float = MISSING
     max_restarts: int = MISSING
-    cpu_threads: Any = MISSING  # auto | N
 
 
 # ---- fault ---------------------------------------------------------------------------------------------

@@ -81,6 +81,10 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def share_cores(self, loader_workers: int) -> None:
+        """Before ``setup``: the loader's worker processes, which share this machine's cores with the loop (a run
+        on the CPU sets its intra-op threads from it). Nothing to do here."""
+
     # ---- replica groups (strategy=ft); every other strategy: one group that always commits ---------------
     def expect_config(self, cfg: Any) -> None:
         """Before ``setup``: the job's config, which every process of the job must share (but its node-local

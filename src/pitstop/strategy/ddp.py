@@ -13,7 +13,6 @@ from typing import Any, ContextManager
 
 import torch
 
-from pitstop.config.checks import is_integer
 import torch.distributed as dist
 from torch import nn
 
@@ -42,10 +41,14 @@ class DDP(Single):
     ):
         """The keyword-only keys say how the job is launched: :mod:`pitstop.launch` reads them from the same
         config node (accepted here, unused by the strategy itself)."""
-        super().__init__(device=device)
+        super().__init__(device=device, cpu_threads=cpu_threads)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
-        self.cpu_threads = _threads(cpu_threads)
         self._ckpt_group = None
+
+    def set_cpu_threads(self) -> None:
+        """The node's cores, shared by its ranks (whoever launched them: our agent, torchrun, SLURM)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // local))
 
     def setup(self) -> None:
         self.rank = int(os.environ.get("RANK", 0))
@@ -53,9 +56,6 @@ class DDP(Single):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         super().setup()
         cuda = self.device.type == "cuda"
-        if not cuda:  # the node's cores, shared by its ranks (whoever launched them: our agent, torchrun, SLURM)
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // local))
         backend = self.backend if self.backend != "auto" else ("cpu:gloo,cuda:nccl" if cuda else "gloo")
         if not dist.is_initialized():
             dist.init_process_group(
@@ -138,17 +138,6 @@ class DDP(Single):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
-
-
-def _threads(value: Any) -> int | None:
-    """``strategy.cpu_threads``: auto (None: the node's cores // its ranks) or a positive integer."""
-    if value in (None, "auto"):
-        return None
-    if not is_integer(value) or value < 1:
-        from pitstop.errors import ConfigError
-
-        raise ConfigError(f"strategy.cpu_threads must be auto or a positive integer, got {value!r}")
-    return value
 
 
 def _free_port() -> int:

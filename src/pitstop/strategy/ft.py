@@ -56,10 +56,7 @@ class FT(Single):
         cpu_threads: Any = "auto",
         device: str = "auto",
     ):
-        super().__init__(device=device)
-        from pitstop.strategy.ddp import _threads
-
-        self.cpu_threads = _threads(cpu_threads)
+        super().__init__(device=device, cpu_threads=cpu_threads)
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
         self.replicas, self.min_replicas = int(replicas), int(min_replicas)
         self.replica_id = None if replica_id is None else int(replica_id)
@@ -126,10 +123,12 @@ class FT(Single):
                         f"strategy.replica_id (0 .. strategy.replicas-1)"
                     )
 
+    def set_cpu_threads(self) -> None:
+        """This machine's cores, shared by the groups started here."""
+        torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // self.replicas))
+
     def setup(self) -> None:
         super().setup()
-        if self.device.type != "cuda":  # this machine's cores, shared by the groups started here
-            torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // self.replicas))
         if self.replica_id is None or not self.lighthouse:
             raise ConfigError(
                 "strategy=ft: this process is no replica group (strategy.replica_id and strategy.lighthouse are "

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
+from pitstop.config.checks import is_integer
+from pitstop.errors import ConfigError
 from pitstop.train.batch import map_tensors
 from pitstop.strategy.base import Strategy
+
+log = logging.getLogger("pitstop.strategy")
 
 
 class Single(Strategy):
     name = "single"
 
-    def __init__(self, device: str = "auto"):
+    def __init__(self, device: str = "auto", cpu_threads: Any = "auto"):
         self.requested = device
+        self.cpu_threads = cpu_threads_key(cpu_threads)
+        self.loader_workers = 0
         self.rank, self.local_rank, self.world_size = 0, 0, 1
         self.device = torch.device("cpu")
         self._owns_group = False  # this strategy created the process group (and must destroy it)
@@ -29,6 +37,32 @@ class Single(Strategy):
             self.device = torch.device(self.requested)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            self.set_cpu_threads()
+
+    def share_cores(self, loader_workers: int) -> None:
+        self.loader_workers = int(loader_workers)
+
+    def set_cpu_threads(self) -> None:
+        """The CPU budget: the loop's intra-op threads and the loader's workers share the cores, so that adding a
+        worker never slows the step (``strategy.cpu_threads``: auto = the cores the workers leave, at least 1,
+        at most what OMP_NUM_THREADS allows; or pinned)."""
+        cores = os.cpu_count() or 1
+        if self.cpu_threads is not None:
+            threads = self.cpu_threads
+        else:
+            if self.loader_workers > cores:
+                log.warning(
+                    "loader.num_workers=%d is more than this machine's %d cores: the loop keeps 1 intra-op thread "
+                    "and the workers share the cores (fewer workers, or strategy.cpu_threads, to choose)",
+                    self.loader_workers, cores,
+                )  # fmt: skip
+            threads = min(torch.get_num_threads(), max(1, cores - self.loader_workers))
+        torch.set_num_threads(threads)
+        log.info(
+            "CPU budget: %d intra-op thread(s) for the loop, %d loader worker(s), %d cores%s", threads,
+            self.loader_workers, cores, "" if self.cpu_threads is None else " (strategy.cpu_threads)",
+        )  # fmt: skip
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
@@ -84,3 +118,12 @@ class Single(Strategy):
             self._owns_group = False
             if self._store_path and os.path.exists(self._store_path):
                 os.remove(self._store_path)
+
+
+def cpu_threads_key(value: Any) -> int | None:
+    """``strategy.cpu_threads``: auto (None: the strategy's share of the cores) or a positive integer."""
+    if value in (None, "auto"):
+        return None
+    if not is_integer(value) or value < 1:
+        raise ConfigError(f"strategy.cpu_threads must be auto or a positive integer, got {value!r}")
+    return int(value)

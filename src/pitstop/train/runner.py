@@ -92,6 +92,7 @@ class Runner:
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
             self.strategy.expect_config(cfg)
+            self.strategy.share_cores(int(OmegaConf.select(cfg, "loader.num_workers", default=0) or 0))
             self.strategy.setup()
             self.watchdog.at_least("peers", self.strategy.peer_wait_seconds())
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
