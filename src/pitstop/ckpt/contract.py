@@ -12,6 +12,7 @@ The saved state (the same for every backend, so checkpoints are interchangeable)
 
 from __future__ import annotations
 
+import sys
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
@@ -20,6 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from pitstop.goodput.interval import IntervalPolicy
+
+
+def save_errors() -> tuple[type[BaseException], ...]:
+    """What a failed save raises: any ``Exception``, and DCP's ``CheckpointException`` (a ``BaseException``) once
+    DCP is loaded (a save that raised it had loaded it: nothing is imported here for it)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (Exception,) if api is None else (Exception, api.CheckpointException)
 
 
 class TrainStateLike(Protocol):

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.ckpt.contract import SaveResult, Target
-from pitstop.ckpt.dcp import ERRORS
+from pitstop.ckpt.contract import SaveResult, Target, save_errors
 from pitstop.config import flatten, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
@@ -161,7 +160,7 @@ class Runner:
     def _release_ckpt(self) -> None:
         try:
             self.ckpt.close()  # a save in flight becomes durable (or fails) before the process goes down
-        except ERRORS as e:  # noqa: BLE001 - the original error matters more
+        except save_errors() as e:  # noqa: BLE001 - the original error matters more
             if not self._finished:
                 log.error("while failing, the checkpoint in flight also failed: %s", e)
             else:
