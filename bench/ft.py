@@ -67,10 +67,12 @@ def current_pid(ledger_path: str, dead: set[int]) -> int | None:
     """The pid of the attempt now running (its ledger record is written as it starts), unless already killed."""
     try:
         with open(ledger_path) as f:
-            pid = json.load(f)["attempts"][-1]["pid"]
+            attempt = json.load(f)["attempts"][-1]
     except (OSError, ValueError, KeyError, IndexError):
         return None
-    return None if pid in dead else pid
+    if attempt.get("status") != "running" or attempt["pid"] in dead:
+        return None  # (killed already, or ended: its pid may be another process's by now)
+    return attempt["pid"]
 
 
 def train_with_kills(run_dir: str, args: list[str], failures: list[tuple[float, int]], target) -> tuple[float, list]:
@@ -91,11 +93,11 @@ def train_with_kills(run_dir: str, args: list[str], failures: list[tuple[float, 
                 time.sleep(0.02)
         if p.poll() is not None:
             break
+        dead.add(pid)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass  # (it ended on its own just now)
-        dead.add(pid)
+            continue  # (it ended on its own just now: no failure)
         kills.append((time.time(), k))
     p.wait()
     log.close()

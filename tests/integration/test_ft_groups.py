@@ -29,11 +29,12 @@ def lighthouse():
     server.shutdown()
 
 
-def start_group(address: str, replica_id: int, **changes) -> FT:
+def start_group(address: str, replica_id: int, quorum_timeout: float = 20, **changes) -> FT:
     cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": replica_id, "lighthouse": address}})
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value)
-    group = FT(replicas=2, replica_id=replica_id, lighthouse=address, timeout=2, quorum_timeout=20, cpu_threads=1)
+    group = FT(replicas=2, replica_id=replica_id, lighthouse=address, timeout=2, quorum_timeout=quorum_timeout,
+               cpu_threads=1)  # fmt: skip
     group.expect_config(cfg)
     group.setup()
     group.wrap(nn.Linear(2, 1))
@@ -100,3 +101,26 @@ def test_two_groups_with_one_replica_id_the_later_is_refused(lighthouse):
     assert not errors_first and committed[-3:] == [True] * 3
     assert len(errors_second) == 1 and isinstance(errors_second[0], ConfigError), errors_second
     assert str(errors_second[0]).startswith("strategy.replica_id=0 is taken: another process runs as replica group 0")
+
+
+def test_a_quorum_that_does_not_form_in_time_discards_the_step_and_the_group_goes_on(lighthouse):
+    # a peer of the last quorum that still sends heartbeats but asks for no more quorums (a stalled group): the
+    # Lighthouse waits for it and torchft's quorum times out after strategy.quorum_timeout; that step is
+    # discarded and the process goes on
+    first = start_group(lighthouse, 0, quorum_timeout=1)
+    second = start_group(lighthouse, 1)
+    errors, committed, theirs = [], [], []
+    try:
+        together = threading.Thread(target=train, args=(second, [], theirs), kwargs={"steps": 2})
+        together.start()
+        train(first, errors, committed, steps=2)
+        together.join(30)
+        train(first, errors, committed, steps=1)  # the second is "stalled" now: set up, heartbeating, not stepping
+        second.teardown()
+        time.sleep(0.5)  # (its heartbeats stop: the Lighthouse drops it)
+        train(first, errors, committed, steps=2)
+    finally:
+        for g in (second, first):
+            g.teardown()
+    assert not errors, errors
+    assert theirs == [True, True] and committed == [True, True, False, True, True], committed

@@ -15,7 +15,7 @@ from pitstop.strategy.single import Single
 @pytest.fixture
 def cores(monkeypatch):
     before = torch.get_num_threads()
-    torch.set_num_threads(8)  # (what OMP_NUM_THREADS allows: the cap of auto)
+    monkeypatch.setattr("pitstop.strategy.single._THREADS_ALLOWED", 8)  # (what OMP_NUM_THREADS allows: auto's cap)
     yield lambda n: monkeypatch.setattr("os.cpu_count", lambda: n)
     torch.set_num_threads(before)
 
@@ -41,3 +41,12 @@ def test_a_pinned_count_is_kept_and_a_bad_one_refused(cores):
     for bad in (0, -1, 1.5, "many"):
         with pytest.raises(ConfigError, match=r"^strategy.cpu_threads must be auto or a positive integer"):
             Single(cpu_threads=bad)
+
+
+def test_auto_does_not_depend_on_what_an_earlier_run_in_the_process_chose(cores):
+    cores(8)
+    for workers, threads in ((6, 2), (0, 8)):  # (a later run with fewer workers gets its cores back)
+        s = Single(device="cpu")
+        s.share_cores(workers)
+        s.setup()
+        assert torch.get_num_threads() == threads

@@ -65,7 +65,7 @@ class FT(Single):
         self.manager: Any = None
         self._store: Any = None
         self._sections: dict[str, str] = {}  # the config's top-level sections -> a digest (expect_config)
-        self._twins: dict[str, set[int]] = {}  # another process's id with this group's replica_id -> its quorums
+        self._twins: dict[str, int] = {}  # another process's id with this group's replica_id -> quorums seen in
         self._ready = False  # a quorum was formed (by join) that the next step uses
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
@@ -96,14 +96,14 @@ class FT(Single):
     def _check_peers(self, quorum: Any) -> None:
         """Refuse, in this group, a peer group of the quorum started with another config or with the same
         ``strategy.replica_id``, if this group is the later one of the two to start (the earlier one goes on)."""
-        mine = f"{self._identity_sent}:"
+        mine = self._full_id
         for other in quorum.replica_ids:
             parts = other.split(":")
-            if other.startswith(mine) or len(parts) != 4 or not parts[0].startswith("replica"):
+            if other == mine or len(parts) != 4 or not parts[0].startswith("replica"):
                 continue  # this group, or not a pitstop group
             name, code, started = parts[0], parts[1], parts[2]
-            if not started.isdigit() or int(started) > self._started_ms:
-                continue  # the other group started later: it refuses, not this one
+            if not started.isdigit() or (int(started), other) > (self._started_ms, mine):
+                continue  # the other group started later (ties: by id): it refuses, not this one
             if code != "".join(self._sections.values()):
                 names, width = list(self._sections), 4
                 theirs = [code[i * width : (i + 1) * width] for i in range(len(names))]
@@ -114,9 +114,8 @@ class FT(Single):
                     f"group with the same overrides (only strategy.replica_id and strategy.lighthouse differ)"
                 )
             if name == f"replica{self.replica_id}":
-                seen = self._twins.setdefault(other, set())
-                seen.add(int(quorum.quorum_id))
-                if len(seen) >= 2:  # (a dead earlier attempt of this group can be in one quorum, not in two)
+                self._twins[other] = self._twins.get(other, 0) + 1
+                if self._twins[other] >= 2:  # (a dead earlier attempt of this group is in one quorum at most)
                     raise ConfigError(
                         f"strategy.replica_id={self.replica_id} is taken: another process runs as replica group "
                         f"{self.replica_id} at the same Lighthouse ({self.lighthouse}); give every group its own "
@@ -166,6 +165,9 @@ class FT(Single):
                 f"strategy.lighthouse={self.lighthouse} cannot be reached within strategy.timeout={self.timeout:g}s "
                 f"({str(e).splitlines()[0][:200]}): start the job's Lighthouse or fix the address"
             ) from None
+        from torchft.manager import REPLICA_ID_KEY
+
+        self._full_id = self._store.get(REPLICA_ID_KEY).decode()  # (with the uuid torchft appended)
         self.manager._client = _SeenQuorums(self.manager._client, self._check_peers)
         log.info("replica group %d of %d, Lighthouse %s", self.replica_id, self.replicas, self.lighthouse)
 
@@ -204,7 +206,14 @@ class FT(Single):
         t0 = time.perf_counter()
         step = self.manager.current_step()
         self._healed = False
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. no quorum within strategy.quorum_timeout (a stalled peer
+            # still sends heartbeats): this step is discarded and the next one asks again; the process goes on
+            self.manager._quorum_future = None  # (torchft would raise the same error again at the next quorum)
+            self.manager.report_error(e)
         took = time.perf_counter() - t0
         self.quorum_seconds += took
         if self._healed:

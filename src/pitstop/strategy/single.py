@@ -16,6 +16,9 @@ from pitstop.train.batch import map_tensors
 from pitstop.strategy.base import Strategy
 
 log = logging.getLogger("pitstop.strategy")
+# What OMP_NUM_THREADS (or torch's own default) allows, read once before any run sets a count: the cap of
+# cpu_threads=auto (torch.get_num_threads() later is what the previous run in this process chose).
+_THREADS_ALLOWED = torch.get_num_threads()
 
 
 class Single(Strategy):
@@ -57,7 +60,7 @@ class Single(Strategy):
                     "and the workers share the cores (fewer workers, or strategy.cpu_threads, to choose)",
                     self.loader_workers, cores,
                 )  # fmt: skip
-            threads = min(torch.get_num_threads(), max(1, cores - self.loader_workers))
+            threads = min(_THREADS_ALLOWED, max(1, cores - self.loader_workers))
         torch.set_num_threads(threads)
         log.info(
             "CPU budget: %d intra-op thread(s) for the loop, %d loader worker(s), %d cores%s", threads,
