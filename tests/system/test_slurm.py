@@ -201,8 +201,10 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     )
     assert out.count("requeueing job") == 1, out[-3000:]
     train_log = (run_dir / "train.log").read_text()
-    assert train_log.count("resumed from step") == 1, train_log[-3000:]
-    # (Not yet: the save on the notice. On two nodes the ranks stop without it and the job resumes from the newest
-    # periodic checkpoint, exactly; the single-node notice saves, test_goodput_kills.py.)
+    saved = [int(ln.split(" at step ")[1].split(":")[0]) for ln in train_log.splitlines() if ": saved it" in ln]
+    resumed = [int(ln.rsplit("resumed from step ", 1)[1]) for ln in train_log.splitlines() if "resumed from step" in ln]
+    assert len(saved) == 1 and saved[0] >= 60 and resumed == saved, train_log[-3000:]  # saved on the notice: 0 lost
+    ledger = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    assert [a["status"] for a in ledger] == ["preempted", "finished"], ledger
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["final_step"] == 120 and s["params_sha256"] == ddp2

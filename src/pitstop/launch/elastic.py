@@ -50,6 +50,15 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     method = warm_context(cfg).get_start_method() if warm else "spawn"
+    if method == "forkserver":
+        # The ranks' fork server: a scheduler's notice reaches every process of the job step, and one it died of
+        # (SIGUSR1's default action) looked to the agent as if every rank had ended: it went on before their
+        # saves. Started with the notices blocked, it never gets them; each rank unblocks them once its own
+        # handlers are in (PreemptionNotice.install), and a notice that came before is delivered then.
+        from multiprocessing import forkserver
+
+        with notices_blocked():
+            forkserver.ensure_running()
     job_start = launch_facts.job_start()
     # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
     # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.

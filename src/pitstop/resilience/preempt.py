@@ -82,6 +82,10 @@ class PreemptionNotice(_Handlers):
         # alone (SLURM's --signal USR1/USR2): the notice becomes the whole job's (the agent hands it to every
         # rank and waits for their saves), not one rank's exit 75 that the agent would restart in place.
         self._install()
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
+            # (a process forked from a server that blocks SIGUSR1/SIGUSR2, the elastic agent's: the notices it got
+            # meanwhile are delivered now, to these handlers; any other signal's mask is left as the launcher set it)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2} & set(self.signals))
         return self.close
 
     def _on_signal(self, signum: int, frame: Any) -> None:
