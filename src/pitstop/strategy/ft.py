@@ -65,6 +65,7 @@ class FT(Single):
         self.manager: Any = None
         self._store: Any = None
         self._sections: dict[str, str] = {}  # the config's top-level sections -> a digest (expect_config)
+        self._code = "-"  # their digests, in order: what a peer's id must carry
         self._twins: dict[str, int] = {}  # another process's id with this group's replica_id -> quorums seen in
         self._ready = False  # a quorum was formed (by join) that the next step uses
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
@@ -87,11 +88,7 @@ class FT(Single):
                 continue
             digests.setdefault(key.split(".")[0], hashlib.sha256()).update(f"{key}={value}\n".encode())
         self._sections = {name: h.hexdigest()[:4] for name, h in digests.items()}
-
-    def _identity(self) -> str:
-        """``replica{K}:{section digests}:{start, ms}`` (torchft appends ``:{uuid}``)."""
-        self._started_ms = int(time.time() * 1000)
-        return f"replica{self.replica_id}:{''.join(self._sections.values()) or '-'}:{self._started_ms}"
+        self._code = "".join(self._sections.values()) or "-"
 
     def _check_peers(self, quorum: Any) -> None:
         """Refuse, in this group, a peer group of the quorum started with another config or with the same
@@ -104,7 +101,7 @@ class FT(Single):
             name, code, started = parts[0], parts[1], parts[2]
             if not started.isdigit() or (int(started), other) > (self._started_ms, mine):
                 continue  # the other group started later (ties: by id): it refuses, not this one
-            if code != "".join(self._sections.values()):
+            if code != self._code:
                 names, width = list(self._sections), 4
                 theirs = [code[i * width : (i + 1) * width] for i in range(len(names))]
                 differ = [n for n, t in zip(names, theirs) if self._sections[n] != t] or ["(the config's layout)"]
@@ -139,7 +136,7 @@ class FT(Single):
         except ImportError as e:
             raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
         timeout = timedelta(seconds=self.timeout)
-        self._identity_sent = self._identity()
+        self._started_ms = int(time.time() * 1000)
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         try:
             self.manager = Manager(
@@ -156,7 +153,7 @@ class FT(Single):
                 store_addr="127.0.0.1",
                 store_port=self._store.port,
                 lighthouse_addr=lighthouse_url(str(self.lighthouse)),
-                replica_id=self._identity_sent,
+                replica_id=f"replica{self.replica_id}:{self._code}:{self._started_ms}",  # torchft adds :{uuid}
                 heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
                 init_sync=False,  # every group starts from the same seeded parameters
             )
