@@ -36,28 +36,23 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
     from pitstop.data.loader.workers import notices_blocked
     from pitstop.resilience.preempt import JobNotice, parse_signals
-
-    # The agent's ranks share its resource tracker; a scheduler's notice reaches every process of the job step,
-    # and the tracker (a fresh interpreter) would die of it, come back and print KeyError tracebacks.
-    with notices_blocked():
-        resource_tracker.ensure_running()
 
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     method = warm_context(cfg).get_start_method() if warm else "spawn"
-    if method == "forkserver":
-        # The ranks' fork server: a scheduler's notice reaches every process of the job step, and one it died of
-        # (SIGUSR1's default action) looked to the agent as if every rank had ended: it went on before their
-        # saves. Started with the notices blocked, it never gets them; each rank unblocks them once its own
-        # handlers are in (PreemptionNotice.install), and a notice that came before is delivered then.
-        from multiprocessing import forkserver
-
-        with notices_blocked():
+    # A scheduler's notice reaches every process of the job step. The ranks' resource tracker (a fresh interpreter)
+    # would die of it, come back and print KeyError tracebacks; the ranks' fork server died of it (SIGUSR1's default
+    # action), which looked to the agent as if every rank had ended: it went on before their saves. Both start with
+    # the notices blocked, so they never get them; each rank unblocks them once its own handlers are in
+    # (PreemptionNotice.install), and a notice that came before is delivered then.
+    with notices_blocked():
+        resource_tracker.ensure_running()
+        if method == "forkserver":
             forkserver.ensure_running()
     job_start = launch_facts.job_start()
     # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
