@@ -213,6 +213,7 @@ def _tarfile_members(data: bytes, url: str) -> list[tuple[int, str, bytes]]:
 
 
 _BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
 _FILE_TYPES = (b"0", b"\0")  # regular files (tarfile's REGTYPE, AREGTYPE)
 _OTHER_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: no data of their own
 
@@ -224,9 +225,9 @@ def _padded(size: int) -> int:
 
 def _octal(field: bytes) -> int | None:
     """A header's octal number (NUL or space terminated); None where it is not one (base-256 and the like)."""
-    text = field.split(b"\0", 1)[0].strip()
+    text = field.split(b"\0", 1)[0]
     try:
-        return int(text, 8) if text else 0
+        return int(text, 8) if text.strip() else 0  # (int() ignores the spaces around the digits)
     except ValueError:
         return None
 
@@ -254,35 +255,39 @@ def _pax(record: bytes) -> dict[str, bytes] | None:
 def _members(data: bytes) -> list[tuple[int, str, bytes]] | None:
     """``(header offset, name, payload)`` of each file member, as ``tarfile`` would read them (the offset of
     a member with a pax header is the pax header's); None where the tar holds anything this walk does not
-    know, for ``tarfile`` to read."""
+    know, for ``tarfile`` to read. Every header's checksum is checked, all at once at the end."""
     out = []
     pos, end = 0, len(data)
     pending: dict[str, bytes] | None = None  # the pax records that apply to the next member
     start = 0  # the offset of the next member's first header (its pax header's, if any)
+    headers: list[int] = []  # where each header is, and the checksum it claims
+    claimed: list[int] = []
     while True:
-        header = data[pos : pos + _BLOCK]
-        if len(header) < _BLOCK or header.count(0) == _BLOCK:  # the end (or a short tail: tarfile decides)
-            return out if pos > 0 and len(header) in (0, _BLOCK) and pending is None else None
-        chksum = _octal(header[148:156])
-        if chksum is None or chksum != sum(header[:148]) + 256 + sum(header[156:]):
+        rest = end - pos
+        if rest < _BLOCK or data[pos : pos + _BLOCK] == _ZERO_BLOCK:  # the end (or a short tail: tarfile decides)
+            ok = pos > 0 and rest in (0, _BLOCK) or rest > _BLOCK  # (what follows a zero block is not read)
+            return out if ok and pending is None and _checksums_match(data, headers, claimed) else None
+        chksum, size = _octal(data[pos + 148 : pos + 156]), _octal(data[pos + 124 : pos + 136])
+        if chksum is None or size is None:
             return None
-        size = _octal(header[124:136])
-        kind = header[156:157]
+        headers.append(pos)
+        claimed.append(chksum)
+        kind = data[pos + 156 : pos + 157]
         body = pos + _BLOCK
-        if size is None or body + _padded(size) > end:  # (tarfile wants a member's padding there too)
+        if body + _padded(size) > end:  # (tarfile wants a member's padding there too)
             return None
         if kind == b"x":
             if pending is not None:
                 return None
             pending = _pax(data[body : body + size])
-            if pending is None or any(k not in _PAX_KEYS for k in pending):
+            if pending is None or not _PAX_KEYS.issuperset(pending):
                 return None
             start = pos
             pos = body + _padded(size)
             continue
-        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        if prefix:
+        name = data[pos : pos + 100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        if data[pos + 345] != 0:
+            prefix = data[pos + 345 : pos + 500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             name = f"{prefix}/{name}"
         if pending is None:
             start = pos
@@ -304,6 +309,19 @@ def _members(data: bytes) -> list[tuple[int, str, bytes]] | None:
             pos = body
         else:
             return None
+
+
+def _checksums_match(data: bytes, headers: list[int], claimed: list[int]) -> bool:
+    """Every header's checksum as tar defines it (the sum of its 512 bytes, the checksum field counted as 8
+    spaces) equals the one it claims; one vectorised sum over all headers instead of 512 Python additions each."""
+    import numpy as np
+
+    if not headers:
+        return True
+    blocks = np.frombuffer(data, dtype=np.uint8, count=(len(data) // _BLOCK) * _BLOCK).reshape(-1, _BLOCK)
+    rows = blocks[np.asarray(headers) // _BLOCK].astype(np.int64)
+    sums = rows.sum(axis=1) - rows[:, 148:156].sum(axis=1) + 8 * 32
+    return bool(np.array_equal(sums, np.asarray(claimed, dtype=np.int64)))
 
 
 # pax keys that change nothing this walk reads (times, owners) and the two it applies (path, size)
