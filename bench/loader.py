@@ -10,6 +10,12 @@ needs to decode a batch from local disk.  For each pipeline, two epochs: samples
 blocked in next(batch) / wall time), plus bytes read from the source and cache hits.
 Targets: cached epoch 2 >= 0.9x the ceiling with data-wait <= 5%; cached epoch 1 clearly above plain epoch 1.
 
+First, the sample path per core (``--decode-only`` stops there): for the digits (8x8 PNG) and the 224x224 JPEG
+training shards, one thread, samples/s of (a) the floor: the image library alone, ``np.asarray(Image.open(...))``
+of every sample's image, read into memory first; (b) the recipe's ``decode`` + ``collate`` of the same samples
+(augmentation included); (c) the whole loader in the training process (``loader.num_workers=0``: read the shards
+from local disk, parse, plan, decode, augment, collate), one epoch. Target: (b) and (c) >= 0.75x the floor.
+
 The peer rows (``--peer``): the same images in an S3 API server (moto's), behind the same throttle (the
 slowstore as a proxy in front of it), read by pitstop's cached loader through s3fs and by MosaicML streaming
 (``StreamingDataset`` over MDS shards of the same samples, with its own local cache and default settings),
@@ -81,6 +87,80 @@ def run(loader, epochs: int, step_s: float) -> list[dict]:
     return out
 
 
+def decode_path(name: str, root: str, overrides: list[str], repeats: int = 5) -> dict:
+    """Samples/s per core of the image library's decode alone (the floor), the recipe's decode + collate, and the
+    whole in-process loader, over the training shards of one data set (best of ``repeats``, one thread)."""
+    import glob
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from pitstop.config.build import build
+    from pitstop.data.shards import read_shard
+    from pitstop.train.seed import derive_seed
+
+    torch.set_num_threads(1)
+    cfg = compose([*overrides, f"data.root={root}", "loader.num_workers=0"])
+    data = build(cfg.data, _convert_="partial")
+    samples = [
+        s
+        for url in sorted(glob.glob(os.path.join(root, "train-*.tar")))
+        for s in read_shard(open(url, "rb").read(), url)
+    ]
+    ext = data.image_member(samples[0])
+    fmt = {"png": ["PNG"], "jpg": ["JPEG"], "jpeg": ["JPEG"]}.get(ext)
+    batch = int(cfg.trainer.batch_size)
+
+    def floor() -> None:
+        for s in samples:
+            np.asarray(Image.open(io.BytesIO(s[ext]), formats=fmt))
+
+    def recipe() -> None:
+        for i in range(0, len(samples), batch):
+            data.collate(
+                [data.decode(s, train=True, seed=derive_seed(0, 0, s["__key__"])) for s in samples[i : i + batch]]
+            )
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return len(samples) / min(times)
+
+    loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0)
+    spe = loader.steps_per_epoch()
+    it = iter(loader)
+
+    def whole() -> int:
+        return sum(len(next(it)[1]) for _ in range(spe))
+
+    rates = {}
+    for _ in range(2):  # alternated, best of both rounds
+        for key, fn in (("floor", floor), ("decode", recipe)):
+            rates[key] = max(rates.get(key, 0.0), best(fn))
+        for _ in range(max(2, repeats // 2)):
+            t = time.perf_counter()
+            n = whole()
+            rates["loader"] = max(rates.get("loader", 0.0), n / (time.perf_counter() - t))
+    return {"name": name, "samples": len(samples), **rates}
+
+
+def print_decode_path(rows: list[dict]) -> None:
+    head = f"{'floor/s':>9} {'decode+collate/s':>16} {'x floor':>7} {'loader/s':>9} {'x floor':>7}"
+    print(f"{'sample path, 1 core':26} {head}")
+    for r in rows:
+        d, w = r["decode"] / r["floor"], r["loader"] / r["floor"]
+        print(
+            f"{r['name']:26} {r['floor']:>9.0f} {r['decode']:>16.0f} {d:>7.2f} {r['loader']:>9.0f} {w:>7.2f}"
+            f"  -> {'OK' if min(d, w) >= 0.75 else 'MISSED'} (target >= 0.75x)"
+        )
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--latency-ms", type=float, default=50.0)
@@ -99,6 +179,7 @@ def main() -> None:
         default="auto",
         help="MosaicML streaming vs pitstop cached on a throttled S3 API (auto: when installed)",
     )
+    ap.add_argument("--decode-only", action="store_true", help="only the per-core sample path (no store, no peers)")
     a = ap.parse_args()
 
     from pitstop.testing.slowstore import SlowStore
@@ -121,6 +202,15 @@ def main() -> None:
     )
     if total_mb < 200:
         print(f"warning: only {total_mb:.0f} MB; pass a larger --samples")
+    ensure_data(["data=digits"])
+    print_decode_path(
+        [
+            decode_path("digits 8x8 PNG", str(data_dir / "digits"), ["data=digits"]),
+            decode_path("synthetic 224x224 JPEG", local, ["data=synthetic", "data.image_size=224"], repeats=2),
+        ]
+    )
+    if a.decode_only:
+        return
 
     # Calibrate the step: decode throughput from local disk with no step at all.
     decode = run(make_loader("plain", local, a.batch), 1, 0.0)[0]

@@ -11,8 +11,8 @@ from pitstop.data.shards import ShardIndex
 class ShardedDataset:
     """A data set stored as shards under ``root`` (a local dir or a URL).
 
-    Subclasses (in recipes) implement :meth:`decode`; the framework plans, reads and batches.
-    ``decode`` runs in DataLoader workers, so a subclass must be picklable.
+    Subclasses (in recipes) implement :meth:`decode` (and may implement :meth:`collate`); the framework plans,
+    reads and batches. Both run in DataLoader workers, so a subclass must be picklable.
     """
 
     prepare_hint = "python -m recipe.prepare"
@@ -28,8 +28,17 @@ class ShardedDataset:
         return ShardIndex.load(self.root, self.prepare_hint, self.storage_options)
 
     def decode(self, sample: dict, *, train: bool, seed: int) -> tuple:
-        """Turn one raw sample (``{"__key__", ext: bytes}``) into tensors; ``seed`` drives augmentation."""
+        """Turn one raw sample (``{"__key__", ext: bytes}``) into arrays or tensors; ``seed`` (a 63-bit hash of
+        run seed, epoch and the sample's key) drives augmentation, so a sample's augmentation does not depend on
+        which worker reads it or when."""
         raise NotImplementedError
+
+    def collate(self, items: list) -> Any:
+        """A batch from decoded samples. Default: torch's ``default_collate``; a subclass that knows its
+        samples' layout can stack them once (no per-sample tensors)."""
+        from torch.utils.data import default_collate
+
+        return default_collate(items)
 
     def on_device(self, batch: Any) -> Any:
         """Finish a batch after it reached the device (e.g. uint8 -> normalised float): cheap there, and

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from pitstop.data.remote import ShardRef
 from pitstop.data.shards import read_shard
@@ -185,7 +185,7 @@ class StreamReader(IterableDataset):
 
     def _batch(self, g, pos, items, keys, skipped) -> dict:
         return {
-            "data": default_collate(items),
+            "data": self.dataset.collate(items),
             "stream": g,
             "end": pos,
             "keys": keys,

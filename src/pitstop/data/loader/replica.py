@@ -22,7 +22,6 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import default_collate
 
 from pitstop.data.loader import plan
 from pitstop.data.shards import read_shard
@@ -132,7 +131,7 @@ class ReplicaLoader:
         if self.sample_log is not None:
             self.sample_log(keys)
         self.stats["samples"] += len(items)
-        return default_collate(items)
+        return self.dataset.collate(items)
 
     def commit(self) -> None:
         """The step in flight committed: its samples (every group's) are consumed."""

@@ -1,0 +1,66 @@
+"""The recipe's sample path: decode + augment + collate with little Python per sample. The augmentation draws its
+shift and flip from the sample's 63-bit seed (no RNG object per sample), equals zero padding + crop (+ flip), and
+covers every shift about equally; collate stacks once into uint8 (N, C, H, W) + int64 labels."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pitstop.train.seed import derive_seed
+from recipe.vision import ImageShards
+
+
+def shards(channels: int, pad: int, hflip: bool) -> ImageShards:
+    return ImageShards("unused", channels=channels, image_size=None, augment={"pad": pad, "hflip": hflip})
+
+
+def encoded(array: np.ndarray, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_the_augmentation_is_padding_and_cropping_by_the_seeds_shift_and_flip():
+    rng = np.random.default_rng(0)
+    for channels, pad, hflip in ((1, 1, False), (3, 2, True), (3, 0, True)):
+        ds = shards(channels, pad, hflip)
+        x = rng.integers(1, 256, size=(channels, 5, 7), dtype=np.uint8)
+        shifts, flips = Counter(), Counter()
+        for k in range(4000):
+            seed = derive_seed(3, 1, f"key{k}")
+            got = ds._augment(x, seed)
+            n = 2 * pad + 1
+            dy, dx = seed % n, (seed // n) % n
+            want = torch.nn.functional.pad(torch.from_numpy(x), (pad,) * 4)[:, dy : dy + 5, dx : dx + 7]
+            flip = hflip and (seed >> 62) & 1
+            want = want.flip(-1) if flip else want
+            assert got.shape == x.shape and np.array_equal(got, want.numpy())
+            shifts[dy, dx] += 1
+            flips[flip] += 1
+        assert len(shifts) == (2 * pad + 1) ** 2 and min(shifts.values()) > 0.7 * 4000 / len(shifts)
+        if hflip:
+            assert abs(flips[1] - 2000) < 200
+
+
+def test_decode_and_collate_give_a_uint8_batch_and_int64_labels():
+    rng = np.random.default_rng(1)
+    for channels, fmt, ext in ((1, "PNG", "png"), (3, "PNG", "png"), (3, "JPEG", "jpg")):
+        ds = shards(channels, 1, channels == 3)
+        shape = (6, 4) if channels == 1 else (6, 4, 3)
+        images = [rng.integers(0, 256, size=shape, dtype=np.uint8) for _ in range(3)]
+        samples = [{"__key__": str(i), ext: encoded(a, fmt), "cls": str(i).encode()} for i, a in enumerate(images)]
+        plain = [ds.decode(s, train=False, seed=0) for s in samples]
+        x, y = ds.collate(plain)
+        assert x.dtype == torch.uint8 and tuple(x.shape) == (3, channels, 6, 4)
+        assert y.dtype == torch.int64 and y.tolist() == [0, 1, 2]
+        if fmt == "PNG":  # lossless: the pixels themselves, channels first
+            assert np.array_equal(x[1].numpy(), images[1][None] if channels == 1 else images[1].transpose(2, 0, 1))
+        augmented = ds.collate([ds.decode(s, train=True, seed=derive_seed(0, 0, s["__key__"])) for s in samples])
+        assert augmented[0].shape == x.shape
+        again = ds.collate([ds.decode(s, train=True, seed=derive_seed(0, 0, s["__key__"])) for s in samples])
+        assert torch.equal(augmented[0], again[0])
