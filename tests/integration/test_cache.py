@@ -69,6 +69,41 @@ def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(d
     assert set(shard_requests(store).values()) == {1}
 
 
+def test_ranged_parts_read_the_same_batches_and_a_server_without_ranges_gets_one_request(data_root, tmp_path):
+    # download_parts=3: each shard arrives as 3 ranged requests at once (written where they belong, verified by
+    # sha256), for the cache (a part file) and for plain (in memory); a server that ignores Range headers (200,
+    # the whole file) gets one request per shard instead, with no retry counted. Same batches as local files.
+    local = epoch(PlainLoader(remote_digits(str(data_root / "data")), "train", batch_size=64, seed=5, num_workers=2))
+    for ranges in (True, False):
+        with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50, ranges=ranges) as srv:
+            cached = CachedLoader(
+                remote_digits(srv.url),
+                "train",
+                batch_size=64,
+                seed=5,
+                num_workers=2,
+                cache_dir=str(tmp_path / f"cache{ranges}"),
+                download_parts=3,
+            )
+            plain = PlainLoader(remote_digits(srv.url), "train", batch_size=64, seed=5, num_workers=2, download_parts=3)
+            for loader in (cached, plain):
+                got = epoch(loader)
+                assert [k for k, _ in got] == [k for k, _ in local]
+                assert all(x.equal(y) for (_, x), (_, y) in zip(got, local))
+                assert loader.stats["fetch_retries"] == 0
+            paths = {p: v for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
+        assert len(paths) == 8
+        if ranges:  # every request a ranged one, three per read
+            assert all(v["ranged"] == v["requests"] and v["requests"] % 3 == 0 for v in paths.values())
+        else:  # each read got the whole file; a process asks for ranges only until its first answer says no
+            # (and downloads that started before that answer): fewer ranged requests than reads
+            assert all(v["requests"] > v["ranged"] for v in paths.values())
+            ranged = sum(v["ranged"] for v in paths.values())
+            assert 0 < ranged < sum(v["requests"] for v in paths.values()) - ranged
+    with pytest.raises(ConfigError, match=r"loader.download_parts=0: use auto"):
+        PlainLoader(remote_digits(str(data_root / "data")), "train", batch_size=64, seed=5, download_parts=0)
+
+
 def test_lru_eviction_within_the_limit_never_evicts_a_shard_in_use(data_root, tmp_path, store):
     refs = shard_refs(data_root, store.url)
     size = max(r.bytes for r in refs)
@@ -101,9 +136,10 @@ def test_lru_eviction_within_the_limit_never_evicts_a_shard_in_use(data_root, tm
     tight.read(held)
 
 
-def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp_path):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp_path, parts):
     # Half of all requests fail (every 3rd a 503, every 4th cut short; one counter for all concurrent
-    # requests), so one shard can draw 4 failures in a row: give it 9 attempts (odds ~1/500 per shard).
+    # requests), so one shard (or one ranged part of it) can draw 4 failures in a row: give it 9 attempts.
     with SlowStore(str(data_root / "data"), fail_every=3, truncate_every=4, fault_glob="*.tar") as srv:
         loader = CachedLoader(
             remote_digits(srv.url),
@@ -113,7 +149,8 @@ def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp
             num_workers=2,
             cache_dir=str(tmp_path / "cache"),
             backoff=0.01,
-            retries=8,
+            retries=8,  # (3 parts: each part is retried on its own)
+            download_parts=parts,
         )
         keys = [k for ks, _ in epoch(loader) for k in ks]
     assert len(keys) == len(set(keys)) == 1438

@@ -74,6 +74,7 @@ class Loader:
     retries: int = MISSING
     backoff: float = MISSING
     read_timeout: float = MISSING
+    download_parts: Any = MISSING  # auto | N ranged requests per shard download
     allow_pipe: bool = MISSING
     eval_in_memory: Any = MISSING  # bytes, "256MB", or 0
     storage_options: Any = MISSING  # fsspec options for a URL data.root (never credentials)

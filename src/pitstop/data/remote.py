@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import os
 import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
@@ -24,6 +26,8 @@ from pitstop.errors import DataError
 from pitstop.fsurl import is_url
 
 CHUNK = 1 << 20
+PART_BYTES = 2 << 20  # download_parts=auto: one ranged request per this many bytes of a shard ...
+MAX_PARTS = 8  # ... and at most this many at once
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,24 @@ class FetchPolicy:
     timeout: float = 60.0  # seconds per request (connect + each read)
     allow_pipe: bool = False
     storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options (loader.storage_options)
+    parts: int | str = "auto"  # ranged requests per download in parallel: auto (by size), or N (1 = one request)
+
+    def parts_for(self, ref: "ShardRef") -> int:
+        """How many ranged requests fetch ``ref`` at once: one for a local file, a ``pipe:`` command, a shard of
+        unknown size or a small one; else ``parts`` (auto: one per ``PART_BYTES``, at most ``MAX_PARTS``)."""
+        if not ref.bytes or not ref.url.startswith(("http://", "https://")) and not _is_fsspec(ref.url):
+            return 1
+        if urllib.parse.urlsplit(ref.url).netloc in _NO_RANGES:
+            return 1
+        want = min(MAX_PARTS, ref.bytes // PART_BYTES) if self.parts == "auto" else int(self.parts)
+        return max(1, min(want, ref.bytes // (64 << 10)))  # (never parts under 64 KB)
+
+
+_NO_RANGES: set[str] = set()  # the HTTP hosts (of this process) that answered a range request with the whole file
+
+
+def _is_fsspec(url: str) -> bool:
+    return "://" in url and not url.startswith(("file://", "pipe:", "http://", "https://"))
 
 
 def open_source(url: str, policy: FetchPolicy) -> tuple[BinaryIO, Callable[[], None]]:
@@ -109,6 +131,144 @@ def _copy(url: str, sink: BinaryIO, policy: FetchPolicy, progress: list[int]) ->
     return n, h.hexdigest()
 
 
+def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, end)`` byte ranges covering ``size`` bytes."""
+    cuts = [size * i // parts for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def _request_range(url: str, start: int, end: int, policy: FetchPolicy) -> Callable[[list[int]], bytes]:
+    """Ask for bytes ``[start, end)`` of ``url``; returns the function that reads them (counting into its
+    argument). An HTTP server that ignores the range (answers 200) raises :class:`_NoRanges` here, before any body
+    is read."""
+    if url.startswith(("http://", "https://")):
+        req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{end - 1}"})
+        f = urllib.request.urlopen(req, timeout=policy.timeout)  # noqa: S310 - the user's data URL
+        if f.status != 206:
+            f.close()
+            raise _NoRanges(f"HTTP {f.status} to a range request")
+
+        def body(progress: list[int]) -> bytes:
+            blocks = []
+            try:
+                while block := f.read(CHUNK):
+                    blocks.append(block)
+                    progress[0] += len(block)
+                if getattr(f, "length", None):
+                    raise ConnectionError(f"connection closed at byte offset {start + sum(map(len, blocks))}")
+            finally:
+                f.close()
+            return b"".join(blocks)
+
+        return body
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **policy.storage_options)
+
+    def cat(progress: list[int]) -> bytes:
+        data = fs.cat_file(path, start=start, end=end)
+        progress[0] += len(data)
+        return data
+
+    return cat
+
+
+class _NoRanges(ValueError):
+    """The source did not answer a range request with that range."""
+
+
+class _PartFailed(Exception):
+    """A ranged part failed on every one of its attempts (``last``: why, the last time)."""
+
+    def __init__(self, last: str):
+        super().__init__(last)
+        self.last = last
+
+
+def _copy_parts(
+    url: str,
+    sink: BinaryIO,
+    policy: FetchPolicy,
+    size: int,
+    parts: int,
+    progress: list[int],
+    retries: int,
+    on_retry: Callable[[str], None] | None,
+) -> tuple[int, str]:
+    """Read ``size`` bytes of ``url`` as ``parts`` ranged requests at once, written where they belong in ``sink``
+    (a file, by ``pwrite``, or a :class:`_Buffer`); the sink's position ends at ``size``. Each part is retried on
+    its own (``retries`` times, with the policy's backoff): a flaky store costs a part, not the whole shard.
+    Returns the byte count and sha256, like :func:`_copy`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ranges = _ranges(size, parts)
+    fileno = getattr(sink, "fileno", None)
+    if fileno is None:
+        sink.allocate(size)  # type: ignore[attr-defined]
+    counts = [[0] for _ in ranges]
+    first = _request_range(url, *ranges[0], policy)  # (alone: a server without ranges costs one request)
+
+    def one(i: int) -> None:
+        start, end = ranges[i]
+        delay = policy.backoff
+        for attempt in range(retries + 1):
+            try:
+                data = (first if i == 0 and attempt == 0 else _request_range(url, start, end, policy))(counts[i])
+                if len(data) != end - start:
+                    raise ConnectionError(f"{len(data)} bytes for the range [{start}, {end})")
+                break
+            except _NoRanges:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified: fatal ones raise, the rest are retried
+                last = _failure(e, url)
+            if attempt == retries:
+                raise _PartFailed(last)
+            if on_retry is not None:
+                on_retry(last)
+            time.sleep(delay)
+            delay *= 2
+        try:
+            if fileno is not None:
+                os.pwrite(fileno(), data, start)
+            else:
+                sink.write_at(start, data)  # type: ignore[attr-defined]
+        except OSError as e:
+            raise SinkError(e) from e
+
+    try:
+        with ThreadPoolExecutor(parts, thread_name_prefix="pitstop-part") as pool:
+            for fut in [pool.submit(one, i) for i in range(parts)]:
+                fut.result()  # (the first failure; the others finish or fail on their own)
+    finally:
+        progress[0] += sum(c[0] for c in counts)
+    h = hashlib.sha256()
+    if fileno is not None:
+        for start in range(0, size, CHUNK):
+            h.update(os.pread(fileno(), min(CHUNK, size - start), start))
+        sink.seek(size)
+    else:
+        h.update(sink.view())  # type: ignore[attr-defined]
+    return size, h.hexdigest()
+
+
+def _failure(e: BaseException, url: str) -> str:
+    """Why a read of ``url`` failed, for a retry; raises :class:`DataError` (or ``e`` itself) where retrying cannot
+    help: a missing file, HTTP 403/404/410, a sink that cannot be written, anything that is no I/O error."""
+    if isinstance(e, (DataError, SinkError)):
+        raise e
+    if isinstance(e, FileNotFoundError):
+        raise DataError(f"shard not found: {url} — re-run recipe.prepare for this data dir") from e
+    if isinstance(e, urllib.error.HTTPError):
+        last = f"HTTP {e.code} {e.reason}"
+        e.close()
+        if e.code in (403, 404, 410):
+            raise DataError(f"cannot read shard {url}: {last} — check data.root") from e
+        return last
+    if isinstance(e, (OSError, ValueError, http.client.HTTPException)):  # URLError, timeouts, resets, short reads
+        return f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+    raise e
+
+
 def fetch(
     ref: ShardRef,
     sink_factory: Callable[[], BinaryIO],
@@ -124,28 +284,31 @@ def fetch(
     """
     delay, transferred, last = policy.backoff, 0, ""
     retries = policy.retries if is_url(ref.url) else 0  # a local file reads the same the second time
+    parts = policy.parts_for(ref)
     for attempt in range(retries + 1):
         sink = sink_factory()
         progress = [0]  # bytes received in this attempt, also when it fails half-way
         try:
-            n, digest = _copy(ref.url, sink, policy, progress)
+            n = -1
+            if parts > 1:
+                try:
+                    n, digest = _copy_parts(ref.url, sink, policy, ref.bytes, parts, progress, retries, on_retry)
+                except _NoRanges:  # the source does not serve ranges: one request per download from now on
+                    parts, sink = 1, sink_factory()
+                    _NO_RANGES.add(urllib.parse.urlsplit(ref.url).netloc)
+                except _PartFailed as e:  # (its own retries are spent)
+                    last = e.last
+                    break
+            if n < 0:
+                n, digest = _copy(ref.url, sink, policy, progress)
             if ref.bytes and n != ref.bytes:
                 last = f"truncated or changed shard: it ends at byte offset {n}, the index says {ref.bytes} bytes"
             elif verify_sha and ref.sha256 and digest != ref.sha256:
                 last = f"sha256 {digest[:12]}... does not match the index ({ref.sha256[:12]}...)"
             else:
                 return transferred + progress[0]
-        except (DataError, SinkError):
-            raise
-        except FileNotFoundError as e:
-            raise DataError(f"shard not found: {ref.url} — re-run recipe.prepare for this data dir") from e
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code} {e.reason}"
-            e.close()
-            if e.code in (403, 404, 410):
-                raise DataError(f"cannot read shard {ref.url}: {last} — check data.root") from e
-        except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts, resets, short reads
-            last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+        except Exception as e:  # noqa: BLE001 - classified: fatal ones raise, the rest are retried
+            last = _failure(e, ref.url)
         finally:
             transferred += progress[0]
         if attempt < retries:
@@ -162,17 +325,30 @@ def fetch(
 
 
 class _Buffer:
-    """A growable in-memory sink."""
+    """A growable in-memory sink; ranged parts are written where they belong (``write_at``)."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
+        self.placed: bytearray | None = None
 
     def write(self, b: bytes) -> int:
         self.parts.append(b)
         return len(b)
 
+    def allocate(self, size: int) -> None:
+        self.placed = bytearray(size)
+
+    def write_at(self, offset: int, b: bytes) -> None:  # (threads write disjoint ranges of the allocated bytes)
+        self.placed[offset : offset + len(b)] = b  # type: ignore[index]
+
+    def view(self) -> memoryview:
+        return memoryview(self.placed if self.placed is not None else b"")
+
+    def seek(self, offset: int) -> None:  # (the position after ranged parts: their bytes are all there is)
+        pass
+
     def getvalue(self) -> bytes:
-        return b"".join(self.parts)
+        return bytes(self.placed) if self.placed is not None else b"".join(self.parts)
 
 
 def fetch_bytes(

@@ -5,12 +5,15 @@
     python -m pitstop.testing.slowstore --upstream http://127.0.0.1:9000 --port 8001   # in front of an S3 API
 
 Every response waits ``--latency-ms`` before its first byte and then streams at most ``--mbps`` megabytes
-per second (1 MB = 1e6 bytes) per connection, like a request to an object store.  ``--fail-every N`` answers
-every Nth request with HTTP 503; ``--truncate-every N`` cuts every Nth response in half (the connection
-closes early, as a flaky network does); ``--stall-after N`` stops answering after N requests (a hung
-backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests after those);
-``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters (requests and bytes per
-path), which tests use to check how often each shard was downloaded.  Threaded: one thread per connection.
+per second (1 MB = 1e6 bytes) per connection, like a request to an object store; ``--link-mbps`` caps all
+connections together (a machine's network link: they share it, first come first served).  A ``Range:
+bytes=A-B`` request gets that range (206), as from an object store (``--no-ranges``: the whole file, 200).
+``--fail-every N`` answers every Nth request with HTTP 503; ``--truncate-every N`` cuts every Nth response in
+half (the connection closes early, as a flaky network does); ``--stall-after N`` stops answering after N
+requests (a hung backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests
+after those); ``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters
+(requests, ranged requests and bytes per path), which tests use to check how often each shard was downloaded.
+Threaded: one thread per connection.
 
 ``--upstream URL`` serves no directory: every request (any method, headers and body as sent) is passed to
 another HTTP server, an S3 API server for instance (``AWS_ENDPOINT_URL`` then points at the slowstore), and
@@ -49,6 +52,8 @@ class SlowStore(ThreadingHTTPServer):
         stall_seconds: float = 3600.0,
         stall_count: int = 0,
         upstream: str | None = None,
+        link_mbps: float | None = None,
+        ranges: bool = True,
     ):
         super().__init__((host, port), _Handler)
         self.root = os.path.abspath(root) if root else ""
@@ -60,6 +65,9 @@ class SlowStore(ThreadingHTTPServer):
             float(stall_seconds),
             int(stall_count),
         )
+        self.ranges = bool(ranges)  # False: a Range header is ignored (the whole file, 200), as some servers do
+        self.link_rate = link_mbps * 1e6 if link_mbps else None
+        self.link_free = 0.0  # (monotonic) when the link has sent every block handed to it so far
         self.lock = threading.Lock()
         self.requests = self.faultable = 0
         self.per_path: dict[str, dict[str, int]] = {}
@@ -113,8 +121,18 @@ class _Handler(BaseHTTPRequestHandler):
         full = os.path.join(srv.root, rel)
         if rel.startswith("..") or not os.path.isfile(full):
             return self._send(404, b"not found\n", "text/plain")
+        size = os.path.getsize(full)
+        span = _byte_range(self.headers.get("Range"), size) if srv.ranges else None
         with open(full, "rb") as f:
-            self._stream(200, [("Content-Type", "application/octet-stream")], f, os.path.getsize(full), n, entry)
+            if span is None:
+                return self._stream(200, [("Content-Type", "application/octet-stream")], f, size, n, entry)
+            start, end = span
+            f.seek(start)
+            headers = [
+                ("Content-Type", "application/octet-stream"),
+                ("Content-Range", f"bytes {start}-{end - 1}/{size}"),
+            ]
+            self._stream(206, headers, f, end - start, n, entry)
 
     def _admit(self, path: str) -> tuple[int, dict] | None:
         """Count the request, wait its latency, inject its fault; None when the fault already answered it."""
@@ -124,8 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
             faultable = fnmatch.fnmatch(path, srv.fault_glob)
             srv.faultable += faultable
             n = srv.faultable if faultable else 0
-            entry = srv.per_path.setdefault(path, {"requests": 0, "bytes": 0})
+            entry = srv.per_path.setdefault(path, {"requests": 0, "bytes": 0, "ranged": 0})
             entry["requests"] += 1
+            entry["ranged"] += "Range" in self.headers
         if srv.latency:
             time.sleep(srv.latency)
         if (
@@ -158,10 +177,14 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(block)
                 sent += len(block)
-                if srv.rate:
-                    ahead = sent / srv.rate - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                wait = sent / srv.rate - (time.monotonic() - t0) if srv.rate else 0.0
+                if srv.link_rate:  # the shared link: this block leaves after every block queued before it
+                    with srv.lock:
+                        now = time.monotonic()
+                        srv.link_free = max(srv.link_free, now) + len(block) / srv.link_rate
+                        wait = max(wait, srv.link_free - now)
+                if wait > 0:
+                    time.sleep(wait)
         except (BrokenPipeError, ConnectionResetError):
             pass
         with srv.lock:
@@ -211,6 +234,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single ``bytes=A-B`` (or ``A-``, ``-N``) range within ``size``; None: the whole file."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes=") :].strip().partition("-")
+    try:
+        if not first:
+            return max(0, size - int(last)), size
+        start, end = int(first), (int(last) + 1 if last else size)
+    except ValueError:
+        return None
+    return (start, min(end, size)) if start < min(end, size) else None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pitstop.testing.slowstore", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", nargs="?", help="directory to serve (e.g. data/)")
@@ -219,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--latency-ms", type=float, default=50.0, help="delay before each response (default 50)")
     p.add_argument("--mbps", type=float, default=100.0, help="MB/s per connection, 0 = unlimited (default 100)")
+    p.add_argument("--link-mbps", type=float, default=0.0, help="MB/s of all connections together, 0 = unlimited")
+    p.add_argument("--no-ranges", action="store_true", help="ignore Range headers (answer 200, the whole file)")
     p.add_argument("--fail-every", type=int, default=0, help="answer every Nth request with HTTP 503")
     p.add_argument("--truncate-every", type=int, default=0, help="cut every Nth response short")
     p.add_argument("--stall-after", type=int, default=0, help="stop answering after N requests")
@@ -244,12 +283,14 @@ def main(argv: list[str] | None = None) -> None:
             a.stall_seconds,
             a.stall_count,
             a.upstream,
+            a.link_mbps or None,
+            not a.no_ranges,
         )
     except OSError as e:
         p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")
     print(
         f"slowstore: serving {srv.root or a.upstream} at {srv.url} (latency {a.latency_ms:g} ms, "
-        f"{a.mbps or 'unlimited'} MB/s per connection)",
+        f"{a.mbps or 'unlimited'} MB/s per connection, {a.link_mbps or 'unlimited'} MB/s in all)",
         flush=True,
     )
     try:

@@ -62,6 +62,7 @@ class ShardLoader(ABC):
         retries: int = 3,
         backoff: float = 0.5,
         read_timeout: float = 60.0,
+        download_parts: int | str = "auto",
         allow_pipe: bool = False,
         eval_in_memory: Any = "256MB",
         shuffle_shards_window: int = 1,
@@ -96,6 +97,7 @@ class ShardLoader(ABC):
             timeout=float(read_timeout),
             allow_pipe=bool(allow_pipe),
             storage_options=options,
+            parts=download_parts if download_parts == "auto" else _parts(download_parts),
         )
         if not allow_pipe and any(u.startswith("pipe:") for u in self.urls):
             raise ConfigError(
@@ -401,3 +403,13 @@ class ShardLoader(ABC):
         if isinstance(item, Failure):
             raise DataError(item.message)
         return item["data"]
+
+
+def _parts(value: Any) -> int:
+    """``loader.download_parts`` as a number of ranged requests (>= 1), or a one-line error."""
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"loader.download_parts={value!r}: use auto (one ranged request per 2 MB of a shard, at most 8 at "
+            f"once) or a number >= 1 (1: one request per shard)"
+        )
+    return int(value)
