@@ -292,11 +292,15 @@ def _streaming_dataset(decode_dataset, **kw):
     """MosaicML streaming's dataset over MDS shards of the same samples, decoded by pitstop's own decode."""
     from streaming import StreamingDataset
 
+    from pitstop.train.seed import derive_seed
+
     class MDSImages(StreamingDataset):
         def __getitem__(self, i):
             sample = super().__getitem__(i)
             return decode_dataset.decode(
-                {"__key__": str(i), "jpg": sample["jpg"], "cls": sample["cls"]}, train=True, seed=i
+                {"__key__": str(i), "jpg": sample["jpg"], "cls": sample["cls"]},
+                train=True,
+                seed=derive_seed(0, 0, str(i)),  # (a 63-bit seed, as pitstop's readers give: flips half the time)
             )
 
     return MDSImages(**kw)

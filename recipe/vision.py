@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch import nn
 
 from pitstop.data.dataset import ShardedDataset
@@ -57,12 +57,16 @@ class ImageShards(ShardedDataset):
         self.prepare_hint = f"python -m recipe.prepare data={name} data.root={root}"
 
     def decode(self, sample: dict, *, train: bool, seed: int) -> tuple[np.ndarray, int]:
-        """One sample as a (C, H, W) uint8 array and its label. Little Python per sample: PIL decodes, a
+        """One sample as a (C, H, W) uint8 array (a read-only view of PIL's pixels when not augmented: copy it
+        before writing to it) and its label. Little Python per sample: PIL decodes, a
         conversion only when the mode differs, the augmentation draws its offsets from ``seed`` itself (no RNG
         object per sample) and writes the shifted image into a zeroed array; :meth:`collate` makes the batch
         tensor once, so no per-sample tensors."""
         ext = self.image_member(sample)
-        img = Image.open(io.BytesIO(sample[ext]), formats=_FORMATS.get(ext))  # (no probing of other formats)
+        try:
+            img = Image.open(io.BytesIO(sample[ext]), formats=_FORMATS.get(ext))  # (no probing of other formats)
+        except UnidentifiedImageError:  # a member named for another format (PNG bytes in .jpg): PIL's probing
+            img = Image.open(io.BytesIO(sample[ext]))
         mode = "L" if self.channels == 1 else "RGB"
         if img.mode != mode:
             img = img.convert(mode)
@@ -127,8 +131,8 @@ class ImageShards(ShardedDataset):
             dst, src = _shift(seed % n - self.pad, (seed // n) % n - self.pad, *x.shape[1:])
             out[dst] = x[src]
             x = out
-        if self.hflip and (seed >> 62) & 1:  # (on a contiguous copy: a flip of the transposed view is numpy's
-            x = np.ascontiguousarray(x)[:, :, ::-1]  # slow path, ~6x the copy and flip apart)
+        if self.hflip and (seed >> 62) & 1:  # (of a contiguous copy: a flip of the transposed view is numpy's
+            x = np.ascontiguousarray(x)[:, :, ::-1].copy()  # slow path; and no negative strides for torch)
         return x
 
 
@@ -136,6 +140,7 @@ class ImageShards(ShardedDataset):
 def _shift(dy: int, dx: int, h: int, w: int) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
     """The slices of a shift by (dy, dx) with zero fill: ``out[dst] = x[src]`` makes ``out[i, j] = x[i + dy, j + dx]``
     where that pixel exists (the pad + crop of ``pad`` pixels, without the padded copy)."""
+    dy, dx = max(-h, min(h, dy)), max(-w, min(w, dx))  # (a shift by the whole size or more leaves only zeros)
     dst = (slice(None), slice(max(0, -dy), h - max(0, dy)), slice(max(0, -dx), w - max(0, dx)))
     src = (slice(None), slice(max(0, dy), h + min(0, dy)), slice(max(0, dx), w + min(0, dx)))
     return dst, src

@@ -160,12 +160,14 @@ def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp
     assert len(tars) == 8 and {hashlib.sha256(p.read_bytes()).hexdigest() for p in tars} == want
 
 
-def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, tmp_path):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, tmp_path, parts):
     with SlowStore(str(data_root / "data"), truncate_every=1, fault_glob="*.tar") as srv:
         for cls, kw in ((CachedLoader, {"cache_dir": str(tmp_path / "cache")}), (PlainLoader, {})):
             loader = cls(
-                remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1, backoff=0.01, **kw
-            )
+                remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1, backoff=0.01,
+                download_parts=parts, **kw,
+            )  # fmt: skip
             with pytest.raises(DataError) as err:
                 epoch(loader)
             msg = str(err.value)
@@ -173,6 +175,27 @@ def test_truncating_store_names_shard_and_offset_and_caches_nothing(data_root, t
             assert "2 attempts" in msg and "\n" not in msg
     assert cached_tars(tmp_path / "cache") == []  # nothing unverified is ever kept
     assert not list((tmp_path / "cache").glob("*.part.*"))
+
+
+def test_a_shard_that_grew_on_the_store_is_refused_also_in_ranged_parts(data_root, tmp_path):
+    # Ranged parts ask for the index's byte count only: a shard longer on the store than the index says must still
+    # be named as changed (the store's Content-Range total), without sha256 (verify=size, and plain), not cut
+    # to the index's length and read as if it were whole.
+    import shutil
+
+    shutil.copytree(data_root / "data" / "digits", tmp_path / "data" / "digits")
+    grown = sorted((tmp_path / "data" / "digits").glob("train-*.tar"))[0]
+    with open(grown, "ab") as f:
+        f.write(bytes(4096))
+    with SlowStore(str(tmp_path / "data")) as srv:
+        for cls, kw in ((CachedLoader, {"cache_dir": str(tmp_path / "cache"), "verify": "size"}), (PlainLoader, {})):
+            loader = cls(
+                remote_digits(srv.url), "train", batch_size=64, seed=0, num_workers=0, retries=1, backoff=0.01,
+                download_parts=3, **kw,
+            )  # fmt: skip
+            with pytest.raises(DataError, match=rf"cannot read shard .*{grown.name} after 2 attempts: .*changed shard"):
+                epoch(loader)
+        assert not [p for p in cached_tars(tmp_path / "cache") if p.name.endswith(grown.name)]  # (others may be)
 
 
 def test_unreachable_source_is_retried_then_named(data_root, tmp_path):

@@ -64,3 +64,19 @@ def test_decode_and_collate_give_a_uint8_batch_and_int64_labels():
         assert augmented[0].shape == x.shape
         again = ds.collate([ds.decode(s, train=True, seed=derive_seed(0, 0, s["__key__"])) for s in samples])
         assert torch.equal(augmented[0], again[0])
+
+
+def test_odd_inputs_a_mislabelled_image_a_shift_beyond_the_image_and_flips_torch_can_take():
+    rng = np.random.default_rng(2)
+    ds = shards(3, 3, True)
+    png = encoded(rng.integers(0, 256, size=(2, 2, 3), dtype=np.uint8), "PNG")
+    x = ds.decode({"__key__": "k", "jpg": png, "cls": b"1"}, train=False, seed=0)[0].copy()  # PNG bytes as .jpg
+    assert x.shape == (3, 2, 2)
+    for k in range(64):  # pad 3 on a 2x2 image: shifts of the whole image or more leave zeros, no error
+        seed = derive_seed(0, 0, f"k{k}")
+        got = ds._augment(x, seed)
+        n = 7
+        want = torch.nn.functional.pad(torch.from_numpy(x), (3,) * 4)[:, seed % n : seed % n + 2, (seed // n) % n :]
+        want = want[:, :, :2].flip(-1) if (seed >> 62) & 1 else want[:, :, :2]
+        assert np.array_equal(got, want.numpy())
+        assert torch.as_tensor(got).shape == (3, 2, 2)  # (no negative strides: torch takes it as it is)

@@ -92,3 +92,24 @@ def test_a_truncated_or_corrupt_tar_reads_as_tarfile_reads_it(kind):
             assert got == expected
         else:
             assert got[0] == "ok"
+
+
+def test_a_negative_size_is_left_to_tarfile_instead_of_walking_backwards():
+    # int(text, 8) takes a sign: a header claiming size -512 (checksum made valid) must not move the walk back
+    # (it looped forever), and a pax record size=-1024 neither; tarfile then names the shard in one line.
+    data = bytearray(webdataset_tar(3))
+    pos = 0
+    while data[pos + 156 : pos + 157] == b"x":  # the first member's own header, after its pax header
+        pos += 512 + -(-int(data[pos + 124 : pos + 135], 8) // 512) * 512
+    data[pos + 124 : pos + 136] = b"-0000001000\0"
+    data[pos + 148 : pos + 156] = b" " * 8
+    data[pos + 148 : pos + 156] = b"%06o\0 " % sum(data[pos : pos + 512])
+    assert _members(bytes(data)) is None
+    with pytest.raises(DataError, match="corrupt or truncated shard u"):
+        read_shard(bytes(data), "u")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo("k.bin")
+        info.size, info.pax_headers = 4, {"size": "-1024"}
+        tf.addfile(info, io.BytesIO(b"abcd"))
+    assert _members(buf.getvalue()) is None

@@ -137,38 +137,48 @@ def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
     return [(cuts[i], cuts[i + 1]) for i in range(parts)]
 
 
-def _request_range(url: str, start: int, end: int, policy: FetchPolicy) -> Callable[[list[int]], bytes]:
-    """Ask for bytes ``[start, end)`` of ``url``; returns the function that reads them (counting into its
-    argument). An HTTP server that ignores the range (answers 200) raises :class:`_NoRanges` here, before any body
-    is read."""
+def _request_range(
+    url: str, start: int, end: int, size: int, policy: FetchPolicy
+) -> Callable[[list[int], Callable[[int, bytes], None]], int]:
+    """Ask for bytes ``[start, end)`` of ``url`` (``size`` bytes long, as the index says); returns the function
+    that reads them, counting into its first argument and handing each block to ``put(offset, block)``, and
+    returns how many came. An HTTP server that ignores the range (answers 200) raises :class:`_NoRanges` here,
+    before any body is read; one whose object is not ``size`` bytes long (``Content-Range``) fails the part."""
     if url.startswith(("http://", "https://")):
         req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{end - 1}"})
         f = urllib.request.urlopen(req, timeout=policy.timeout)  # noqa: S310 - the user's data URL
         if f.status != 206:
             f.close()
             raise _NoRanges(f"HTTP {f.status} to a range request")
+        total = (f.headers.get("Content-Range") or "").rpartition("/")[2]
+        if total.isdigit() and int(total) != size:
+            f.close()
+            raise ValueError(f"truncated or changed shard: the store has {total} bytes, the index says {size} bytes")
 
-        def body(progress: list[int]) -> bytes:
-            blocks = []
+        def body(progress: list[int], put: Callable[[int, bytes], None]) -> int:
+            n = 0
             try:
                 while block := f.read(CHUNK):
-                    blocks.append(block)
+                    put(start + n, block)
+                    n += len(block)
                     progress[0] += len(block)
                 if getattr(f, "length", None):
-                    raise ConnectionError(f"connection closed at byte offset {start + sum(map(len, blocks))}")
+                    raise ConnectionError(f"connection closed at byte offset {start + n}")
             finally:
                 f.close()
-            return b"".join(blocks)
+            return n
 
         return body
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(url, **policy.storage_options)
 
-    def cat(progress: list[int]) -> bytes:
-        data = fs.cat_file(path, start=start, end=end)
+    def cat(progress: list[int], put: Callable[[int, bytes], None]) -> int:
+        # (the last part reads to the end: an object longer than the index says shows in its length)
+        data = fs.cat_file(path, start=start, end=end if end < size else None)
         progress[0] += len(data)
-        return data
+        put(start, data[: end - start])
+        return len(data)
 
     return cat
 
@@ -206,17 +216,31 @@ def _copy_parts(
     if fileno is None:
         sink.allocate(size)  # type: ignore[attr-defined]
     counts = [[0] for _ in ranges]
-    first = _request_range(url, *ranges[0], policy)  # (alone: a server without ranges costs one request)
+    first = _request_range(url, *ranges[0], size, policy)  # (alone: a server without ranges costs one request)
+
+    def put(offset: int, block: bytes) -> None:
+        try:
+            if fileno is None:
+                sink.write_at(offset, block)  # type: ignore[attr-defined]
+                return
+            view = memoryview(block)
+            while view:  # (pwrite may write less than asked: a nearly full disk, or over 2 GiB at once)
+                n = os.pwrite(fileno(), view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise SinkError(e) from e
 
     def one(i: int) -> None:
         start, end = ranges[i]
         delay = policy.backoff
         for attempt in range(retries + 1):
             try:
-                data = (first if i == 0 and attempt == 0 else _request_range(url, start, end, policy))(counts[i])
-                if len(data) != end - start:
-                    raise ConnectionError(f"{len(data)} bytes for the range [{start}, {end})")
-                break
+                got = (first if i == 0 and attempt == 0 else _request_range(url, start, end, size, policy))(
+                    counts[i], put
+                )
+                if got != end - start:
+                    raise ConnectionError(f"{got} bytes for the range [{start}, {end}) of {size}")
+                return
             except _NoRanges:
                 raise
             except Exception as e:  # noqa: BLE001 - classified: fatal ones raise, the rest are retried
@@ -227,13 +251,6 @@ def _copy_parts(
                 on_retry(last)
             time.sleep(delay)
             delay *= 2
-        try:
-            if fileno is not None:
-                os.pwrite(fileno(), data, start)
-            else:
-                sink.write_at(start, data)  # type: ignore[attr-defined]
-        except OSError as e:
-            raise SinkError(e) from e
 
     try:
         with ThreadPoolExecutor(parts, thread_name_prefix="pitstop-part") as pool:
@@ -339,6 +356,8 @@ class _Buffer:
         self.placed = bytearray(size)
 
     def write_at(self, offset: int, b: bytes) -> None:  # (threads write disjoint ranges of the allocated bytes)
+        if offset + len(b) > len(self.placed):  # type: ignore[arg-type]
+            raise ValueError(f"{offset + len(b)} bytes for a {len(self.placed)}-byte shard")  # type: ignore[arg-type]
         self.placed[offset : offset + len(b)] = b  # type: ignore[index]
 
     def view(self) -> memoryview:

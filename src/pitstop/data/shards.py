@@ -227,9 +227,10 @@ def _octal(field: bytes) -> int | None:
     """A header's octal number (NUL or space terminated); None where it is not one (base-256 and the like)."""
     text = field.split(b"\0", 1)[0]
     try:
-        return int(text, 8) if text.strip() else 0  # (int() ignores the spaces around the digits)
+        value = int(text, 8) if text.strip() else 0  # (int() ignores the spaces around the digits ...
     except ValueError:
         return None
+    return value if value >= 0 else None  # ... and takes a sign: a negative size would walk backwards)
 
 
 def _pax(record: bytes) -> dict[str, bytes] | None:
@@ -265,7 +266,7 @@ def _members(data: bytes) -> list[tuple[int, str, bytes]] | None:
     while True:
         rest = end - pos
         if rest < _BLOCK or data[pos : pos + _BLOCK] == _ZERO_BLOCK:  # the end (or a short tail: tarfile decides)
-            ok = pos > 0 and rest in (0, _BLOCK) or rest > _BLOCK  # (what follows a zero block is not read)
+            ok = pos > 0 and (rest == 0 or rest >= _BLOCK)  # (what follows a zero block is not read)
             return out if ok and pending is None and _checksums_match(data, headers, claimed) else None
         chksum, size = _octal(data[pos + 148 : pos + 156]), _octal(data[pos + 124 : pos + 136])
         if chksum is None or size is None:
@@ -298,6 +299,8 @@ def _members(data: bytes) -> list[tuple[int, str, bytes]] | None:
                 try:
                     size = int(pending["size"])
                 except ValueError:
+                    return None
+                if size < 0:
                     return None
                 if body + _padded(size) > end:
                     return None

@@ -127,6 +127,8 @@ class _Handler(BaseHTTPRequestHandler):
             if span is None:
                 return self._stream(200, [("Content-Type", "application/octet-stream")], f, size, n, entry)
             start, end = span
+            if start == end:
+                return self._send(416, f"slowstore: range not satisfiable ({size} bytes)\n".encode(), "text/plain")
             f.seek(start)
             headers = [
                 ("Content-Type", "application/octet-stream"),
@@ -235,17 +237,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single ``bytes=A-B`` (or ``A-``, ``-N``) range within ``size``; None: the whole file."""
+    """``[start, end)`` of a single ``bytes=A-B`` (or ``A-``, ``-N``) range within ``size``; None: the whole file
+    (no range, or one this does not parse); ``(0, 0)``: a range that is not satisfiable (HTTP 416)."""
     if not header or not header.startswith("bytes=") or "," in header:
         return None
     first, _, last = header[len("bytes=") :].strip().partition("-")
     try:
         if not first:
-            return max(0, size - int(last)), size
-        start, end = int(first), (int(last) + 1 if last else size)
+            start, end = max(0, size - int(last)), size
+        else:
+            start, end = int(first), min(int(last) + 1 if last else size, size)
     except ValueError:
         return None
-    return (start, min(end, size)) if start < min(end, size) else None
+    return (start, end) if start < end else (0, 0)
 
 
 def main(argv: list[str] | None = None) -> None:
