@@ -419,6 +419,45 @@ def test_a_notice_to_the_launching_process_of_a_ddp_job_stops_every_rank_after_i
 
 
 @pytest.mark.slow
+def test_a_notice_to_every_process_of_the_step_leaves_the_checkpoint_process_to_write_the_save(
+    data_root, tmp_path, reference
+):
+    # SLURM's notice (scancel --signal, --signal=USR1@90) reaches every process of the job step: with
+    # ckpt=async_dcp_pinned that includes DCP's checkpoint process, which the notice ended in the middle of the save
+    # it asked for (ConnectionResetError, the step lost). It is started with the notices blocked: the save at the
+    # notice's step is written and durable, the job leaves with 75 and the same command ends at the reference.
+    import os
+    import signal
+    import time
+
+    from conftest import cli_cmd, popen_cmd
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "ckpt=async_dcp_pinned", "ckpt.interval_steps=10", "trainer.max_steps=120"]
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                  start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:  # past the first save: the checkpoint process runs
+        path = run_dir / "metrics.jsonl"
+        if any(r.get("step", 0) >= 15 for r in (read_jsonl(path) if path.exists() else [])):
+            break
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGUSR1)  # every process of the "step": trainer, workers, tracker, checkpoint process
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err[-3000:]
+    log = (run_dir / "train.log").read_text()
+    stopped = json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]
+    assert stopped["status"] == "preempted" and f"preempted (SIGUSR1) at step {stopped['step']}: saved it" in log
+    assert (run_dir / "checkpoints" / f"step_{stopped['step']:08d}" / ".metadata").is_file()
+    assert "failed" not in log and "died" not in log and "Traceback" not in err, log[-3000:]
+    second = cli(args, data_root, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["resumed_from"] == stopped["step"] and doc["totals"]["lost"] == 0.0
+    assert s["params_sha256"] == reference[120]
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_path, reference):
     # The scheduler signals the job's main process (the supervisor): it hands the notice to its attempt, which
     # saves; both leave with 75, and the same command resumes from the saved step.

@@ -37,6 +37,7 @@ from pitstop.ckpt.manager import CheckpointManager
 from pitstop.ckpt.staging import HostStager, Layout, layout_bytes, staged_leaves
 from pitstop.ckpt.sync_dcp import check_format, dcp_writer, planner
 from pitstop.errors import CheckpointError, ConfigError
+from pitstop.notices import notices_blocked
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -83,12 +84,13 @@ class AsyncDCP(CheckpointManager):
         The first real save waits for it only if it is still starting."""
         scratch = tempfile.mkdtemp(prefix="pitstop-ckpt-warmup-")
         try:
-            out = dcp.async_save(
-                {"warmup": torch.zeros(1)},
-                storage_writer=dcp_writer(scratch, None, self.format),
-                process_group=self.group,
-                async_checkpointer_type=self.kind,
-            )
+            with notices_blocked():  # (DCP's thread, and the process it spawns, inherit the blocked notices)
+                out = dcp.async_save(
+                    {"warmup": torch.zeros(1)},
+                    storage_writer=dcp_writer(scratch, None, self.format),
+                    process_group=self.group,
+                    async_checkpointer_type=self.kind,
+                )
         except ERRORS as e:  # the first real save will report what is wrong
             log.warning("could not start the checkpoint process ahead of the first save: %s", one_line(e))
             shutil.rmtree(scratch, ignore_errors=True)
@@ -148,14 +150,17 @@ class AsyncDCP(CheckpointManager):
         self._check_shared_memory(app_state)
         if self.kind == AsyncCheckpointerType.THREAD:  # (shared memory too small: a thread writes from now on)
             kind = AsyncCheckpointerType.THREAD
-        out = dcp.async_save(
-            app_state,
-            storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
-            planner=planner(),
-            process_group=self.group,
-            async_checkpointer_type=kind,
-            async_stager=self.stager,
-        )
+        # A scheduler's notice goes to every process of the job step: not to DCP's checkpoint process, which is
+        # spawned (fork + exec) from the thread this call starts, or the notice would end the save it asks for.
+        with notices_blocked():
+            out = dcp.async_save(
+                app_state,
+                storage_writer=dcp_writer(record.path, record.throttle_mbps, self.format),
+                planner=planner(),
+                process_group=self.group,
+                async_checkpointer_type=kind,
+                async_stager=self.stager,
+            )
         upload = out if isinstance(out, Future) else out.upload_completion
         if kind == AsyncCheckpointerType.THREAD:
             upload.add_done_callback(_release_freed_memory)

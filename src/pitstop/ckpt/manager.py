@@ -98,7 +98,7 @@ class CheckpointManager(Checkpointer):
         self._purger: ThreadPoolExecutor | None = None
         self._closed = False
         self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
-        self.last_started = None
+        self.last_started = self.last_committed = None
 
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(
@@ -285,6 +285,7 @@ class CheckpointManager(Checkpointer):
     def _committed(self, record: SaveRecord) -> None:
         """A save became durable: account for it and purge old checkpoints (rank 0, in the background)."""
         record.total_seconds = (record.finished or time.perf_counter()) - record.started
+        self.last_committed = max(record.step, self.last_committed or 0)
         if self.rank == 0:
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:

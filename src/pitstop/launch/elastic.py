@@ -38,7 +38,7 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
 
     from multiprocessing import forkserver, resource_tracker
 
-    from pitstop.data.loader.workers import notices_blocked
+    from pitstop.notices import notices_blocked
     from pitstop.resilience.preempt import JobNotice, parse_signals
 
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh

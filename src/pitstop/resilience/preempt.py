@@ -151,6 +151,7 @@ def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, l
     durable) fits the grace period and none is under way, then wait until the newest save is durable (or has
     failed, per ``ckpt.on_error``) before the process goes."""
     took = float(ckpt.stats().get("total_seconds_mean") or 0.0)
+    saving = ckpt.root is not None and (ckpt.last_started == step or took <= grace)  # this step's save
     if ckpt.root is None:
         log.warning("preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, step)
     elif ckpt.last_started == step:
@@ -168,6 +169,10 @@ def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, l
     else:
         with watchdog.phase("checkpoint"):
             ledger.add("checkpoint", ckpt.maybe_save(target, step, force=True).blocked)
-        log.warning("preempted (%s) at step %d: saved it", why, step)
     with ledger.measure("checkpoint"), watchdog.phase("checkpoint"):
-        ckpt.wait()
+        ckpt.wait()  # (a failed save raises here, or per ckpt.on_error=warn is logged and not committed)
+    if saving:
+        if ckpt.last_committed == step:  # said once it is durable, not when it started
+            log.warning("preempted (%s) at step %d: saved it", why, step)
+        else:
+            log.error("preempted (%s) at step %d: its save failed; the newest complete checkpoint stays", why, step)

@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from pitstop.data.loader.workers import NOTICES, notices_blocked
+from pitstop.notices import NOTICES, notices_blocked
 
 log = logging.getLogger("pitstop.data.loader")
 

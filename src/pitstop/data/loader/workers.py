@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-from typing import Iterator
 
+
+from pitstop.notices import NOTICES
 
 log = logging.getLogger("pitstop.data.loader")
 
-# The notices a scheduler sends to every process of a job step (SLURM's --signal=USR1@90, submitit's
-# scancel --signal=USR2): they are the trainer's alone. A data worker, the workers' fork server and
-# multiprocessing's resource tracker ignore them; by default each of them would end (the tracker then comes back
-# and prints KeyError tracebacks for the semaphores it no longer knows), and a fork server forked from a trainer
-# would run the handler the trainer had at that instant (submitit's requeue, a second time).
-NOTICES = (signal.SIGUSR1, signal.SIGUSR2)
+# A data worker, the workers' fork server and multiprocessing's resource tracker ignore the scheduler's notices
+# (pitstop.notices); by default each of them would end (the tracker then comes back and prints KeyError
+# tracebacks for the semaphores it no longer knows), and a fork server forked from a trainer would run the handler
+# the trainer had at that instant (submitit's requeue, a second time).
 # What the hang watchdog sends a data worker to have its threads' stacks written to stderr: a real-time signal,
 # which no scheduler sends (SIGUSR2 was, until it met submitit's notices).
 STACKS_SIGNAL = int(signal.SIGRTMIN) + 2 if hasattr(signal, "SIGRTMIN") else int(signal.SIGUSR2)
-
-
-@contextlib.contextmanager
-def notices_blocked() -> Iterator[None]:
-    """Block :data:`NOTICES` in this thread for the time of the block: a process started (fork + exec) inside
-    inherits them blocked, so a notice never reaches it; this process gets any that came meanwhile after it."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def worker_init(worker_id: int, parent: int, trainer: int) -> None:
