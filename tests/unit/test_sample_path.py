@@ -80,3 +80,23 @@ def test_odd_inputs_a_mislabelled_image_a_shift_beyond_the_image_and_flips_torch
         want = want[:, :, :2].flip(-1) if (seed >> 62) & 1 else want[:, :, :2]
         assert np.array_equal(got, want.numpy())
         assert torch.as_tensor(got).shape == (3, 2, 2)  # (no negative strides: torch takes it as it is)
+
+
+def test_small_batch_tensors_travel_inline_and_come_back_as_they_were():
+    # A worker's small tensors are pickled into the pipe as numpy (torch's shared memory costs a file descriptor
+    # and a connection per tensor); large ones, bfloat16 and anything that is not a tensor stay as they are.
+    from pitstop.data.loader.reader import Inline, from_transport, to_transport
+
+    x, y = torch.randint(0, 255, (64, 1, 8, 8), dtype=torch.uint8), torch.arange(64)
+    half, big = torch.ones(4, dtype=torch.bfloat16), torch.zeros(2 << 20, dtype=torch.uint8)
+    batch = {"xy": [x, y], "pair": (half, big), "meta": "k", "arr": np.zeros(3)}
+    sent = to_transport(batch, limit=1 << 20)
+    assert isinstance(sent["xy"][0], Inline) and isinstance(sent["xy"][1], Inline)
+    assert sent["pair"][0] is half and sent["pair"][1] is big and sent["meta"] == "k" and sent["arr"] is batch["arr"]
+    import pickle
+
+    back = from_transport(pickle.loads(pickle.dumps(sent)))
+    assert type(back["xy"]) is list and type(back["pair"]) is tuple
+    assert torch.equal(back["xy"][0], x) and back["xy"][0].dtype == torch.uint8
+    assert torch.equal(back["xy"][1], y) and back["xy"][1].dtype == torch.int64
+    assert torch.equal(back["pair"][1], big) and isinstance(back["arr"], np.ndarray)

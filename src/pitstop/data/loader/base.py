@@ -25,7 +25,7 @@ from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import plan, server
 from pitstop.train.seed import derive_seed
 
-from pitstop.data.loader.reader import ShardSource, StreamReader, Failure
+from pitstop.data.loader.reader import Failure, ShardSource, StreamReader, from_transport
 from pitstop.data.loader.sizes import memory_budget, first_sample, nbytes
 from pitstop.data.loader.workers import worker_init
 
@@ -280,6 +280,7 @@ class ShardLoader(ABC):
             rotation=rotation,
             base=dict(self.base) if current else {},
             window=self.window,
+            inline=not self.pin_memory,  # (pinned batches: torch's shared memory, the pin thread pins them)
         )
         if self.num_workers == 0:
             return iter(reader)
@@ -320,7 +321,7 @@ class ShardLoader(ABC):
                     self.stats[k] = self.stats.get(k, 0) + v
                 if self.sample_log is not None:
                     self.sample_log(item["keys"])
-                yield item["data"]
+                yield from_transport(item["data"])
                 if self.batches >= limit:
                     break
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
@@ -402,7 +403,7 @@ class ShardLoader(ABC):
     def _checked(item: dict | Failure) -> Any:
         if isinstance(item, Failure):
             raise DataError(item.message)
-        return item["data"]
+        return from_transport(item["data"])
 
 
 def _parts(value: Any) -> int:

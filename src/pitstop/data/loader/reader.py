@@ -4,7 +4,9 @@ whole batches (or one failure) to the trainer; ``ShardSource`` is where shard by
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -44,6 +46,48 @@ class ShardSource:
         """The reader is done; ``wait``: also for background work still running (after a failure)."""
 
 
+INLINE_BYTES = 1 << 20  # a worker's batch tensors up to this size travel pickled, in the pipe (see Inline)
+
+
+class Inline:
+    """A small batch tensor on its way from a worker, as a numpy array pickled into the result pipe. torch sends a
+    tensor through shared memory instead, with its file descriptor passed over a connection of its own: ~0.75 ms
+    per tensor here, far more than copying a few KB (a batch of 64 8x8 digits is 4 KB), paid by the training
+    process on every step. Large tensors keep torch's way (one copy in the worker, none in the trainer)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any):
+        self.array = array
+
+
+def to_transport(batch: Any, limit: int = INLINE_BYTES) -> Any:
+    """``batch`` with each CPU tensor of at most ``limit`` bytes as an :class:`Inline` (lists, tuples, dicts)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.device.type == "cpu" and batch.nbytes <= limit and not batch.requires_grad:
+            try:
+                return Inline(batch.numpy())
+            except TypeError:  # (a dtype numpy has not: bfloat16)
+                return batch
+        return batch
+    if type(batch) in (list, tuple):
+        return type(batch)(to_transport(b, limit) for b in batch)
+    if type(batch) is dict:
+        return {k: to_transport(v, limit) for k, v in batch.items()}
+    return batch
+
+
+def from_transport(batch: Any) -> Any:
+    """The batch as the worker's collate made it: each :class:`Inline` a tensor again (no copy)."""
+    if isinstance(batch, Inline):
+        return torch.from_numpy(batch.array)
+    if type(batch) in (list, tuple):
+        return type(batch)(from_transport(b) for b in batch)
+    if type(batch) is dict:
+        return {k: from_transport(v) for k, v in batch.items()}
+    return batch
+
+
 class StreamReader(IterableDataset):
     """Worker side: reads the streams of one rank from given positions and yields batches."""
 
@@ -67,6 +111,7 @@ class StreamReader(IterableDataset):
         rotation,
         base,
         window=1,
+        inline=False,
     ):
         self.refs, self.source, self.dataset = refs, source, dataset
         self.counts = [r.samples for r in refs]
@@ -74,6 +119,7 @@ class StreamReader(IterableDataset):
         self.drop_last, self.shuffle, self.partitions, self.streams = drop_last, shuffle, partitions, streams
         self.rank, self.world_size, self.starts, self.rotation = rank, world_size, starts, rotation
         self.base, self.window = base, window
+        self.inline = inline  # small batch tensors through the pipe (not when the batches are pinned)
 
     def __iter__(self):
         info = get_worker_info()
@@ -184,8 +230,9 @@ class StreamReader(IterableDataset):
         self.source.lookahead([], later)  # (done with this epoch: its next reads are next epoch's)
 
     def _batch(self, g, pos, items, keys, skipped) -> dict:
+        data = self.dataset.collate(items)
         return {
-            "data": self.dataset.collate(items),
+            "data": to_transport(data) if self.inline and get_worker_info() is not None else data,
             "stream": g,
             "end": pos,
             "keys": keys,
