@@ -31,6 +31,13 @@ def remote_digits(url: str, **kw) -> ImageShards:
     return ImageShards(root=f"{url}/digits", name="digits", num_classes=10, channels=1, augment={"pad": 1}, **kw)
 
 
+def cached_digits(url: str, cache_dir, seed: int, **kw) -> CachedLoader:
+    """The cached loader of the remote digits' training split: batch 64, 2 workers."""
+    return CachedLoader(
+        remote_digits(url), "train", batch_size=64, seed=seed, num_workers=2, cache_dir=str(cache_dir), **kw
+    )
+
+
 def index(data_root) -> dict:
     return json.loads((data_root / "data" / "digits" / "index.json").read_text())
 
@@ -76,15 +83,7 @@ def test_ranged_parts_read_the_same_batches_and_a_server_without_ranges_gets_one
     local = epoch(PlainLoader(remote_digits(str(data_root / "data")), "train", batch_size=64, seed=5, num_workers=2))
     for ranges in (True, False):
         with SlowStore(str(data_root / "data"), latency_ms=5, mbps=50, ranges=ranges) as srv:
-            cached = CachedLoader(
-                remote_digits(srv.url),
-                "train",
-                batch_size=64,
-                seed=5,
-                num_workers=2,
-                cache_dir=str(tmp_path / f"cache{ranges}"),
-                download_parts=3,
-            )
+            cached = cached_digits(srv.url, tmp_path / f"cache{ranges}", 5, download_parts=3)
             plain = PlainLoader(remote_digits(srv.url), "train", batch_size=64, seed=5, num_workers=2, download_parts=3)
             for loader in (cached, plain):
                 got = epoch(loader)
@@ -141,17 +140,8 @@ def test_flaky_store_is_retried_and_only_verified_shards_are_kept(data_root, tmp
     # Half of all requests fail (every 3rd a 503, every 4th cut short; one counter for all concurrent
     # requests), so one shard (or one ranged part of it) can draw 4 failures in a row: give it 9 attempts.
     with SlowStore(str(data_root / "data"), fail_every=3, truncate_every=4, fault_glob="*.tar") as srv:
-        loader = CachedLoader(
-            remote_digits(srv.url),
-            "train",
-            batch_size=64,
-            seed=0,
-            num_workers=2,
-            cache_dir=str(tmp_path / "cache"),
-            backoff=0.01,
-            retries=8,  # (3 parts: each part is retried on its own)
-            download_parts=parts,
-        )
+        # (3 parts: each part is retried on its own)
+        loader = cached_digits(srv.url, tmp_path / "cache", 0, backoff=0.01, retries=8, download_parts=parts)
         keys = [k for ks, _ in epoch(loader) for k in ks]
     assert len(keys) == len(set(keys)) == 1438
     assert loader.stats["fetch_retries"] > 0
