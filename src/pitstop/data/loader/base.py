@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
@@ -253,9 +254,10 @@ class ShardLoader(ABC):
     def source(self) -> ShardSource:
         """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
 
-    def _reader(self, epoch: int) -> Iterator[dict | Failure]:
-        """Readers for ``epoch``: from the saved position if it is the current epoch, else from its start."""
-        current = epoch == self.epoch
+    def _reader(self, epoch: int, resume: bool = True) -> Iterator[dict | Failure]:
+        """Readers for ``epoch``: from the saved position if it is the current epoch (and ``resume``), else from its
+        start (``resume=False``: the next epoch's, made in a thread while this one's position still changes)."""
+        current = resume and epoch == self.epoch
         done = self.batches if current else 0
         counts = [self._stream_batches(epoch, self._gid(self.rank, s)) for s in range(self.streams)]
         seq = plan.round_robin(counts)
@@ -302,12 +304,22 @@ class ShardLoader(ABC):
         )
 
     def __iter__(self) -> Iterator[Any]:
-        ahead = None  # the next epoch's workers, started while this epoch's last prefetched batches drain
+        # The next epoch's workers are started while this epoch's last prefetched batches drain, from a thread: a
+        # worker's start waits for the fork server's answer (~20 ms each), which the training loop would wait for.
+        starter = ThreadPoolExecutor(1, thread_name_prefix="pitstop-next-epoch") if self.num_workers else None
+        try:
+            yield from self._epochs(starter)
+        finally:
+            if starter is not None:
+                starter.shutdown(wait=True)  # (a next epoch's iterator it made is dropped with it: its workers stop)
+
+    def _epochs(self, starter: ThreadPoolExecutor | None) -> Iterator[Any]:
+        ahead: Future | None = None  # the next epoch's readers, being started
         lead = self.num_workers * self.prefetch_factor if self.num_workers else 0
         while True:
             if self.batches >= self.steps_per_epoch():
                 self.epoch, self.batches, self.positions, self.base = self.epoch + 1, 0, {}, {}
-            it, ahead = (ahead if ahead is not None else self._reader(self.epoch)), None
+            it, ahead = (ahead.result() if ahead is not None else self._reader(self.epoch)), None
             limit, failure = self.steps_per_epoch(), None
             for item in it:
                 if isinstance(item, Failure):
@@ -325,7 +337,7 @@ class ShardLoader(ABC):
                 if self.batches >= limit:
                     break
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
-                    ahead = self._reader(self.epoch + 1)
+                    ahead = starter.submit(self._reader, self.epoch + 1, resume=False)
             del it
             if failure is not None:  # (raised once the readers are released: their workers stop now, not when
                 del ahead  # the traceback that holds this frame is collected, which takes 5 s per worker)
