@@ -69,7 +69,10 @@ def test_a_killed_run_resumes_from_the_local_tier_exactly(backend, data_root, tm
         "fault.step=35",
     ]
     assert cli(args, data_root, tmp_path).returncode != 0
-    assert local_steps(shm) == ["step_00000030", "step_00000033"]  # kept 2; older than the durable 20 purged
+    # kept 2, older ones purged; the purge runs in a background thread after each commit, so the crash two steps
+    # after the save of 33 can come before it removed 27 (seen under a third xdist worker): at most one more
+    steps = local_steps(shm)
+    assert steps[-2:] == ["step_00000030", "step_00000033"] and steps[:-2] in ([], ["step_00000027"]), steps
     p = cli(args, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(step 33, local tier)" in (run_dir / "train.log").read_text()
