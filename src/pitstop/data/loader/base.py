@@ -337,13 +337,20 @@ class ShardLoader(ABC):
                 if self.batches >= limit:
                     break
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
-                    ahead = starter.submit(self._reader, self.epoch + 1, resume=False)
+                    ahead = starter.submit(self._next_reader, self.epoch + 1, _current_device(self.pin_memory))
             del it
             if failure is not None:  # (raised once the readers are released: their workers stop now, not when
                 del ahead  # the traceback that holds this frame is collected, which takes 5 s per worker)
                 raise DataError(failure.message)
             if self.batches < limit:  # every reader ran dry early (samples skipped as corrupt)
                 self.batches = limit
+
+    def _next_reader(self, epoch: int, device: int | None) -> Iterator[dict | Failure]:
+        """(In the starter thread) the next epoch's reader, made on the trainer's device: a pinning DataLoader pins
+        for the current device of the thread that makes it, and a thread's starts at 0 (another rank's GPU)."""
+        if device is not None:
+            torch.accelerator.set_device_index(device)
+        return self._reader(epoch, resume=False)
 
     def eval_batches(self) -> list[int]:
         """Batches of one evaluation pass, per rank (pure: every rank computes the same list)."""
@@ -426,3 +433,8 @@ def _parts(value: Any) -> int:
             f"once) or a number >= 1 (1: one request per shard)"
         )
     return int(value)
+
+
+def _current_device(pinned: bool) -> int | None:
+    """The accelerator device this thread uses, where batches are pinned for one (else None)."""
+    return torch.accelerator.current_device_index() if pinned and torch.accelerator.is_available() else None
