@@ -100,3 +100,7 @@ def test_small_batch_tensors_travel_inline_and_come_back_as_they_were():
     assert torch.equal(back["xy"][0], x) and back["xy"][0].dtype == torch.uint8
     assert torch.equal(back["xy"][1], y) and back["xy"][1].dtype == torch.int64
     assert torch.equal(back["pair"][1], big) and isinstance(back["arr"], np.ndarray)
+    # what numpy cannot carry as it is keeps torch's way: sparse, conjugate views, subclasses
+    sparse, conj = torch.eye(3).to_sparse(), torch.ones(2, dtype=torch.complex64).conj()
+    param = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert all(to_transport(t) is t for t in (sparse, conj, param))

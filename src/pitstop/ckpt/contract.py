@@ -66,7 +66,8 @@ class Checkpointer(ABC):
     name: str = "base"
     root: str | None = None  # where checkpoints go (None: nowhere)
     last_started: int | None = None  # the step of the newest save started (in flight or done)
-    last_committed: int | None = None  # the step of the newest save of this run that became durable (any tier)
+    last_durable: int | None = None  # the step of the newest save to the durable tier (ckpt.dir) started
+    last_committed: int | None = None  # the step of the newest save to the durable tier that completed
 
     @abstractmethod
     def setup(

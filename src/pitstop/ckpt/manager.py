@@ -98,7 +98,7 @@ class CheckpointManager(Checkpointer):
         self._purger: ThreadPoolExecutor | None = None
         self._closed = False
         self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
-        self.last_started = self.last_committed = None
+        self.last_started = self.last_durable = self.last_committed = None
 
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(
@@ -186,6 +186,8 @@ class CheckpointManager(Checkpointer):
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
         self.last_started = step
+        if tier is self.durable:
+            self.last_durable = step
         tier.schedule.started()
         if tier is self.durable and self.local is not None:
             self.local.schedule.finished_blocking()  # a durable save restarts the local tier's clock too
@@ -285,7 +287,8 @@ class CheckpointManager(Checkpointer):
     def _committed(self, record: SaveRecord) -> None:
         """A save became durable: account for it and purge old checkpoints (rank 0, in the background)."""
         record.total_seconds = (record.finished or time.perf_counter()) - record.started
-        self.last_committed = max(record.step, self.last_committed or 0)
+        if record.tier == "durable":  # (a node-local tier may go with the node a notice is about)
+            self.last_committed = max(record.step, self.last_committed or 0)
         if self.rank == 0:
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:

@@ -151,20 +151,21 @@ def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, l
     durable) fits the grace period and none is under way, then wait until the newest save is durable (or has
     failed, per ``ckpt.on_error``) before the process goes."""
     took = float(ckpt.stats().get("total_seconds_mean") or 0.0)
-    saving = ckpt.root is not None and (ckpt.last_started == step or took <= grace)  # this step's save
+    under_way = ckpt.last_durable == step  # (a local-tier save of this step is not enough: the node may go)
+    saving = ckpt.root is not None and (under_way or took <= grace)  # this step's durable save
     if ckpt.root is None:
         log.warning("preempted (%s) at step %d: no checkpoints (ckpt=none), the next run starts over", why, step)
-    elif ckpt.last_started == step:
+    elif under_way:
         log.warning("preempted (%s) at step %d: the save of this step is already under way", why, step)
     elif took > grace:
         log.warning(
             "preempted (%s) at step %d: a save takes ~%.1f s, more than trainer.preempt_grace_seconds=%g; "
-            "keeping the newest complete checkpoint (step %s)",
+            "keeping the newest checkpoint (durable tier: step %s, or the one in flight if it completes)",
             why,
             step,
             took,
             grace,
-            ckpt.last_started,
+            ckpt.last_committed,
         )
     else:
         with watchdog.phase("checkpoint"):

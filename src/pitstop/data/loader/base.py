@@ -310,8 +310,8 @@ class ShardLoader(ABC):
         try:
             yield from self._epochs(starter)
         finally:
-            if starter is not None:
-                starter.shutdown(wait=True)  # (a next epoch's iterator it made is dropped with it: its workers stop)
+            if starter is not None:  # (not waiting: a start stuck on a fork server must not hold up a stall's exit;
+                starter.shutdown(wait=False, cancel_futures=True)  # the iterator it makes is dropped, workers stop)
 
     def _epochs(self, starter: ThreadPoolExecutor | None) -> Iterator[Any]:
         ahead: Future | None = None  # the next epoch's readers, being started

@@ -64,12 +64,13 @@ class Inline:
 def to_transport(batch: Any, limit: int = INLINE_BYTES) -> Any:
     """``batch`` with each CPU tensor of at most ``limit`` bytes as an :class:`Inline` (lists, tuples, dicts)."""
     if isinstance(batch, torch.Tensor):
-        if batch.device.type == "cpu" and batch.nbytes <= limit and not batch.requires_grad:
+        plain = type(batch) is torch.Tensor and batch.layout == torch.strided and batch.device.type == "cpu"
+        if plain and not (batch.requires_grad or batch.is_conj() or batch.is_neg()) and batch.nbytes <= limit:
             try:
                 return Inline(batch.numpy())
-            except TypeError:  # (a dtype numpy has not: bfloat16)
+            except (TypeError, RuntimeError):  # (a dtype numpy has not: bfloat16, float8, quantized)
                 return batch
-        return batch
+        return batch  # (subclasses, sparse and nested tensors, large ones: torch's shared memory)
     if type(batch) in (list, tuple):
         return type(batch)(to_transport(b, limit) for b in batch)
     if type(batch) is dict:
