@@ -52,7 +52,7 @@ class FetchPolicy:
     def parts_for(self, ref: "ShardRef") -> int:
         """How many ranged requests fetch ``ref`` at once: one for a local file, a ``pipe:`` command, a shard of
         unknown size or a small one; else ``parts`` (auto: one per ``PART_BYTES``, at most ``MAX_PARTS``)."""
-        if not ref.bytes or not ref.url.startswith(("http://", "https://")) and not _is_fsspec(ref.url):
+        if not ref.bytes or not is_url(ref.url) or ref.url.startswith("pipe:"):
             return 1
         if urllib.parse.urlsplit(ref.url).netloc in _NO_RANGES:
             return 1
@@ -61,10 +61,6 @@ class FetchPolicy:
 
 
 _NO_RANGES: set[str] = set()  # the HTTP hosts (of this process) that answered a range request with the whole file
-
-
-def _is_fsspec(url: str) -> bool:
-    return "://" in url and not url.startswith(("file://", "pipe:", "http://", "https://"))
 
 
 def open_source(url: str, policy: FetchPolicy) -> tuple[BinaryIO, Callable[[], None]]:
