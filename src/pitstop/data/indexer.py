@@ -20,7 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from pitstop.data.remote import FetchPolicy, open_source
+from pitstop.data.remote import FetchPolicy
+from pitstop.data.sources import open_source
 from pitstop.data.shards import ShardInfo, split_key, write_index
 from pitstop.errors import DataError
 from pitstop.fsurl import is_url

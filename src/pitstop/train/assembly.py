@@ -10,9 +10,10 @@ the loaders get this rank's share of the data.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -21,14 +22,17 @@ from pitstop.config import checks
 from pitstop.config.build import build
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import IntervalPolicy
+from pitstop.goodput.ledger import GoodputLog, Ledger
 from pitstop.resilience.fault import FaultContext
 from pitstop.resilience.watchdog import Watchdog
 from pitstop.telemetry.metrics import MetricsFile
 from pitstop.telemetry.profiler import StepProfiler
 from pitstop.train import compiler
 from pitstop.train.batch import map_tensors
+from pitstop.train.launch_facts import LaunchFacts
 from pitstop.train.metering import StepMeter
 from pitstop.train.precision import DTYPES, Precision
+from pitstop.train.sample_log import SampleLog
 from pitstop.train.throughput import Throughput
 
 NULL_LOGGER = {"_target_": "pitstop.telemetry.logger.base.NullLogger"}
@@ -116,6 +120,29 @@ def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: i
     throughput = Throughput(strategy.device, t.precision)
     meter = StepMeter(throughput, metrics_file, strategy.world_size, t.log_every_steps)
     return Telemetry(metrics_file, logger, profiler, throughput, meter)
+
+
+def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Any, launch: LaunchFacts) -> GoodputLog:
+    """This attempt's line in ``RUN_DIR/goodput.jsonl`` (written by the main rank); under ``strategy=ft`` it
+    carries the attempt's heals and discarded steps."""
+    ft = strategy.ft_stats() is not None
+    return GoodputLog(run_dir, ledger, enabled=strategy.is_main, auto_restart=launch.restart > 0,
+                      start_method=launch.start_method,
+                      extra=(lambda: {"ft": strategy.ft_stats()}) if ft else None)  # fmt: skip
+
+
+def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, taking: Callable[[], tuple[int, int]],
+                     loader: Any, hold: ExitStack) -> SampleLog | None:  # fmt: skip
+    """``data.record_sample_ids``: every sample each step takes, per rank and attempt (the exactly-once proof);
+    ``taking()`` names the step and micro-batch being taken."""
+    if not cfg.data.get("record_sample_ids"):
+        return None
+    attempt_id = strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
+    quorum = (lambda: strategy.quorum_id) if strategy.quorum_id is not None else None
+    samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum)
+    hold.callback(samples.close)
+    loader.sample_log = samples.write
+    return samples
 
 
 def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> IntervalPolicy:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import ExitStack, closing, nullcontext
+from contextlib import ExitStack, closing
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.ckpt.contract import SaveResult, Target, save_errors
@@ -31,19 +30,18 @@ from pitstop.config import flatten, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
 from pitstop.errors import ConfigError, FingerprintMismatch
-from pitstop.goodput.ledger import GoodputLog, Ledger, table
+from pitstop.goodput.ledger import GoodputLog, Ledger
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
 from pitstop.resilience.watchdog import Hung
 from pitstop.strategy.nodes import check_nodes
-from pitstop.telemetry.metrics import write_json_atomic
 from pitstop.train import assembly, steps, summary
-from pitstop.train.assembly import channels_last
 from pitstop.train.digest import model_sha256
 from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
 from pitstop.train.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
+from pitstop.train.step import Stepper
 
 log = logging.getLogger("pitstop")
 
@@ -63,7 +61,6 @@ class Runner:
         self._finished = self._preempted = False
         self.goodput: GoodputLog | None = None
         self.samples: SampleLog | None = None
-        self._micro = 1
         self.watchdog = assembly.watchdog(cfg.trainer.hang)
 
     @property
@@ -95,13 +92,9 @@ class Runner:
             self.strategy.setup()
             self.watchdog.at_least("peers", self.strategy.peer_wait_seconds())
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
-            main = self.strategy.is_main
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            ft = self.strategy.ft_stats() is not None  # (strategy=ft: each attempt's heals, discarded steps)
-            self.goodput = GoodputLog(self.run_dir, self.ledger, enabled=main, auto_restart=self.launch.restart > 0,
-                                      start_method=self.launch.start_method,
-                                      extra=(lambda: {"ft": self.strategy.ft_stats()}) if ft else None)  # fmt: skip
+            self.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
             hold.push(self._record_failure)
             parts = assembly.build_step_parts(cfg, self.strategy)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
@@ -122,19 +115,20 @@ class Runner:
             hold.callback(self._release_ckpt)
             intervals = assembly.interval_policy(cfg, self.goodput.failures(), self.goodput.job_seconds())
             self.ckpt.setup(self.strategy, self.report, intervals)
-            if cfg.data.get("record_sample_ids"):
-                attempt_id = self.strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
-                quorum = (lambda: self.strategy.quorum_id) if self.strategy.quorum_id is not None else None
-                self.samples = SampleLog(self.run_dir, self.strategy.rank, attempt_id, self.accum, self._taking, quorum)
-                hold.callback(self.samples.close)
-                self.loader.sample_log = self.samples.write
+            self.samples = assembly.build_sample_log(cfg, self.run_dir, self.strategy, self.accum, self._taking,
+                                                     self.loader, hold)  # fmt: skip
             self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.total_steps,
                                               self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
+            self.stepper = Stepper(
+                self.progress, self.strategy, self.model, self.optimizer, self.scheduler, self.precision, self.task,
+                self.data, self.loader, self.ckpt, self.fault, self.ledger, self.watchdog, self.meter, self.accum,
+                t.batch_size, t.grad_clip, t.channels_last,
+            )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
 
     def _taking(self) -> tuple[int, int]:
-        return self.step + 1, self._micro  # the step being taken, its micro-batch
+        return self.step + 1, self.stepper.micro  # the step being taken, its micro-batch
 
     def _on_hang(self, message: str) -> None:
         """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
@@ -279,51 +273,8 @@ class Runner:
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
     def train_step(self, batches: Batches) -> StepResult:
-        """One optimizer step over ``trainer.grad_accum_steps`` micro-batches (gradients reduced across ranks on
-        the last one only), in ``trainer.precision``."""
-        t = time.perf_counter()
-        with self.watchdog.phase("peers"):  # (waits for peer replica groups: a peer's stall is not a hang here)
-            self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
-        quorum = time.perf_counter() - t
-        self.optimizer.zero_grad(set_to_none=True)
-        losses, samples, wait = [], 0, 0.0
-        for micro in range(1, self.accum + 1):
-            self._micro = micro
-            t = time.perf_counter()
-            batch = self._device_batch(batches.next())
-            wait += time.perf_counter() - t
-            samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.cfg.trainer.batch_size
-            if micro == 1:
-                self.meter.first_batch(batch)  # its shapes, for counting a step's FLOPs once
-            with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
-                with self.precision.autocast():
-                    loss = self.task.loss(self.model, batch)
-                self.precision.backward(loss / self.accum if self.accum > 1 else loss)
-            losses.append(loss.detach())
-            if micro < self.accum:
-                self.fault.after_micro_batch(self.step + 1, micro)
-        loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {self.step + 1}; lower optim.lr or check the data")
-        with self.watchdog.phase("peers"):
-            self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
-            committed = self.strategy.commit()
-        if not committed:
-            return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
-        self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
-        self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
-        if self.cfg.trainer.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        staging = self.ckpt.wait_staging()  # staging must finish before params change
-        self.ledger.add("checkpoint", staging)
-        # (what forward changes, BatchNorm statistics, was copied when the save started)
-        self.precision.step(self.optimizer)
-        self.scheduler.step()
-        return StepResult(loss.item(), samples, wait, staging, quorum=quorum)
-
-    def _device_batch(self, batch: Any) -> Any:
-        batch = self.data.on_device(self.strategy.to_device(batch))
-        return channels_last(batch) if self.cfg.trainer.channels_last else batch
+        """One optimizer step (``step.Stepper``)."""
+        return self.stepper(batches)
 
     def data_stats(self) -> dict[str, float]:
         return {k: v for k, v in self.loader.stats.items() if k != "samples"}
@@ -342,7 +293,7 @@ class Runner:
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
             out = steps.evaluate(self.model, self.task, self.eval_loader, self.cfg.trainer.eval_max_batches,
-                                 self.strategy, self.precision, self._device_batch)  # fmt: skip
+                                 self.strategy, self.precision, self.stepper.device_batch)  # fmt: skip
         if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
             self.ledger.move("eval", "compile", self.compile_clock.take())
         self.last_eval = out
@@ -360,31 +311,13 @@ class Runner:
         self.fault.close()
         account = self.goodput.write(self.step, status="finished")
         self.logger.log_metrics(summary.goodput_metrics(account), self.step)
-        digest = self.params_sha256()
-        out = summary.summary(
-            step=self.step, total_steps=self.total_steps, epoch=self.loader.epoch, samples_seen=self.samples_seen,
-            resumed_from=self.resumed_from, metrics=self.last_eval, params_sha256=digest,
-            data={**self.loader.stats, "data_wait_fraction": summary.data_wait_fraction(self.ledger.seconds)},
-            checkpoint=self.ckpt.stats(), strategy=self.strategy, throughput=self.throughput.summary(),
-            precision=self.precision.name, account=account,
-        )  # fmt: skip
-        if self.strategy.ft_stats() is not None:
-            out["ft"] = self.strategy.ft_stats()
         for cb in self.callbacks:
             cb.on_train_end(self.view)
         if self.strategy.is_main:
             self.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
-        out.update(self._close_logger("FINISHED"))
+        tracker = self._close_logger("FINISHED")
         self.metrics_file.close()
-        split = self.ledger.split()
-        out["wall_clock"] = split
-        out["samples_per_s"] = self.samples_seen / max(split["total"], 1e-9)
-        if self.strategy.is_main:
-            write_json_atomic(os.path.join(self.run_dir, "summary.json"), out)
-            evals = ", ".join(f"{k}={v:.4f}" for k, v in self.last_eval.items())
-            log.info("done: step %d, %s, params_sha256=%s", self.step, evals, digest[:16])
-            log.info("%s", table(account))
-        return out
+        return summary.write_summary(self, account, tracker, self.ledger.split())
 
     def _close_logger(self, status: str) -> dict:
         """End the tracker run (FINISHED, or FAILED on the way out of a failed run); only the first call counts."""

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
+
+from pitstop.goodput.ledger import table
+from pitstop.telemetry.metrics import write_json_atomic
+
+log = logging.getLogger("pitstop")
 
 
 class RunView:
@@ -64,36 +71,34 @@ def data_wait_fraction(seconds: dict[str, float]) -> float:
     return round(wait / max(wait + compute, 1e-9), 4)
 
 
-def summary(
-    *,
-    step: int,
-    total_steps: int,
-    epoch: int,
-    samples_seen: int,
-    resumed_from: int | None,
-    metrics: dict[str, float],
-    params_sha256: str,
-    data: dict[str, Any],
-    checkpoint: dict[str, Any],
-    strategy: Any,
-    throughput: dict[str, Any],
-    precision: str,
-    account: dict,
-) -> dict[str, Any]:
-    """``summary.json`` (its wall clock and tracker fields are added when the run has closed them)."""
-    return {
-        "final_step": step,
-        "total_steps": total_steps,
-        "epoch": epoch,
-        "samples_seen": samples_seen,
-        "resumed_from": resumed_from,
-        "metrics": metrics,
-        "params_sha256": params_sha256,
-        "data": data,
-        "checkpoint": checkpoint,
+def write_summary(run: Any, account: dict, tracker: dict, split: dict[str, float]) -> dict[str, Any]:
+    """``summary.json`` of a finished run (written by the main rank), logged in one line and the goodput table.
+    ``run``: the Runner, its components closed; ``tracker``: what the tracker run's end added (e.g. its id)."""
+    strategy, ledger, digest = run.strategy, run.ledger, run.params_sha256()
+    out = {
+        "final_step": run.step,
+        "total_steps": run.total_steps,
+        "epoch": run.loader.epoch,
+        "samples_seen": run.samples_seen,
+        "resumed_from": run.resumed_from,
+        "metrics": run.last_eval,
+        "params_sha256": digest,
+        "data": {**run.loader.stats, "data_wait_fraction": data_wait_fraction(ledger.seconds)},
+        "checkpoint": run.ckpt.stats(),
         "strategy": strategy.name,
         "world_size": strategy.world_size,
-        "throughput": throughput,
-        "precision": precision,
+        "throughput": run.throughput.summary(),
+        "precision": run.precision.name,
         "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
     }
+    if strategy.ft_stats() is not None:
+        out["ft"] = strategy.ft_stats()
+    out.update(tracker)
+    out["wall_clock"] = split
+    out["samples_per_s"] = run.samples_seen / max(split["total"], 1e-9)
+    if strategy.is_main:
+        write_json_atomic(os.path.join(run.run_dir, "summary.json"), out)
+        evals = ", ".join(f"{k}={v:.4f}" for k, v in run.last_eval.items())
+        log.info("done: step %d, %s, params_sha256=%s", run.step, evals, digest[:16])
+        log.info("%s", table(account))
+    return out

@@ -44,7 +44,8 @@ from typing import BinaryIO
 
 from filelock import FileLock
 
-from pitstop.data.remote import Counters, FetchPolicy, ShardRef, SinkError, fetch, fetch_counted
+from pitstop.data.remote import Counters, FetchPolicy, ShardRef, fetch, fetch_counted
+from pitstop.data.sources import SinkError
 from pitstop.errors import DataError
 
 PART = ".part."

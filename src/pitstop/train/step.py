@@ -1,0 +1,88 @@
+"""One optimizer step, with the collaborators it uses passed in (the Runner builds it once, in setup).
+
+quorum (strategy=ft) -> per micro-batch: fetch, forward, backward (reduced on the last one only)
+  -> reduce across replica groups + commit -> clip -> wait for a save's staging -> optimizer + schedule
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pitstop.train.assembly import channels_last
+from pitstop.train.state import Batches, Progress, StepResult
+
+
+@dataclass
+class Stepper:
+    """``trainer.grad_accum_steps`` micro-batches per optimizer step, in ``trainer.precision``."""
+
+    progress: Progress
+    strategy: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    precision: Any
+    task: Any
+    data: Any  # the data set: its ``on_device`` runs on each batch once it is on the device
+    loader: Any
+    ckpt: Any
+    fault: Any
+    ledger: Any
+    watchdog: Any
+    meter: Any
+    accum: int
+    batch_size: int
+    grad_clip: float | None
+    channels_last: bool
+    micro: int = 1  # the micro-batch being taken (the sample log names it)
+
+    def __call__(self, batches: Batches) -> StepResult:
+        step = self.progress.step + 1
+        t = time.perf_counter()
+        with self.watchdog.phase("peers"):  # (waits for peer replica groups: a peer's stall is not a hang here)
+            self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
+        quorum = time.perf_counter() - t
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, samples, wait = [], 0, 0.0
+        for micro in range(1, self.accum + 1):
+            self.micro = micro
+            t = time.perf_counter()
+            batch = self.device_batch(batches.next())
+            wait += time.perf_counter() - t
+            samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.batch_size
+            if micro == 1:
+                self.meter.first_batch(batch)  # its shapes, for counting a step's FLOPs once
+            with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
+                with self.precision.autocast():
+                    loss = self.task.loss(self.model, batch)
+                self.precision.backward(loss / self.accum if self.accum > 1 else loss)
+            losses.append(loss.detach())
+            if micro < self.accum:
+                self.fault.after_micro_batch(step, micro)
+        loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check the data")
+        with self.watchdog.phase("peers"):
+            self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
+            committed = self.strategy.commit()
+        if not committed:
+            return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
+        self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
+        self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        staging = self.ckpt.wait_staging()  # staging must finish before params change
+        self.ledger.add("checkpoint", staging)
+        # (what forward changes, BatchNorm statistics, was copied when the save started)
+        self.precision.step(self.optimizer)
+        self.scheduler.step()
+        return StepResult(loss.item(), samples, wait, staging, quorum=quorum)
+
+    def device_batch(self, batch: Any) -> Any:
+        batch = self.data.on_device(self.strategy.to_device(batch))
+        return channels_last(batch) if self.channels_last else batch
