@@ -147,3 +147,66 @@ def test_a_stalled_group_is_ended_by_its_own_watchdog_and_the_healthy_group_neve
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
     assert s0["final_step"] == s1["final_step"] == 120 and s0["params_sha256"] == s1["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
+
+
+def test_a_notice_to_one_group_lets_it_leave_and_the_other_finishes_the_job_alone(data_root, tmp_path):
+    # The node of group 0 (the one that writes the durable checkpoints) is being preempted: its trainer gets the
+    # notice, saves at the step it finishes and leaves with 75; its supervisor does not restart it (the node is
+    # going), group 1 takes over the durable checkpoints and every step's whole batch, and finishes the job.
+    run = tmp_path / "run"
+    args = [*FT, "trainer.max_steps=120", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
+            "trainer.preempt_grace_seconds=60", f"run_dir={run}"]  # fmt: skip
+    log = open(tmp_path / "job.log", "w")
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
+        os.kill(attempts(run, 0)[-1]["pid"], signal.SIGUSR1)
+        assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+    left = attempts(run, 0)
+    assert [a["status"] for a in left] == ["preempted"] and [a["status"] for a in attempts(run, 1)] == ["finished"]
+    text = (run / "replica0" / "train.log").read_text()
+    assert f"preempted (SIGUSR1) at step {left[0]['step']}: saved it" in text, text[-2000:]
+    assert (run / "checkpoints" / "step_00000120").is_dir()  # group 1 wrote the durable checkpoints after it left
+    assert group_summary(run, 1)["final_step"] == 120
+    job = json.loads((run / "summary.json").read_text())["ft_job"]
+    assert job["attempts_per_group"] == {"0": 1, "1": 1} and "preempted" in job["errors"]["0"]
+    epochs = audit(str(run))
+    assert epochs and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
+    assert "Traceback" not in (tmp_path / "job.log").read_text()
+
+
+def test_a_notice_to_every_process_stops_the_job_with_75_and_the_same_command_resumes_it(data_root, tmp_path):
+    # SLURM's notice reaches every process of the job step: the launcher, the Lighthouse, both groups. Both groups
+    # stop after the same step (one saves it), the launcher waits for them and leaves with 75, nothing is lost.
+    run = tmp_path / "run"
+    args = [*FT, "strategy.min_replicas=2", "trainer.max_steps=80", "trainer.eval_every_steps=null",
+            "ckpt.interval_steps=20", "trainer.preempt_grace_seconds=60", f"run_dir={run}"]  # fmt: skip
+    with open(tmp_path / "job.err", "w") as log:  # (a file: a pipe nobody reads fills and blocks the job)
+        p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
+        os.killpg(p.pid, signal.SIGUSR1)
+        p.wait(timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = (tmp_path / "job.err").read_text()
+    assert p.returncode == 75, err[-3000:]
+    assert "preempted after a notice; run the same command again" in err and "Traceback" not in err, err[-3000:]
+    assert "failed (" not in err, err[-3000:]  # (the warm fork server outlived the notice: it reported each 75)
+    stops = {k: attempts(run, k)[-1] for k in (0, 1)}
+    assert {a["status"] for a in stops.values()} == {"preempted"} and stops[0]["step"] == stops[1]["step"], stops
+    step = stops[0]["step"]
+    assert (run / "checkpoints" / f"step_{step:08d}").is_dir()
+    again = cli(args, data_root, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for k in (0, 1):
+        s = group_summary(run, k)
+        assert s["final_step"] == 80 and s["resumed_from"] == step
+    assert group_summary(run, 0)["params_sha256"] == group_summary(run, 1)["params_sha256"]
+    assert all(e.ok for e in audit(str(run)))

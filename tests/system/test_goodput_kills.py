@@ -488,3 +488,41 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
     assert s["resumed_from"] == stopped and s["params_sha256"] == reference[40] and doc["totals"]["lost"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_notice_to_the_supervisor_and_its_attempt_stops_the_job_with_75_and_no_restart(
+    data_root, tmp_path, reference
+):
+    # trainer.max_restarts: pitstop's supervisor runs the attempt. SLURM's notice reaches both, and the warm fork
+    # server between them: the supervisor (which SIGUSR1 would kill) waits for the attempt's save and starts no new
+    # attempt, the fork server (which SIGUSR1 killed: the attempt's 75 then read as exit status 255, a "failure"
+    # restarted in place) outlives it. The same command ends at the uninterrupted run's parameters.
+    import os
+    import signal
+    import time
+
+    from conftest import cli_cmd, popen_cmd
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "trainer.max_restarts=2"]
+    with open(tmp_path / "job.log", "w") as out:
+        p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        path = run_dir / "metrics.jsonl"
+        if any(r.get("step", 0) >= 15 for r in (read_jsonl(path) if path.exists() else [])):
+            break
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGUSR1)
+    assert p.wait(timeout=120) == 75, (tmp_path / "job.log").read_text()[-3000:]
+    text = (tmp_path / "job.log").read_text()
+    assert "failed (" not in text and "Traceback" not in text, text[-3000:]
+    stopped = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    assert [a["status"] for a in stopped] == ["preempted"]
+    assert f"preempted (SIGUSR1) at step {stopped[0]['step']}: saved it" in (run_dir / "train.log").read_text()
+    second = cli(args, data_root, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    s, doc = load(run_dir)
+    assert s["resumed_from"] == stopped[0]["step"] and s["params_sha256"] == reference[40]
+    assert doc["totals"]["lost"] == 0.0

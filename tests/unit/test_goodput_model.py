@@ -191,3 +191,25 @@ def test_the_sweep_reports_plot_has_a_colour_for_every_job_bucket():
     from pitstop.goodput.report import COLORS
 
     assert set(COLORS) == set(JOB_BUCKETS)  # (a missing one made the plot fail: the report had no report.png)
+
+
+def test_a_launchers_notice_goes_once_to_each_running_attempt_and_sigterm_keeps_its_own_path(monkeypatch):
+    import signal
+
+    from pitstop.resilience.preempt import LauncherNotice
+
+    class Child:
+        def __init__(self, pid: int, alive: bool):
+            self.pid, self.alive = pid, alive
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr("os.kill", lambda pid, sig: sent.append((pid, sig)))
+    children = [Child(11, True), Child(12, False), Child(13, True)]
+    notice = LauncherNotice(["SIGTERM", "SIGUSR1", "USR2"], lambda: children)
+    assert notice.signals == [signal.SIGUSR1, signal.SIGUSR2]  # (SIGTERM: the launcher stops and terminates them)
+    notice._on_signal(signal.SIGUSR1, None)
+    notice._on_signal(signal.SIGUSR2, None)  # a second notice: the attempts already have one
+    assert notice.received == signal.SIGUSR1 and sent == [(11, signal.SIGUSR1), (13, signal.SIGUSR1)]

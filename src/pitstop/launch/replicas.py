@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from pitstop.config import validate
 from pitstop.launch.attempt import warm_context
 from pitstop.launch.supervisor import _exit_on_signal, attempts
-from pitstop.resilience.preempt import Preempted
+from pitstop.resilience.preempt import LauncherNotice, Preempted
 from pitstop.telemetry.metrics import write_json_atomic
 from pitstop.train import launch_facts
 
@@ -99,13 +99,15 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
         try:
             results[k] = attempts(
                 ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
-                name=f"replica{k}-attempt", limit_key="strategy.max_restarts",
+                name=f"replica{k}-attempt", limit_key="strategy.max_restarts", notice=notice,
             )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
             errors[k] = e
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    # (a scheduler's USR1/USR2 notice to the launcher goes to every group's attempt; none starts after it)
+    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children).install()
     threads = [
         threading.Thread(target=group, args=(k,), name=f"pitstop-replica{k}", daemon=True) for k in range(groups)
     ]
@@ -117,6 +119,7 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             while t.is_alive():
                 t.join(0.5)
     finally:
+        notice.close()
         if main:
             signal.signal(signal.SIGTERM, previous)
         for child in children:  # (on the way out of an interrupted launcher: a notice, then a kill)
@@ -140,13 +143,13 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     # The job's summary.json: the first group's (the same parameters in every group), with the job's facts.
     out = {**results[min(results)], "ft_job": job} if results else {"ft_job": job}
     write_json_atomic(os.path.join(run_dir, "summary.json"), out)
-    if errors:
-        first = errors[min(errors)]
+    if errors and not results:  # no group finished the job
         if all(isinstance(e, Preempted) for e in errors.values()):
+            notice.forward()  # (submitit's requeue, once the groups' saves are durable)
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
-        if len(errors) == groups:
-            raise first
-        log.warning("replica groups %s failed: %s", sorted(errors), job["errors"])
+        raise errors[min(errors)]
+    if errors:  # (a group that left on a notice, its node going away, is not restarted: the others finished)
+        log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors), job["errors"])
     return out
 
 

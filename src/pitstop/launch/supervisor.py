@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.launch.attempt import run_attempt, warm_context
-from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
+from pitstop.notices import notices_blocked
+from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.train import launch_facts
 from pitstop.train.launch_facts import LaunchFacts, error_file
 
@@ -41,9 +42,15 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
+    children: list[Any] = []
+    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children).install()  # (USR1/USR2: to the attempt)
     try:
-        return attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace)
+        return attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace, started=children.append, notice=notice)
+    except Preempted:
+        notice.forward()  # (submitit's requeue, once the attempt's save is durable)
+        raise
     finally:
+        notice.close()
         if main:
             signal.signal(signal.SIGTERM, previous)  # a later job in this process (a sweep) gets the old one
 
@@ -58,14 +65,18 @@ def attempts(
     started: Any = None,
     name: str = "attempt",
     limit_key: str = "trainer.max_restarts",
+    notice: Any = None,
 ) -> dict:
     """Run attempts of one job (or one replica group) in ``run_dir`` until one finishes; ``started(process)``
-    is told of each attempt's process (a launcher of several groups stops them all on its way out)."""
+    is told of each attempt's process (a launcher of several groups stops them all on its way out); after the
+    launcher's preemption ``notice`` (a ``LauncherNotice``) no attempt starts."""
     import json
 
     os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
     for attempt in range(max_restarts + 1):
+        if notice is not None and notice.received is not None:  # (the notice came between two attempts)
+            raise Preempted(f"preempted ({notice.received.name}); run the same command again to resume ({run_dir})")
         if os.path.exists(errors):
             os.remove(errors)
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
@@ -78,7 +89,8 @@ def attempts(
             start_method=ctx.get_start_method(),  # recorded in goodput.json (forkserver: a warm attempt)
         )
         child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-{name}{attempt}")
-        child.start()
+        with notices_blocked():  # (the warm fork server, started by the first, must outlive a scheduler's notice to
+            child.start()  # the job's processes: it reports the attempts' exit status; the attempt unblocks them)
         if started is not None:
             started(child)
         try:

@@ -46,10 +46,11 @@ def parse_signals(names: Any) -> list[signal.Signals]:
 
 
 class _Handlers:
-    """Signal handlers for ``self.signals`` (main thread only), ``_on_signal`` each; ``close()`` restores the
-    ones they replaced."""
+    """Signal handlers for ``self.signals`` (main thread only), ``_on_signal`` each; ``forward()`` hands the
+    notice received to the handler each replaced, ``close()`` restores them."""
 
     signals: list[signal.Signals]
+    received: signal.Signals | None
     _previous: dict[signal.Signals, Any]
 
     def _install(self) -> None:
@@ -59,6 +60,21 @@ class _Handlers:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         raise NotImplementedError
+
+    def forward(self) -> None:
+        """Hand the notice on to the handler that was installed before ours, once our save is durable: under
+        submitit (``hydra/launcher=slurm``) that is its checkpoint-and-requeue handler for SIGUSR2, which
+        requeues the job and exits.  Nothing happens when there was none (the default action is not taken)."""
+        if self.received is None:
+            return
+        previous = self._previous.get(self.received)
+        if callable(previous) and previous not in (signal.default_int_handler,):
+            log.warning(
+                "handing the %s notice on to the handler installed before pitstop's (%s)",
+                self.received.name,
+                getattr(previous, "__qualname__", previous),
+            )
+            previous(int(self.received), None)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
@@ -106,21 +122,6 @@ class PreemptionNotice(_Handlers):
         else:
             log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
 
-    def forward(self) -> None:
-        """Hand the notice on to the handler that was installed before ours, once our save is durable: under
-        submitit (``hydra/launcher=slurm``) that is its checkpoint-and-requeue handler for SIGUSR2, which
-        requeues the job and exits.  Nothing happens when there was none (the default action is not taken)."""
-        if self.received is None:
-            return
-        previous = self._previous.get(self.received)
-        if callable(previous) and previous not in (signal.default_int_handler,):
-            log.warning(
-                "handing the %s notice on to the handler installed before pitstop's (%s)",
-                self.received.name,
-                getattr(previous, "__qualname__", previous),
-            )
-            previous(int(self.received), None)
-
 
 class JobNotice(_Handlers):
     """The launching process of an elastic job (torch's elastic agent runs in it): the first preemption notice
@@ -144,6 +145,37 @@ class JobNotice(_Handlers):
         self.received = signal.Signals(signum)
         log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
         raise self.exception(f"preemption notice ({self.received.name})", self.received)
+
+
+class LauncherNotice(_Handlers):
+    """A launcher of attempt processes (pitstop's supervisor, the replica groups' launcher): a scheduler's notice
+    (SLURM's ``scancel --signal`` or ``--signal=USR1@N`` reach every process of the job step, the launcher's too)
+    is handed to the attempts it runs, once: each finishes its step, saves and exits 75, and the launcher, which
+    the signal would otherwise have killed, waits for them and starts no new attempt (``received``). SIGTERM and
+    SIGINT keep their own path (the launcher stops and terminates its attempts, a notice too)."""
+
+    def __init__(self, signals: Any, children: Callable[[], list]):
+        """``children()``: the attempt processes running now."""
+        self.signals = [s for s in parse_signals(signals) if s not in (signal.SIGTERM, signal.SIGINT)]
+        self.children = children
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> "LauncherNotice":
+        self._install()
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            return  # (the attempts have it: another would only be logged by each)
+        self.received = signal.Signals(signum)
+        log.warning("preemption notice (%s): the attempts save and stop; no new attempt starts", self.received.name)
+        for child in list(self.children()):
+            if child.is_alive() and child.pid is not None:
+                try:
+                    os.kill(child.pid, signum)
+                except OSError:  # (it has just ended)
+                    pass
 
 
 def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, ledger: Any, watchdog: Any) -> None:
