@@ -106,28 +106,60 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
     assert discarded <= job["ft"]["discarded_steps"] <= 5  # at most one per failure, over every attempt
 
 
-def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_root, tmp_path):
-    # min_replicas=2: every step has both groups (the steps' shares, and so the arithmetic, are the same in both runs)
-    args = [*FT, "strategy.min_replicas=2", "trainer.max_steps=60", "trainer.eval_every_steps=30",
-            "ckpt.interval_steps=20"]  # fmt: skip
-    ref = tmp_path / "ref"
-    r = cli([*args, f"run_dir={ref}"], data_root, tmp_path)
+# min_replicas=2: every step has both groups (the steps' shares, and so the arithmetic, are the same in every run)
+BOTH = [*FT, "strategy.min_replicas=2", "trainer.max_steps=60", "trainer.eval_every_steps=30", "ckpt.interval_steps=20"]
+
+
+@pytest.fixture(scope="module")
+def ft_reference(data_root, tmp_path_factory) -> Path:
+    """An uninterrupted run of BOTH: the parameters and losses every interrupted one must reach exactly."""
+    tmp = tmp_path_factory.mktemp("ft_ref")
+    r = cli([*BOTH, f"run_dir={tmp / 'ref'}"], data_root, tmp)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert group_summary(tmp / "ref", 0)["params_sha256"] == group_summary(tmp / "ref", 1)["params_sha256"]
+    return tmp / "ref"
+
+
+def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_root, tmp_path, ft_reference):
     run = tmp_path / "run"
-    cmd = cli_cmd([*args, f"run_dir={run}"], data_root, tmp_path)
+    cmd = cli_cmd([*BOTH, f"run_dir={run}"], data_root, tmp_path)
     p = popen_cmd(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: (run / "checkpoints" / "step_00000040").is_dir() and committed_step(run, 1) >= 45, p=p)
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the launcher, its Lighthouse, both groups, their fork server
         p.wait()
-    again = cli([*args, f"run_dir={run}"], data_root, tmp_path)
+    again = cli([*BOTH, f"run_dir={run}"], data_root, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     for k in (0, 1):
         s = group_summary(run, k)
-        assert s["resumed_from"] == 40 and s["params_sha256"] == group_summary(ref, k)["params_sha256"]
-        assert final_losses(run / f"replica{k}") == final_losses(ref / f"replica{k}")
-    assert group_summary(ref, 0)["params_sha256"] == group_summary(ref, 1)["params_sha256"]
+        assert s["resumed_from"] == 40 and s["params_sha256"] == group_summary(ft_reference, k)["params_sha256"]
+        assert final_losses(run / f"replica{k}") == final_losses(ft_reference / f"replica{k}")
+    assert all(e.ok for e in audit(str(run)))
+
+
+def test_every_group_killed_at_once_restarts_in_the_job_from_the_durable_checkpoint_bitwise(
+    data_root, tmp_path, ft_reference
+):
+    # Both groups SIGKILLed together (the launcher lives): no live peer to heal from, so both restarted attempts
+    # restore the newest durable checkpoint, in the same job, and end at the uninterrupted run's parameters.
+    run = tmp_path / "run"
+    log = open(tmp_path / "job.log", "w")
+    p = popen_cmd(cli_cmd([*BOTH, f"run_dir={run}"], data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000020").is_dir() and committed_step(run, 1) >= 25, p=p)
+        for k in (0, 1):
+            os.kill(attempts(run, k)[-1]["pid"], signal.SIGKILL)
+        assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+    for k in (0, 1):
+        s = group_summary(run, k)
+        assert len(attempts(run, k)) == 2 and s["resumed_from"] in (20, 40), s["resumed_from"]
+        assert "healed from a live peer" not in (run / f"replica{k}" / "train.log").read_text()
+        assert s["params_sha256"] == group_summary(ft_reference, k)["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
 
 
@@ -210,3 +242,33 @@ def test_a_notice_to_every_process_stops_the_job_with_75_and_the_same_command_re
         assert s["final_step"] == 80 and s["resumed_from"] == step
     assert group_summary(run, 0)["params_sha256"] == group_summary(run, 1)["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
+
+
+def test_the_writer_group_killed_during_a_durable_save_the_job_goes_on_and_a_resume_skips_the_partial(
+    data_root, tmp_path
+):
+    # fault=during_save aimed at group 0, the group that writes the durable checkpoints: SIGKILL while step 20's
+    # files are on disk without their commit marker. Group 1 goes on; group 0 restarts and heals from it; the durable
+    # checkpoints go on being written. The partial step 20 is never loaded: the same command again (the job is done)
+    # restores the newest complete one, removes the partial, and reports the same parameters.
+    run = tmp_path / "run"
+    args = [*FT, "ckpt=async_dcp", "ckpt.throttle_mbps=5", "ckpt.interval_steps=20", "fault=during_save",
+            "fault.step=20", "fault.replica=0", "trainer.max_steps=100", "trainer.eval_every_steps=null",
+            f"run_dir={run}"]  # fmt: skip
+    r = cli(args, data_root, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(attempts(run, 0)) == 2 and attempts(run, 0)[-1]["status"] == "finished"  # (the first was SIGKILLed)
+    assert [a["status"] for a in attempts(run, 1)] == ["finished"]  # never restarted
+    text = (run / "replica0" / "train.log").read_text()
+    assert "fault injection: SIGKILL (during the write of step_00000020)" in text and "healed from a live peer" in text
+    partial = run / "checkpoints" / "step_00000020"
+    assert partial.is_dir() and not (partial / ".metadata").exists()
+    assert (run / "checkpoints" / "step_00000100" / ".metadata").is_file()  # saves went on after the kill
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 100 and s0["params_sha256"] == s1["params_sha256"]
+    assert all(e.ok for e in audit(str(run)))
+    again = cli(args, data_root, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not partial.exists() and "skipping partial checkpoint" in again.stderr + again.stdout
+    s = group_summary(run, 0)
+    assert s["resumed_from"] == 100 and s["params_sha256"] == s0["params_sha256"]
