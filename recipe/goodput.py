@@ -8,6 +8,7 @@
 
 At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
+    python -m recipe.goodput --nodes --ft --save-cost 60 --restart-cost 10min --step-time 2 --ft-pause 1
 
 The model (pitstop.goodput.model): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
 also printed: the exact value for exponential failures, T e^-(R+W)/M / (M (e^((T+C)/M) - 1)).
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replace-cost", default="0", help="a lost node: seconds until a replacement joins, on top of R")
     p.add_argument("--replace-share", type=float, default=0.0, help="share of failures that lose a node")
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
+    p.add_argument("--ft", action="store_true", help="with --nodes: also the job as replica groups (strategy=ft)")
+    p.add_argument("--nodes-per-group", type=int, default=1, help="--ft: nodes per replica group (default 1)")
+    p.add_argument("--ft-pause", default="0.5", help="--ft: healthy groups' pause per failure (bench/ft.py)")
+    p.add_argument("--ft-heal", default="0.1", help="--ft: a restarted group's heal from a live peer (bench/ft.py)")
+    p.add_argument("--step-time", default="1", help="--ft: seconds per step (a failure discards the step in flight)")
+    p.add_argument("--ft-quorum", default="0", help="--ft: each step's quorum cost, seconds")
     a = p.parse_args(argv)
     if a.nodes is not None:
         return scale(p, a)
@@ -159,15 +166,18 @@ def measured(run_dir: str) -> tuple[float, float, float]:
 
 
 def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    from pitstop.goodput.model import at_scale
+    from pitstop.goodput.model import at_scale, ft_at_scale
 
     try:
         node_mtbf = parse_duration(a.node_mtbf) if a.node_mtbf else 2048 * 86400.0 / 8.6
         c, w, r = parse_duration(a.save_cost), parse_duration(a.write_lag), parse_duration(a.restart_cost)
         replace = parse_duration(a.replace_cost)
         fixed = parse_duration(a.interval[0]) if a.interval != p.get_default("interval") else None
+        ft = {k: parse_duration(getattr(a, k)) for k in ("ft_pause", "ft_heal", "step_time", "ft_quorum")}
     except ValueError as e:
         p.error(str(e))
+    if a.nodes_per_group < 1 or ft["step_time"] <= 0:
+        p.error("--nodes-per-group must be >= 1 and --step-time positive")
     if a.run_dir:
         c, w, r = measured(a.run_dir)
     if node_mtbf <= 0 or not 0 <= a.replace_share <= 1:
@@ -180,15 +190,34 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     )
     rows = [at_scale(n, node_mtbf, c, r, w, replace, a.replace_share, fixed) for n in nodes]
     what = f"at {fmt_duration(fixed)}" if fixed else "at best T"
+    if a.ft:
+        k = a.nodes_per_group
+        print(
+            f"strategy=ft: replica groups of {k} node(s); per failure the others pause {fmt_duration(ft['ft_pause'])} "
+            f"and discard the step in flight ({fmt_duration(ft['step_time'])}), the failed group restarts (R, and a "
+            f"replacement where the node is lost) and heals ({fmt_duration(ft['ft_heal'])}); each step's quorum "
+            f"{fmt_duration(ft['ft_quorum'])}; the same durable saves (C every T) for a whole job's loss"
+        )
+        for row in rows:  # (one group is no replica: every failure is the whole job's)
+            row["ft"] = ft_at_scale(row["nodes"], node_mtbf, k, ft["ft_pause"], ft["ft_heal"], row["restart"],
+                                    ft["step_time"], ft["ft_quorum"], c, row["interval"])  # fmt: skip
+    head = f" {'ft':>7} {'ft - restart':>12}" if a.ft else ""
     print(
         f"{'nodes':>6} {'job MTBF':>10} {'fail/day':>9} {'Young-Daly':>11} {'best T':>10} "
-        f"{'goodput ' + what:>18} {'exact':>7}"
+        f"{'goodput ' + what:>18} {'exact':>7}{head}"
     )
     for row in rows:
+        tail = ""
+        if a.ft:
+            tail = (
+                f" {row['ft'] * 100:>6.1f}% {(row['ft'] - row['goodput']) * 100:>+11.1f}"
+                if row["nodes"] >= 2 * a.nodes_per_group
+                else f" {'-':>7} {'(1 group)':>12}"
+            )
         print(
             f"{row['nodes']:>6} {fmt_duration(row['mtbf']):>10} {row['failures_per_day']:>9.2f} "
             f"{fmt_duration(row['young_daly']):>11} {fmt_duration(row['best']):>10} {row['goodput'] * 100:>17.1f}% "
-            f"{row['exact'] * 100:>6.1f}%"
+            f"{row['exact'] * 100:>6.1f}%{tail}"
         )
     if a.plot:
         import matplotlib
@@ -198,6 +227,9 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([x["nodes"] for x in rows], [x["goodput"] * 100 for x in rows], marker="o", label=f"goodput {what}")
+        if a.ft:
+            many = [x for x in rows if x["nodes"] >= 2 * a.nodes_per_group]
+            ax.plot([x["nodes"] for x in many], [x["ft"] * 100 for x in many], marker="s", label="strategy=ft")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("nodes")
         ax.set_ylabel("goodput %")

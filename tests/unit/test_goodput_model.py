@@ -213,3 +213,25 @@ def test_a_launchers_notice_goes_once_to_each_running_attempt_and_sigterm_keeps_
     notice._on_signal(signal.SIGUSR1, None)
     notice._on_signal(signal.SIGUSR2, None)  # a second notice: the attempts already have one
     assert notice.received == signal.SIGUSR1 and sent == [(11, signal.SIGUSR1), (13, signal.SIGUSR1)]
+
+
+def test_replica_groups_at_scale_lose_a_pause_and_a_step_per_failure_and_the_failed_groups_restart_share():
+    from pitstop.goodput.model import ft_at_scale
+
+    # 4 groups of 2 nodes, 8 nodes failing every 8000 s each (1 failure per 1000 s of the job): per failure the
+    # 3 healthy groups lose pause + step (1 + 2 s) and the failed one R + heal + step (30 + 2 + 2 s), over 4 groups
+    per_failure = 3 / 4 * (1 + 2) + (30 + 2 + 2) / 4
+    expected = 100 / (100 + 10) * 2 / (2 + 0.5) * (1 - per_failure / 1000)
+    assert math.isclose(ft_at_scale(8, 8000, 2, 1, 2, 30, 2, quorum=0.5, save_cost=10, interval=100), expected)
+    assert ft_at_scale(2, 8000, 2, 1, 2, 30, 2) == 0.0  # one group is no replica: not this model's case
+
+
+def test_recipe_goodput_nodes_ft_prints_the_replica_groups_next_to_in_job_restart(capsys):
+    from recipe.goodput import main
+
+    main(["--nodes", "1", "2048", "--ft", "--save-cost", "60", "--restart-cost", "10min", "--step-time", "2"])
+    out = capsys.readouterr().out
+    one, many = (line.split() for line in out.splitlines() if line.lstrip().startswith(("1 ", "2048 ")))
+    assert one[-3:] == ["-", "(1", "group)"]
+    (restart, _, ft), gain = [float(t[:-1]) for t in many if t.endswith("%")], float(many[-1])  # (durations: "2.79 h")
+    assert 80 < restart < ft < 100 and math.isclose(ft - restart, gain, abs_tol=0.11)

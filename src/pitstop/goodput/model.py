@@ -128,6 +128,39 @@ def at_scale(
     }
 
 
+def ft_at_scale(
+    nodes: int,
+    node_mtbf: float,
+    nodes_per_group: int,
+    pause: float,
+    heal: float,
+    restart_cost: float,
+    step: float,
+    quorum: float = 0.0,
+    save_cost: float = 0.0,
+    interval: float = 0.0,
+) -> float:
+    """First-order goodput of the same job as :func:`at_scale` run as replica groups (``strategy=ft``) of
+    ``nodes_per_group`` nodes: a node's failure takes its group away; the other groups pause ``pause`` seconds
+    (detection, the new quorum) and discard at most the ``step`` in flight, the failed group restarts
+    (``restart_cost``), heals from a live peer (``heal``) and rejoins, its share of the work done by the others
+    meanwhile. Per failure, in seconds of the whole job (``G`` groups)::
+
+        L = (G - 1)/G * (pause + step) + (restart_cost + heal + step)/G
+
+        goodput = T/(T + C) * step/(step + quorum) * (1 - L * nodes/node_mtbf)
+
+    ``quorum``: each step's quorum cost; ``C`` every ``T`` seconds of work: the durable saves that remain for a
+    whole job's loss (0 for ``T``: none counted). One group (G = 1) is no replica: every failure is the
+    whole job's (:func:`at_scale`)."""
+    groups = max(1, nodes // max(1, nodes_per_group))
+    if groups < 2 or node_mtbf <= 0 or step <= 0:
+        return 0.0
+    per_failure = (groups - 1) / groups * (pause + step) + (restart_cost + heal + step) / groups
+    useful = (interval / (interval + save_cost) if interval > 0 else 1.0) * step / (step + quorum)
+    return max(0.0, useful * (1.0 - per_failure * nodes / node_mtbf))
+
+
 _UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400}
 
 
