@@ -2,8 +2,8 @@
 
 ``StepMeter`` keeps the log window (samples, fetch and compute seconds since the last log line), feeds
 throughput (samples/s, MFU) with the steps that did not compile, counts the FLOPs of one optimizer step once
-per attempt (remembered in ``RUN_DIR/flops.json``: a restarted attempt reads them back instead of paying the
-first meta-device pass again), and writes each step's record to ``metrics.jsonl`` and, every
+per attempt (remembered in ``RUN_DIR/flops.json``: a restarted attempt reads them back instead of counting
+again), and writes each step's record to ``metrics.jsonl`` and, every
 ``trainer.log_every_steps``, the window's figures to the tracker.
 """
 
@@ -69,7 +69,8 @@ class StepMeter:
     ) -> None:
         """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
         batch, self._first_batch, self.flops_counted = self._first_batch, None, True
-        # (the first meta-device pass loads torch's meta kernels, ~2 s: a restart reads the count back instead)
+        # (counting runs under a dispatch mode, which imports torch._dynamo if nothing did yet — the optimizer's
+        # constructor does, ~1.5 s — then ~0.1 s for a small model: a restart reads the count back instead)
         key = json.dumps(
             [
                 OmegaConf.to_yaml(cfg.model, resolve=True),
