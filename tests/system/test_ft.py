@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -211,12 +212,37 @@ def test_a_notice_to_one_group_lets_it_leave_and_the_other_finishes_the_job_alon
     assert "Traceback" not in (tmp_path / "job.log").read_text()
 
 
+def test_a_notice_to_one_group_when_every_group_is_needed_stops_the_whole_job_with_75(data_root, tmp_path):
+    # strategy.min_replicas=2: without group 0, group 1 can form no quorum; it would wait for one, again and again.
+    # The launcher hands it the notice once group 0 has left: after its quorum's timeout its step is discarded, it
+    # stops at its last committed step, and the job leaves with 75.
+    run = tmp_path / "run"
+    args = [*FT, "strategy.min_replicas=2", "strategy.quorum_timeout=5", "trainer.max_steps=120",
+            "trainer.eval_every_steps=null", "ckpt.interval_steps=20", "trainer.preempt_grace_seconds=60",
+            f"run_dir={run}"]  # fmt: skip
+    with open(tmp_path / "job.log", "w") as log:
+        p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
+        os.kill(attempts(run, 0)[-1]["pid"], signal.SIGUSR1)
+        assert p.wait(timeout=120) == 75, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "replica group 0 ended, 1 left of min_replicas" in (tmp_path / "job.log").read_text()
+    stops = [attempts(run, k) for k in (0, 1)]
+    assert [a["status"] for a in stops[0]] == [a["status"] for a in stops[1]] == ["preempted"], stops
+
+
 def test_a_notice_to_every_process_stops_the_job_with_75_and_the_same_command_resumes_it(data_root, tmp_path):
     # SLURM's notice reaches every process of the job step: the launcher, the Lighthouse, both groups. Both groups
     # stop after the same step (one saves it), the launcher waits for them and leaves with 75, nothing is lost.
     run = tmp_path / "run"
-    args = [*FT, "strategy.min_replicas=2", "trainer.max_steps=80", "trainer.eval_every_steps=null",
-            "ckpt.interval_steps=20", "trainer.preempt_grace_seconds=60", f"run_dir={run}"]  # fmt: skip
+    # (quorum_timeout: a group whose notice came just after its step's all-reduce, while the other's came before,
+    # waits that long for a quorum that cannot form, then stops at its last committed step)
+    args = [*FT, "strategy.min_replicas=2", "strategy.quorum_timeout=10", "trainer.max_steps=80",
+            "trainer.eval_every_steps=null", "ckpt.interval_steps=20", "trainer.preempt_grace_seconds=60",
+            f"run_dir={run}"]  # fmt: skip
     with open(tmp_path / "job.err", "w") as log:  # (a file: a pipe nobody reads fills and blocks the job)
         p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -229,11 +255,14 @@ def test_a_notice_to_every_process_stops_the_job_with_75_and_the_same_command_re
             p.wait()
     err = (tmp_path / "job.err").read_text()
     assert p.returncode == 75, err[-3000:]
-    assert "preempted after a notice; run the same command again" in err and "Traceback" not in err, err[-3000:]
-    assert "failed (" not in err, err[-3000:]  # (the warm fork server outlived the notice: it reported each 75)
+    assert "preempted after a notice; run the same command again" in err, err[-3000:]
+    # no attempt failed (the warm fork server outlived the notice: it reported each 75). (Where the notices fell
+    # between the groups' steps, torchft logs the failed quorum or all-reduce of the group that went on, with its
+    # traceback: that step is discarded.)
+    assert "failed (" not in err and "attempt failed" not in err, err[-3000:]
     stops = {k: attempts(run, k)[-1] for k in (0, 1)}
     assert {a["status"] for a in stops.values()} == {"preempted"} and stops[0]["step"] == stops[1]["step"], stops
-    step = stops[0]["step"]
+    step = stops[0]["step"]  # (each group's last committed step: one that went on had its next step discarded)
     assert (run / "checkpoints" / f"step_{step:08d}").is_dir()
     again = cli(args, data_root, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -247,9 +276,9 @@ def test_a_notice_to_every_process_stops_the_job_with_75_and_the_same_command_re
 def test_the_writer_group_killed_during_a_durable_save_the_job_goes_on_and_a_resume_skips_the_partial(
     data_root, tmp_path
 ):
-    # fault=during_save aimed at group 0, the group that writes the durable checkpoints: SIGKILL while step 20's
+    # fault=during_save aimed at group 0, the group that writes the durable checkpoints: SIGKILL while a save's
     # files are on disk without their commit marker. Group 1 goes on; group 0 restarts and heals from it; the durable
-    # checkpoints go on being written. The partial step 20 is never loaded: the same command again (the job is done)
+    # checkpoints go on being written. The partial one is never loaded: the same command again (the job is done)
     # restores the newest complete one, removes the partial, and reports the same parameters.
     run = tmp_path / "run"
     args = [*FT, "ckpt=async_dcp", "ckpt.throttle_mbps=5", "ckpt.interval_steps=20", "fault=during_save",
@@ -260,8 +289,11 @@ def test_the_writer_group_killed_during_a_durable_save_the_job_goes_on_and_a_res
     assert len(attempts(run, 0)) == 2 and attempts(run, 0)[-1]["status"] == "finished"  # (the first was SIGKILLed)
     assert [a["status"] for a in attempts(run, 1)] == ["finished"]  # never restarted
     text = (run / "replica0" / "train.log").read_text()
-    assert "fault injection: SIGKILL (during the write of step_00000020)" in text and "healed from a live peer" in text
-    partial = run / "checkpoints" / "step_00000020"
+    # (the first save from step 20 on that the fault's watcher sees half-written: step 20's, or a later one's on a
+    # loaded machine)
+    killed = re.search(r"fault injection: SIGKILL \(during the write of (step_(\d+))\)", text)
+    assert killed and int(killed.group(2)) < 100 and "healed from a live peer" in text, text[-3000:]
+    partial = run / "checkpoints" / killed.group(1)
     assert partial.is_dir() and not (partial / ".metadata").exists()
     assert (run / "checkpoints" / "step_00000100" / ".metadata").is_file()  # saves went on after the kill
     s0, s1 = group_summary(run, 0), group_summary(run, 1)

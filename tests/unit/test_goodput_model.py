@@ -235,3 +235,61 @@ def test_recipe_goodput_nodes_ft_prints_the_replica_groups_next_to_in_job_restar
     assert one[-3:] == ["-", "(1", "group)"]
     (restart, _, ft), gain = [float(t[:-1]) for t in many if t.endswith("%")], float(many[-1])  # (durations: "2.79 h")
     assert 80 < restart < ft < 100 and math.isclose(ft - restart, gain, abs_tol=0.11)
+
+
+def test_a_launchers_notice_is_handed_on_to_the_handler_it_replaced_also_after_close():
+    # under hydra/launcher=slurm that handler is submitit's requeue: the launcher closes its handlers on the way out
+    # (a finally), then hands the notice on once the attempts' saves are durable
+    import signal
+
+    from pitstop.resilience.preempt import LauncherNotice
+
+    called: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: called.append(signum))
+    try:
+        notice = LauncherNotice(["SIGUSR2"], lambda: []).install()
+        notice._on_signal(signal.SIGUSR2, None)
+        notice.close()
+        notice.forward()
+        assert called == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_notice_that_comes_while_an_attempt_starts_reaches_it_and_no_attempt_follows(monkeypatch, tmp_path):
+    # the signal is blocked while the attempt starts; its handler runs as the block ends, before the supervisor knew
+    # of the child: the supervisor then hands it on itself, and starts no other attempt
+    import signal
+
+    from pitstop.launch.supervisor import attempts
+    from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr("os.kill", lambda pid, sig: sent.append((pid, sig)))
+    notice = LauncherNotice(["SIGUSR1"], lambda: [])
+
+    class Child:
+        pid, exitcode = 4242, None
+
+        def __init__(self, **kw):
+            pass
+
+        def start(self):
+            notice._on_signal(signal.SIGUSR1, None)  # (as the handler would, once the notices are unblocked)
+
+        def join(self, timeout=None):
+            self.exitcode = PREEMPTED_EXIT if sent else 1  # saved and left, if it got the notice
+
+        def is_alive(self):
+            return False
+
+    class Ctx:
+        Process = Child
+
+        @staticmethod
+        def get_start_method():
+            return "fake"
+
+    with pytest.raises(Preempted):
+        attempts(Ctx, "{}", str(tmp_path), 3, 0.0, notice=notice)
+    assert sent == [(4242, signal.SIGUSR1)]

@@ -103,25 +103,26 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
             errors[k] = e
+            running = groups - len(results) - len(errors)
+            if running and running < int(strategy.min_replicas) and notice.signals:  # they cannot step any more:
+                notice.hand_on(notice.signals[0], f"replica group {k} ended, {running} left of min_replicas")
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
     # (a scheduler's USR1/USR2 notice to the launcher goes to every group's attempt; none starts after it)
-    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children).install()
+    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
     threads = [
         threading.Thread(target=group, args=(k,), name=f"pitstop-replica{k}", daemon=True) for k in range(groups)
     ]
     t0 = time.time()
     try:
+        notice.install()
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
                 t.join(0.5)
     finally:
-        notice.close()
-        if main:
-            signal.signal(signal.SIGTERM, previous)
         for child in children:  # (on the way out of an interrupted launcher: a notice, then a kill)
             if child.is_alive():
                 child.terminate()
@@ -129,6 +130,9 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             child.join(grace + 30)
             if child.is_alive():
                 child.kill()
+        notice.close()  # (after the joins: a notice meanwhile must not kill the launcher)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         if lighthouse is not None:
             lighthouse.shutdown()
     job = {
@@ -144,11 +148,12 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     out = {**results[min(results)], "ft_job": job} if results else {"ft_job": job}
     write_json_atomic(os.path.join(run_dir, "summary.json"), out)
     if errors and not results:  # no group finished the job
-        if all(isinstance(e, Preempted) for e in errors.values()):
+        failed = [errors[k] for k in sorted(errors) if not isinstance(errors[k], Preempted)]
+        if not failed:
             notice.forward()  # (submitit's requeue, once the groups' saves are durable)
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
-        raise errors[min(errors)]
-    if errors:  # (a group that left on a notice, its node going away, is not restarted: the others finished)
+        raise failed[0]  # (not "run the same command again": a group failed for good)
+    if errors:  # (a group that left on a notice, its node going away, or failed for good: the others finished)
         log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors), job["errors"])
     return out
 

@@ -41,10 +41,11 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     job_start = launch_facts.job_start()
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     children: list[Any] = []
-    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children).install()  # (USR1/USR2: to the attempt)
+    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children)  # (USR1/USR2: to the attempt)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
+        notice.install()
         return attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace, started=children.append, notice=notice)
     except Preempted:
         notice.forward()  # (submitit's requeue, once the attempt's save is durable)
@@ -89,10 +90,17 @@ def attempts(
             start_method=ctx.get_start_method(),  # recorded in goodput.json (forkserver: a warm attempt)
         )
         child = ctx.Process(target=run_attempt, args=(cfg_yaml, run_dir, facts), name=f"pitstop-{name}{attempt}")
-        with notices_blocked():  # (the warm fork server, started by the first, must outlive a scheduler's notice to
-            child.start()  # the job's processes: it reports the attempts' exit status; the attempt unblocks them)
-        if started is not None:
-            started(child)
+        # (the warm fork server, started by the first attempt, must outlive a scheduler's notice to the job's
+        # processes: it reports the attempts' exit status; the attempt unblocks the notices once it handles them)
+        with notices_blocked():
+            child.start()
+            if started is not None:
+                started(child)  # (a notice from here on is handed to it by the launcher)
+        if notice is not None and notice.received is not None:  # (one that came while it was starting)
+            try:
+                os.kill(child.pid, notice.received)
+            except OSError:
+                pass
         try:
             child.join()
         finally:  # the supervisor interrupted (Ctrl-C, SIGTERM from a scheduler): a notice for the attempt too

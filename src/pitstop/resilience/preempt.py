@@ -57,6 +57,7 @@ class _Handlers:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._replaced = dict(self._previous)  # (for forward(), also once close() has put them back)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         raise NotImplementedError
@@ -67,7 +68,7 @@ class _Handlers:
         requeues the job and exits.  Nothing happens when there was none (the default action is not taken)."""
         if self.received is None:
             return
-        previous = self._previous.get(self.received)
+        previous = getattr(self, "_replaced", {}).get(self.received)
         if callable(previous) and previous not in (signal.default_int_handler,):
             log.warning(
                 "handing the %s notice on to the handler installed before pitstop's (%s)",
@@ -168,8 +169,16 @@ class LauncherNotice(_Handlers):
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received is not None:
             return  # (the attempts have it: another would only be logged by each)
-        self.received = signal.Signals(signum)
-        log.warning("preemption notice (%s): the attempts save and stop; no new attempt starts", self.received.name)
+        self.hand_on(signal.Signals(signum), "preemption notice")
+
+    def hand_on(self, sig: signal.Signals, why: str) -> None:
+        """Give ``sig`` (a notice) to every running attempt, and start no new one (also from a launcher's thread:
+        e.g. fewer replica groups are left than can step)."""
+        if self.received is not None:
+            return
+        self.received = sig
+        log.warning("%s (%s): the attempts save and stop; no new attempt starts", why, sig.name)
+        signum = int(sig)
         for child in list(self.children()):
             if child.is_alive() and child.pid is not None:
                 try:

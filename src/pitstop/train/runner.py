@@ -62,6 +62,7 @@ class Runner:
         self.goodput: GoodputLog | None = None
         self.samples: SampleLog | None = None
         self.watchdog = assembly.watchdog(cfg.trainer.hang)
+        self.stepper: Stepper | None = None  # (setup builds it)
 
     @property
     def step(self) -> int:
@@ -128,7 +129,8 @@ class Runner:
             self.view = summary.RunView(self)
 
     def _taking(self) -> tuple[int, int]:
-        return self.step + 1, self.stepper.micro  # the step being taken, its micro-batch
+        micro = self.stepper.micro if self.stepper is not None else 1
+        return self.step + 1, micro  # the step being taken, its micro-batch
 
     def _on_hang(self, message: str) -> None:
         """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
@@ -217,6 +219,8 @@ class Runner:
                 if not out.committed:  # (strategy=ft) a peer failed during the step: it is redone next
                     ledger.add("discarded", took - out.quorum)
                     self._outcome(self.step + 1, False)
+                    if self.strategy.agree(self.preempt.received is not None):  # (a notice: stop at the last step
+                        self._stop_for_preemption()  # committed, not in a quorum that may never form again)
                     continue
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
                 compute = took - out.data_wait - out.staging - compiling - out.quorum
@@ -311,13 +315,14 @@ class Runner:
         self.fault.close()
         account = self.goodput.write(self.step, status="finished")
         self.logger.log_metrics(summary.goodput_metrics(account), self.step)
+        digest = self.params_sha256()  # (its time in the wall clock; if it fails, the tracker run says FAILED)
         for cb in self.callbacks:
             cb.on_train_end(self.view)
         if self.strategy.is_main:
             self.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
         tracker = self._close_logger("FINISHED")
         self.metrics_file.close()
-        return summary.write_summary(self, account, tracker, self.ledger.split())
+        return summary.write_summary(self, account, tracker, self.ledger.split(), digest)
 
     def _close_logger(self, status: str) -> dict:
         """End the tracker run (FINISHED, or FAILED on the way out of a failed run); only the first call counts."""

@@ -71,10 +71,11 @@ def data_wait_fraction(seconds: dict[str, float]) -> float:
     return round(wait / max(wait + compute, 1e-9), 4)
 
 
-def write_summary(run: Any, account: dict, tracker: dict, split: dict[str, float]) -> dict[str, Any]:
+def write_summary(run: Any, account: dict, tracker: dict, split: dict[str, float], digest: str) -> dict[str, Any]:
     """``summary.json`` of a finished run (written by the main rank), logged in one line and the goodput table.
-    ``run``: the Runner, its components closed; ``tracker``: what the tracker run's end added (e.g. its id)."""
-    strategy, ledger, digest = run.strategy, run.ledger, run.params_sha256()
+    ``run``: the Runner, its components closed; ``tracker``: what the tracker run's end added (e.g. its id);
+    ``digest``: the final parameters' sha256."""
+    strategy, ledger = run.strategy, run.ledger
     out = {
         "final_step": run.step,
         "total_steps": run.total_steps,
