@@ -167,15 +167,13 @@ class LauncherNotice(_Handlers):
         return self
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            return  # (the attempts have it: another would only be logged by each)
         self.hand_on(signal.Signals(signum), "preemption notice")
 
     def hand_on(self, sig: signal.Signals, why: str) -> None:
-        """Give ``sig`` (a notice) to every running attempt, and start no new one (also from a launcher's thread:
-        e.g. fewer replica groups are left than can step)."""
+        """Give ``sig`` (a notice) to every running attempt, once, and start no new one (also from a launcher's
+        thread: e.g. fewer replica groups are left than can step)."""
         if self.received is not None:
-            return
+            return  # (the attempts have it: another would only be logged by each)
         self.received = sig
         log.warning("%s (%s): the attempts save and stop; no new attempt starts", why, sig.name)
         signum = int(sig)
