@@ -491,13 +491,15 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("to", ["every process", "the supervisor alone"])
 def test_a_notice_to_the_supervisor_and_its_attempt_stops_the_job_with_75_and_no_restart(
-    data_root, tmp_path, reference
+    to, data_root, tmp_path, reference
 ):
     # trainer.max_restarts: pitstop's supervisor runs the attempt. SLURM's notice reaches both, and the warm fork
     # server between them: the supervisor (which SIGUSR1 would kill) waits for the attempt's save and starts no new
     # attempt, the fork server (which SIGUSR1 killed: the attempt's 75 then read as exit status 255, a "failure"
-    # restarted in place) outlives it. The same command ends at the uninterrupted run's parameters.
+    # restarted in place) outlives it. The same command ends at the uninterrupted run's parameters. A notice to the
+    # supervisor alone (a batch script's `--signal=B:USR1@N`) is handed on to its attempt.
     import os
     import signal
     import time
@@ -514,13 +516,18 @@ def test_a_notice_to_the_supervisor_and_its_attempt_stops_the_job_with_75_and_no
         if any(r.get("step", 0) >= 15 for r in (read_jsonl(path) if path.exists() else [])):
             break
         time.sleep(0.1)
-    os.killpg(p.pid, signal.SIGUSR1)
+    if to == "every process":
+        os.killpg(p.pid, signal.SIGUSR1)
+    else:
+        os.kill(p.pid, signal.SIGUSR1)
     assert p.wait(timeout=120) == 75, (tmp_path / "job.log").read_text()[-3000:]
     text = (tmp_path / "job.log").read_text()
     assert "failed (" not in text and "Traceback" not in text, text[-3000:]
     stopped = json.loads((run_dir / "goodput.json").read_text())["attempts"]
     assert [a["status"] for a in stopped] == ["preempted"]
     assert f"preempted (SIGUSR1) at step {stopped[0]['step']}: saved it" in (run_dir / "train.log").read_text()
+    if to != "every process":
+        return  # (the resume is the same as below)
     second = cli(args, data_root, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     s, doc = load(run_dir)
