@@ -121,9 +121,11 @@ class Runner:
             self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.total_steps,
                                               self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
             self.stepper = Stepper(
-                self.progress, self.strategy, self.model, self.optimizer, self.scheduler, self.precision, self.task,
-                self.data, self.loader, self.ckpt, self.fault, self.ledger, self.watchdog, self.meter, self.accum,
-                t.batch_size, t.grad_clip, t.channels_last,
+                progress=self.progress, strategy=self.strategy, model=self.model, optimizer=self.optimizer,
+                scheduler=self.scheduler, precision=self.precision, task=self.task, data=self.data,
+                loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger, watchdog=self.watchdog,
+                meter=self.meter, accum=self.accum, batch_size=t.batch_size, grad_clip=t.grad_clip,
+                channels_last=t.channels_last,
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
