@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 
@@ -293,3 +294,80 @@ def test_a_notice_that_comes_while_an_attempt_starts_reaches_it_and_no_attempt_f
     with pytest.raises(Preempted):
         attempts(Ctx, "{}", str(tmp_path), 3, 0.0, notice=notice)
     assert sent == [(4242, signal.SIGUSR1)]
+
+
+class _RaisingHandler(logging.Handler):
+    """A log handler that gets ``signum`` in the middle of writing the line "trigger", as a scheduler's signal can
+    land while the main thread writes to train.log; it records how deep its writes were nested."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum, self.depth, self.deepest, self.lines = signum, 0, 0, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+        try:
+            if record.getMessage() == "trigger":
+                import signal
+
+                signal.raise_signal(self.signum)  # (the Python handler runs here, inside this write)
+            self.lines.append(record.getMessage())
+        except Exception:  # (as logging's own handlers do: the exception is printed, not raised)
+            self.handleError(record)
+        finally:
+            self.depth -= 1
+
+
+@pytest.fixture
+def preempt_log():
+    import signal
+
+    logger = logging.getLogger("pitstop.resilience.preempt")
+    handler = _RaisingHandler(signal.SIGUSR1)
+    logger.addHandler(handler)
+    before = signal.getsignal(signal.SIGUSR1)
+    yield logger, handler
+    logger.removeHandler(handler)
+    signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_notice_that_lands_inside_a_log_write_is_logged_after_it_not_inside(preempt_log):
+    # a second write into the same file from the handler raised "RuntimeError: reentrant call" (CI, SLURM)
+    import signal
+
+    from pitstop.resilience.preempt import LauncherNotice
+
+    logger, handler = preempt_log
+    notice = LauncherNotice(["SIGUSR1"], lambda: []).install()
+    try:
+        logger.warning("trigger")
+        deadline = time.monotonic() + 5
+        while len(handler.lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        notice.close()
+    assert notice.received == signal.SIGUSR1 and handler.deepest == 1
+    assert handler.lines[0] == "trigger" and handler.lines[1].startswith("preemption notice (SIGUSR1)")
+
+
+def test_an_agents_notice_that_lands_inside_a_log_write_still_stops_it(preempt_log):
+    # logging turns an exception raised inside a write into a printed traceback: the notice would have been lost
+    import signal
+
+    from pitstop.resilience.preempt import JobNotice
+
+    class Stop(Exception):
+        pass
+
+    logger, handler = preempt_log
+    notice = JobNotice([signal.SIGUSR1], lambda msg, sig: Stop(msg)).install()
+    try:
+        with pytest.raises(Stop, match="SIGUSR1"):
+            logger.warning("trigger")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        notice.close()
+    assert notice.received == signal.SIGUSR1 and handler.deepest == 1

@@ -12,8 +12,10 @@ the job as it would have, and the requeued job resumes from that save.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import queue
 import signal
 import threading
 from typing import Any, Callable
@@ -30,6 +32,72 @@ class Preempted(Exception):
     """The job stopped on a preemption notice; its state is saved (or the newest checkpoint kept)."""
 
     exit_code = PREEMPTED_EXIT
+
+
+class _HandlerLog:
+    """Lines that signal handlers log, written by a thread of their own.  A Python signal handler runs between two
+    bytecodes of the main thread, which may be in the middle of a logging call to the same file: a second write
+    into that ``BufferedWriter`` raises ``RuntimeError: reentrant call`` and logging prints its traceback instead
+    of the line (seen under SLURM, whose ``scancel --signal`` reaches a launcher twice).  A handler only puts the
+    line on a ``SimpleQueue`` (its ``put`` is reentrant-safe); the thread takes the handler's lock like any other
+    thread, after the main thread's write.  Lines still queued at exit are written then."""
+
+    def __init__(self) -> None:
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self.owner: tuple[int, threading.Thread] | None = None
+        atexit.register(self.drain)
+
+    def start(self) -> None:
+        """Called where handlers are installed (not in a handler: starting a thread takes locks)."""
+        if self.owner is None or self.owner[0] != os.getpid() or not self.owner[1].is_alive():
+            thread = threading.Thread(target=self._run, name="pitstop-signal-log", daemon=True)
+            thread.start()
+            self.owner = (os.getpid(), thread)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        if self.owner is None or self.owner[0] != os.getpid():
+            log.warning(msg, *args)  # (no handler of ours is installed in this process: called directly)
+        else:
+            self.lines.put((msg, args))
+
+    def resignal(self, signum: int, handler: Any) -> None:
+        """Deliver ``signum`` to this process again shortly, from the thread, if ``handler`` still handles it."""
+        self.lines.put((None, (signum, handler)))
+
+    def _run(self) -> None:
+        while True:
+            self._write(*self.lines.get())
+
+    def _write(self, msg: str | None, args: tuple) -> None:
+        if msg is None:
+            threading.Event().wait(0.05)
+            if signal.getsignal(args[0]) == args[1]:
+                os.kill(os.getpid(), args[0])
+        else:
+            log.warning(msg, *args)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                msg, args = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if msg is not None:
+                log.warning(msg, *args)
+
+
+_handler_log = _HandlerLog()
+_LOGGING = os.path.dirname(logging.__file__) + os.sep
+
+
+def _inside_logging(frame: Any) -> bool:
+    """Whether the interrupted main thread is in a logging call (which turns any exception into a printed
+    traceback: an exception raised by a handler there would be swallowed)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_LOGGING):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def parse_signals(names: Any) -> list[signal.Signals]:
@@ -55,6 +123,7 @@ class _Handlers:
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
+            _handler_log.start()
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._replaced = dict(self._previous)  # (for forward(), also once close() has put them back)
@@ -81,6 +150,7 @@ class _Handlers:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        _handler_log.drain()  # (a forked attempt ends with os._exit: no atexit)
 
 
 class PreemptionNotice(_Handlers):
@@ -108,7 +178,9 @@ class PreemptionNotice(_Handlers):
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
-            log.warning("preemption notice (%s): finishing this step, then saving and exiting", self.received.name)
+            _handler_log.warning(
+                "preemption notice (%s): finishing this step, then saving and exiting", self.received.name
+            )
             # (Not SIGTERM or SIGINT: with those the agent itself stops ranks, e.g. the peers of a failed rank;
             # a scheduler's SIGTERM reaches every process of the job, the agent's too.)
             if (
@@ -121,7 +193,7 @@ class PreemptionNotice(_Handlers):
                 except OSError:  # (gone, or not ours to signal: the ranks still save and exit 75)
                     pass
         else:
-            log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
+            _handler_log.warning("another %s: already stopping for a preemption notice", signal.Signals(signum).name)
 
 
 class JobNotice(_Handlers):
@@ -141,10 +213,15 @@ class JobNotice(_Handlers):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received is not None:
-            log.warning("another %s: the ranks are already saving for a preemption notice", signal.Signals(signum).name)
+            _handler_log.warning(
+                "another %s: the ranks are already saving for a preemption notice", signal.Signals(signum).name
+            )
+            return
+        if _inside_logging(frame):  # (logging would print the exception and go on: the notice would be lost)
+            _handler_log.resignal(signum, self._on_signal)
             return
         self.received = signal.Signals(signum)
-        log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
+        _handler_log.warning("preemption notice (%s): every rank saves and stops", self.received.name)
         raise self.exception(f"preemption notice ({self.received.name})", self.received)
 
 
@@ -175,7 +252,7 @@ class LauncherNotice(_Handlers):
         if self.received is not None:
             return  # (the attempts have it: another would only be logged by each)
         self.received = sig
-        log.warning("%s (%s): the attempts save and stop; no new attempt starts", why, sig.name)
+        _handler_log.warning("%s (%s): the attempts save and stop; no new attempt starts", why, sig.name)
         signum = int(sig)
         for child in list(self.children()):
             if child.is_alive() and child.pid is not None:
