@@ -88,7 +88,7 @@ def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
 
 def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monkeypatch):
     from pitstop.errors import ConfigError
-    from pitstop.launch.rendezvous import first_host, rendezvous, slurm_endpoint
+    from pitstop.launch.rendezvous import first_host, hosts_store, rendezvous, slurm_endpoint
 
     assert first_host("gpu[07-08,11],cpu3") == "gpu07" and first_host("node5,node6") == "node5"
     assert first_host("a-b[001-004]") == "a-b001"
@@ -96,6 +96,10 @@ def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monke
     assert slurm_endpoint(env) == "gpu07:24242" and slurm_endpoint(env, 29500) == "gpu07:29500"
     with pytest.raises(ConfigError, match="outside a SLURM allocation"):
         slurm_endpoint({})
+    # only the first node's agent hosts the store (torch's own guess says yes on every node that shares a machine)
+    assert [hosts_store({**env, "SLURMD_NODENAME": n}, "gpu07:24242") for n in ("gpu07", "gpu08")] == [True, False]
+    assert hosts_store({**env, "SLURMD_NODENAME": "gpu08"}, "10.0.0.7:29500") is None  # an address: torch's guess
+    assert hosts_store({}, "gpu07:24242") is None  # not under SLURM
     cfg = make_cfg("strategy=ddp", "strategy.nnodes=2", "strategy.rdzv_endpoint=slurm")
     for key, value in {**env, "SLURM_STEP_NUM_NODES": "2"}.items():
         monkeypatch.setenv(key, value)

@@ -2,7 +2,9 @@
 slurmctld and two slurmd, nodes n1 and n2, one CPU each), brought up once for this module and taken down after it:
 a sweep whose job is sent SLURM's preemption notice (``scancel --signal=USR2``, as submitit asks for) saves,
 is requeued exactly once and resumes to the uninterrupted job's parameters while the sweep waits and writes its
-report; the README's two-node command trains one rank per node to the one-command ddp(2) and fsdp(2) digest.
+report; the README's two-node command trains one rank per node to the one-command ddp(2) and fsdp(2) digest; the
+plain sbatch script (deploy/slurm/train.sbatch) trains on two nodes, is requeued once after a notice, and, elastic
+under --no-kill, loses a node (its slurmd and processes killed) and finishes on the other.
 
 The cluster needs root and Debian's slurm-wlm and munge (.ci/run installs them where they are missing); without
 them these tests skip, saying so.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -208,3 +211,100 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     assert [a["status"] for a in ledger] == ["preempted", "finished"], ledger
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["final_step"] == 120 and s["params_sha256"] == ddp2
+
+
+def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
+    """Kill one node of the local cluster as a node failure would: its slurmd, and every process of ``job`` on it
+    (the tasks, their children and their slurmstepd), all stopped first so none of them reacts."""
+    cluster = Path(slurm["SLURM_CONF"]).parent
+    victims = {int((cluster / "run" / f"slurmd-{node}.pid").read_text())}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env:
+            victims |= {int(pid), parent}  # (its parent: the step's slurmstepd, or a process of the task)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return sorted(victims)
+
+
+def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_reads_every_sample_once(
+    slurm, data_root, tmp_path
+):
+    # `sbatch --no-kill deploy/slurm/train.sbatch strategy.nnodes=1:2`: one job step per node, so SLURM ends only the
+    # lost node's step; node 0's agent (it hosts the rendezvous: the node strategy.rdzv_endpoint=slurm names)
+    # re-forms the job at world size 1 from the newest complete checkpoint and finishes it. Last in this module: n2
+    # comes back.
+    from pitstop.audit import audit
+
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    submit = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--no-kill",
+            f"--chdir={ROOT}",
+            f"--output={tmp_path}/slurm-%j.out",
+            str(ROOT / "deploy" / "slurm" / "train.sbatch"),
+            "strategy=ddp",
+            "strategy.nproc_per_node=1",
+            "strategy.nnodes=1:2",  # (after the script's strategy.nnodes=$SLURM_JOB_NUM_NODES: this one counts)
+            "trainer.max_restarts=3",
+            "strategy.cpu_threads=1",
+            "ckpt=async_dcp",
+            "ckpt.interval_steps=5",
+            "trainer.epochs=2",
+            "trainer.batch_size=32",
+            "trainer.log_every_steps=5",
+            "logger=none",
+            "data.record_sample_ids=true",
+            f"paths.data_dir={data_root / 'data'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    out = tmp_path / f"slurm-{job}.out"
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 2):
+            said = out.read_text() if out.exists() else "no output"
+            assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
+            time.sleep(0.1)
+        assert len(_lose_node(slurm, job, "n2")) >= 4  # slurmd, slurmstepd, the agent, its rank (and helpers)
+
+        def state() -> str:
+            return subprocess.run(
+                ["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True, text=True, env=slurm
+            ).stdout.strip()
+
+        deadline = time.monotonic() + 180
+        while state() not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PENDING"):
+            assert time.monotonic() < deadline, state()
+            time.sleep(0.5)
+        assert state() == "COMPLETED", out.read_text()[-3000:]
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+        up = subprocess.run(["bash", str(CLUSTER), "up", str(Path(slurm["SLURM_CONF"]).parent)], capture_output=True)
+        assert up.returncode == 0, up.stderr[-2000:]  # (n2's slurmd back for whatever runs next)
+    headers = [r for p in sorted(run_dir.glob("samples.rank*.jsonl")) for r in read_jsonl(p) if "attempt" in r]
+    worlds = [h["world_size"] for h in sorted((h for h in headers if h["rank"] == 0), key=lambda h: h["attempt"])]
+    assert worlds == [2, 1], worlds  # lost a node, went on without it
+    s = summary(run_dir)
+    assert s["world_size"] == 1 and s["goodput"]["restarts"] == 1
+    assert (
+        "Restarts=0"
+        in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
+    )
+    for e in audit(str(run_dir)):
+        assert e.repeated == 0 and e.missing == 0 and e.once == 1438, e

@@ -13,7 +13,7 @@ from pitstop.config import validate
 from pitstop.errors import PitstopError
 from pitstop.launch.attempt import warm_context, worker
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
-from pitstop.launch.rendezvous import check_capacity, rendezvous
+from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.resilience.watchdog import HUNG_EXIT
 from pitstop.train import launch_facts
@@ -27,6 +27,7 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     validate(cfg)
     check_capacity(cfg, n)
     endpoint, run_id = rendezvous(cfg, run_dir, max_nodes)
+    is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -79,6 +80,7 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
             "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
             "keep_alive_interval": 1,
             "keep_alive_max_attempt": 5,
+            **({} if is_host is None else {"is_host": is_host}),
         },
         max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
         monitor_interval=0.2,

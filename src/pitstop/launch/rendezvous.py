@@ -65,6 +65,18 @@ def slurm_endpoint(env: Mapping[str, str], port: int | None = None) -> str:
     return f"{first_host(nodelist)}:{int(port or 20000 + int(env.get('SLURM_JOB_ID', '0') or 0) % 20000)}"
 
 
+def hosts_store(env: Mapping[str, str], endpoint: str) -> bool | None:
+    """Whether this node's agent hosts the rendezvous store, where SLURM says which node this is: the node named
+    by ``strategy.rdzv_endpoint=slurm`` (the allocation's first). None elsewhere (torch decides by the address).
+    Torch's guess -- the endpoint's address is one of this machine's -- is true on every node of a cluster whose
+    nodes share a machine (containers, the local test cluster): the store then lives on whichever agent binds
+    first, and losing that node loses the rendezvous of an elastic job that should go on without it."""
+    node, nodelist = env.get("SLURMD_NODENAME"), env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not node or not nodelist or endpoint.rsplit(":", 1)[0] != first_host(nodelist):
+        return None  # (not SLURM, or an endpoint given by address: torch's guess)
+    return node == first_host(nodelist)
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``gpu[07-08,11],cpu3`` -> ``gpu07``."""
     import re
