@@ -84,3 +84,18 @@ def test_the_rest_of_an_epoch_is_split_over_the_ranks_sample_by_sample_in_equal_
                 assert done == {p: [[0, sizes[p]]] for p in range(partitions) if sizes[p]}, case
         got = stream_items(len(counts), counts, partitions, 0, ranks * per_rank, 5, 1, True, consumed, per_rank, batch)
         assert got == split_rest(rest, ranks, per_rank, batch, False)[0]  # (what a reader is handed: pure)
+
+
+def test_a_reader_runs_as_many_downloads_at_once_as_keep_eight_connections_busy():
+    # in ranged parts (one per 2 MB, <= 8) a shard's download already uses several connections: more shards at once
+    # would split a capped link and deliver the one read next later; whole-shard downloads run up to the depth
+    from pitstop.data.loader.cached import CachedSource
+    from pitstop.data.remote import FetchPolicy, ShardRef
+
+    def at_once(prefetch, parts, mb):
+        source = CachedSource("/nonexistent", None, FetchPolicy(parts=parts), "size", prefetch)
+        return source._at_once([ShardRef(f"http://store/{i}.tar", mb << 20, None, 10) for i in range(3)])
+
+    assert at_once("auto", "auto", 8) == 2 and at_once("auto", "auto", 16) == 1  # 4 and 8 parts of 2 MB
+    assert at_once("auto", 1, 8) == 8 and at_once(3, 1, 8) == 3  # one request per shard: up to the depth
+    assert at_once("auto", "auto", 1) == 8  # (a 1 MB shard is one request)

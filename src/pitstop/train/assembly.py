@@ -58,13 +58,6 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         compiler.check(t.compile_backend, t.compile_mode)
     data = build(cfg.data, _convert_="partial")
     task = build(cfg.task)
-    model = build(cfg.model)
-    if t.channels_last and strategy.channels_last_params:  # (else the inputs alone are NHWC)
-        model = model.to(memory_format=torch.channels_last)
-    model = strategy.wrap(model)
-    if t.compile:  # in place, after wrapping (torch's advice for DDP and FSDP2); parameter names unchanged
-        compiler.compile_model(model, t.compile_backend, t.compile_mode)
-    optimizer = build(cfg.optim.optimizer)(model.parameters())
     common = dict(
         dataset=data,
         batch_size=t.batch_size,
@@ -78,6 +71,15 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         from pitstop.data.loader.replica import ReplicaLoader
 
         loader = ReplicaLoader(loader, strategy.participation, strategy.replicas)
+    elif hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built, the run restored
+        loader.warm()
+    model = build(cfg.model)
+    if t.channels_last and strategy.channels_last_params:  # (else the inputs alone are NHWC)
+        model = model.to(memory_format=torch.channels_last)
+    model = strategy.wrap(model)
+    if t.compile:  # in place, after wrapping (torch's advice for DDP and FSDP2); parameter names unchanged
+        compiler.compile_model(model, t.compile_backend, t.compile_mode)
+    optimizer = build(cfg.optim.optimizer)(model.parameters())
     return StepParts(
         precision=precision,
         accum=int(t.grad_accum_steps),

@@ -159,6 +159,23 @@ class ShardLoader(ABC):
             )
         return self._plans[key]
 
+    def first_refs(self) -> list[ShardRef]:
+        """The shard each of this rank's reader streams reads first from the current position (each once)."""
+        out: dict[str, ShardRef] = {}
+        for s in range(self.streams):
+            g = self._gid(self.rank, s)
+            items = self._items(self.epoch, g)
+            reads = plan.read_order(items, self.window, self.seed, self.epoch, g) if items else []
+            pos = self.positions.get(g, 0)
+            if pos < len(reads):
+                ref = self.refs[items[reads[pos][0]][1]]
+                out.setdefault(ref.url, ref)
+        return list(out.values())
+
+    def side_stats(self) -> dict[str, int]:
+        """Counters of work done outside the readers (a subclass's), taken once: added to ``stats``."""
+        return {}
+
     def _stream_batches(self, epoch: int, g: int) -> int:
         return plan.count_batches(self._items(epoch, g), self.batch_size, self.drop_last)
 
@@ -329,8 +346,9 @@ class ShardLoader(ABC):
                 self.positions[item["stream"]] = item["end"]
                 self.stats["samples"] += len(item["keys"])
                 self.stats["skipped_corrupt"] += item["skipped"]
-                for k, v in item["io"].items():
-                    self.stats[k] = self.stats.get(k, 0) + v
+                for counts in (item["io"], self.side_stats()):
+                    for k, v in counts.items():
+                        self.stats[k] = self.stats.get(k, 0) + v
                 if self.sample_log is not None:
                     self.sample_log(item["keys"])
                 yield from_transport(item["data"])

@@ -13,8 +13,10 @@ evicted first, integrity checks) is
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +28,8 @@ from pitstop.data.loader.sizes import parse_size
 from pitstop.data.loader.cache import POLICIES, ShardCache
 
 MAX_DEPTH = 8
+MAX_CONNECTIONS = 8  # a reader's downloads at once x their ranged parts, at most (see CachedSource._at_once)
+log = logging.getLogger("pitstop.data.loader")
 
 
 class CachedSource(ShardSource):
@@ -91,15 +95,21 @@ class CachedSource(ShardSource):
         depth = self.depth
         if self.prefetch == "auto" and self.limit and refs:  # (shards held ahead are in use: leave room to evict)
             depth = min(depth, max(1, self.limit // (8 * max(max(r.bytes for r in refs[: depth + 1]), 1))))
-        if depth <= 0:
+        if depth <= 0 or len(refs) < 2:  # (refs[0] is read right now, by the caller)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                MAX_DEPTH if self.prefetch == "auto" else depth, thread_name_prefix="pitstop-prefetch"
-            )
+            self._pool = ThreadPoolExecutor(self._at_once(refs), thread_name_prefix="pitstop-prefetch")
         for ref in refs[1 : depth + 1]:  # refs[0] is read right now, by the caller
             if ref.url not in self._pending:
                 self._pending[ref.url] = self._pool.submit(self._acquire, ref)
+
+    def _at_once(self, refs: list[ShardRef]) -> int:
+        """Downloads this reader runs at the same time; the others wait their turn in read order. A download in
+        ranged parts already uses several connections: more shards at once would only split a capped link among
+        them and deliver the one read next later (and the longer downloads would make ``auto`` go deeper still)."""
+        parts = self.policy.parts_for(max(refs, key=lambda r: r.bytes))
+        most = MAX_DEPTH if self.prefetch == "auto" else max(1, int(self.prefetch))
+        return max(1, min(most, MAX_CONNECTIONS // parts))
 
     def read(self, ref: ShardRef) -> bytes:
         fut = self._pending.pop(ref.url, None)
@@ -119,6 +129,16 @@ class CachedSource(ShardSource):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _into_cache(cache: ShardCache, ref: ShardRef) -> None:
+    try:
+        handle = cache.acquire(ref)
+    except Exception as e:  # noqa: BLE001 - the reader fetches it again, with retries, and reports a failure
+        log.debug("first shard %s not fetched ahead: %s", ref.url, e)
+        return
+    if not isinstance(handle, bytes):
+        handle.close()
 
 
 def _release(fut: Future) -> None:
@@ -168,6 +188,32 @@ class CachedLoader(ShardLoader):
             )
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
         ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
+        self._warming: tuple | None = None  # (warm(): its cache and downloads; () once their counters are taken)
+
+    def warm(self) -> None:
+        """Start downloading, now, the shard each of this rank's readers reads first (from the current position):
+        the readers start after the model is built and the run restored, and find it in the cache, or being
+        downloaded (they wait for that download; there is never a second). Nothing to overlap it with is the
+        reason a cold epoch's first shards cost most. A failed download here is left to the reader to retry and
+        report. Called once the loader is built; a restore that moves the position costs at most one shard per
+        reader that it does not read first (most often one it reads later, or already cached)."""
+        refs = self.first_refs()
+        if not refs or self._warming is not None:
+            return
+        cache = ShardCache(self.cache_dir, self.cache_limit, self.policy, self.verify, self.cache_policy)
+        threads = [  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a partial file)
+            threading.Thread(target=_into_cache, args=(cache, ref), name="pitstop-first-shard", daemon=True)
+            for ref in refs
+        ]
+        for t in threads:
+            t.start()
+        self._warming = (cache, threads)
+
+    def side_stats(self) -> dict[str, int]:
+        if not self._warming or any(t.is_alive() for t in self._warming[1]):
+            return {}
+        cache, self._warming = self._warming[0], ()  # (taken once)
+        return cache.take_stats()
 
     def source(self) -> ShardSource:
         return CachedSource(
