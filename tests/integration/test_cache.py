@@ -82,6 +82,13 @@ def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(d
         else:
             assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (0, 8, 0)
     assert set(shard_requests(store).values()) == {1}
+    # under a cache limit that cannot keep the first shards beside the readers' prefetch, nothing is fetched ahead
+    small = CachedLoader(
+        remote_digits(store.url), "train", batch_size=64, seed=6, num_workers=2, cache_dir=str(tmp_path / "small"),
+        cache_limit=4 * max(s["bytes"] for s in index(data_root)["splits"]["train"]),
+    )  # fmt: skip
+    small.warm()
+    assert small.first_refs() and not small._warm_threads and not cached_tars(tmp_path / "small")
 
 
 def test_ranged_parts_read_the_same_batches_and_a_server_without_ranges_gets_one_request(data_root, tmp_path):

@@ -12,6 +12,7 @@ the job as it would have, and the requeued job resumes from that save.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import logging
 import os
@@ -40,11 +41,16 @@ class _HandlerLog:
     into that ``BufferedWriter`` raises ``RuntimeError: reentrant call`` and logging prints its traceback instead
     of the line (seen under SLURM, whose ``scancel --signal`` reaches a launcher twice).  A handler only puts the
     line on a ``SimpleQueue`` (its ``put`` is reentrant-safe); the thread takes the handler's lock like any other
-    thread, after the main thread's write.  Lines still queued at exit are written then."""
+    thread, after the main thread's write.  The thread runs while handlers of ours are installed (it would keep a
+    later fork of this process from being a plain one: see ``pitstop.data.loader.server``); lines still queued
+    when it stops, or at exit, are written then."""
+
+    _STOP = ("", ())
 
     def __init__(self) -> None:
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         self.owner: tuple[int, threading.Thread] | None = None
+        self.users = 0  # installed handler sets (in this process)
         atexit.register(self.drain)
 
     def start(self) -> None:
@@ -52,7 +58,17 @@ class _HandlerLog:
         if self.owner is None or self.owner[0] != os.getpid() or not self.owner[1].is_alive():
             thread = threading.Thread(target=self._run, name="pitstop-signal-log", daemon=True)
             thread.start()
-            self.owner = (os.getpid(), thread)
+            self.owner, self.users = (os.getpid(), thread), 0
+        self.users += 1
+
+    def stop(self) -> None:
+        """Called where handlers are restored: the last one stops the thread once it has written its lines."""
+        self.users -= 1
+        if self.users <= 0 and self.owner is not None and self.owner[0] == os.getpid():
+            thread, self.owner = self.owner[1], None
+            self.lines.put(self._STOP)
+            thread.join(timeout=2)
+        self.drain()
 
     def warning(self, msg: str, *args: Any) -> None:
         if self.owner is None or self.owner[0] != os.getpid():
@@ -61,29 +77,31 @@ class _HandlerLog:
             self.lines.put((msg, args))
 
     def resignal(self, signum: int, handler: Any) -> None:
-        """Deliver ``signum`` to this process again shortly, from the thread, if ``handler`` still handles it."""
+        """Deliver ``signum`` to the main thread again shortly, from the thread, if ``handler`` still handles it."""
         self.lines.put((None, (signum, handler)))
 
     def _run(self) -> None:
-        while True:
-            self._write(*self.lines.get())
+        while (item := self.lines.get()) is not self._STOP:
+            self._write(*item)
 
     def _write(self, msg: str | None, args: tuple) -> None:
         if msg is None:
             threading.Event().wait(0.05)
             if signal.getsignal(args[0]) == args[1]:
-                os.kill(os.getpid(), args[0])
+                # (as if the signal came again, to its Python handler only: a default action, had ours just been
+                # put back, is not taken)
+                _thread.interrupt_main(args[0])
         else:
             log.warning(msg, *args)
 
     def drain(self) -> None:
         while True:
             try:
-                msg, args = self.lines.get_nowait()
+                item = self.lines.get_nowait()
             except queue.Empty:
                 return
-            if msg is not None:
-                log.warning(msg, *args)
+            if item is not self._STOP and item[0] is not None:
+                log.warning(item[0], *item[1])
 
 
 _handler_log = _HandlerLog()
@@ -124,6 +142,7 @@ class _Handlers:
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             _handler_log.start()
+            self._logging = True
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._replaced = dict(self._previous)  # (for forward(), also once close() has put them back)
@@ -150,7 +169,9 @@ class _Handlers:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        _handler_log.drain()  # (a forked attempt ends with os._exit: no atexit)
+        if getattr(self, "_logging", False):  # (a forked attempt ends with os._exit: no atexit)
+            self._logging = False
+            _handler_log.stop()
 
 
 class PreemptionNotice(_Handlers):

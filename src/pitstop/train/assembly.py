@@ -51,7 +51,9 @@ class StepParts:
     eval_loader: Any
 
 
-def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
+def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> StepParts:
+    """``fresh``: no earlier attempt of this run (the data position will be the start: the cached loader's first
+    shards can download while the model is built)."""
     t = cfg.trainer
     precision = Precision(t.precision, strategy.device, strategy_casts=strategy_casts(strategy, t.precision))
     if t.compile:
@@ -71,7 +73,7 @@ def build_step_parts(cfg: DictConfig, strategy: Any) -> StepParts:
         from pitstop.data.loader.replica import ReplicaLoader
 
         loader = ReplicaLoader(loader, strategy.participation, strategy.replicas)
-    elif hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built, the run restored
+    elif fresh and hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built
         loader.warm()
     model = build(cfg.model)
     if t.channels_last and strategy.channels_last_params:  # (else the inputs alone are NHWC)

@@ -86,6 +86,8 @@ class Runner:
         with self.ledger.measure("init"), self.watchdog.phase("setup"):
             self.preempt = PreemptionNotice(t.preempt_signals, t.preempt_grace_seconds, self.launch.agent_pid)
             hold.callback(self.preempt.install())  # a notice from here on stops the job after a step
+            # (read before the process group forms: no rank's attempt is on record yet, on any rank)
+            fresh = not os.path.exists(os.path.join(self.run_dir, "goodput.json"))
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
             self.strategy.expect_config(cfg)
@@ -97,7 +99,7 @@ class Runner:
             os.makedirs(self.run_dir, exist_ok=True)
             self.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
             hold.push(self._record_failure)
-            parts = assembly.build_step_parts(cfg, self.strategy)
+            parts = assembly.build_step_parts(cfg, self.strategy, fresh=fresh)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
             self.model, self.compile_clock, self.optimizer = parts.model, parts.compile_clock, parts.optimizer
             self.loader, self.eval_loader = parts.loader, parts.eval_loader
@@ -194,6 +196,8 @@ class Runner:
             self.samples.header(
                 self.resumed_from, self.strategy.world_size, self.data.index.num_samples("train"), epochs, healed
             )
+        if hasattr(self.loader, "warm"):  # (loader=cached) the position's first shards, if not asked for at build
+            self.loader.warm()
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})

@@ -188,32 +188,40 @@ class CachedLoader(ShardLoader):
             )
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
         ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
-        self._warming: tuple | None = None  # (warm(): its cache and downloads; () once their counters are taken)
+        self._warmed: set[str] = set()  # (warm(): the shards it asked for, its cache and its downloads running)
+        self._warm_cache: ShardCache | None = None
+        self._warm_threads: list[threading.Thread] = []
 
     def warm(self) -> None:
-        """Start downloading, now, the shard each of this rank's readers reads first (from the current position):
-        the readers start after the model is built and the run restored, and find it in the cache, or being
-        downloaded (they wait for that download; there is never a second). Nothing to overlap it with is the
-        reason a cold epoch's first shards cost most. A failed download here is left to the reader to retry and
-        report. Called once the loader is built; a restore that moves the position costs at most one shard per
-        reader that it does not read first (most often one it reads later, or already cached)."""
-        refs = self.first_refs()
-        if not refs or self._warming is not None:
+        """Start downloading, now, the shard each of this rank's readers reads first from the current position
+        (those not asked for before): the readers start later and find it in the cache, or being downloaded (they
+        wait for that download; there is never a second). A cold epoch's first shards have nothing to overlap them
+        otherwise. The runner calls it as the loader is built on a fresh run (it then overlaps the model's build,
+        dynamo's import and the set-up), and after a restore on a resumed one (the position is known only then).
+        Skipped under a ``cache_limit`` too small to keep them beside the readers' own prefetch. A failed download
+        here is left to the reader to retry and report."""
+        refs = [r for r in self.first_refs() if r.url not in self._warmed]
+        if not refs or (self.cache_limit is not None and self.cache_limit < 8 * sum(r.bytes for r in refs)):
             return
-        cache = ShardCache(self.cache_dir, self.cache_limit, self.policy, self.verify, self.cache_policy)
-        threads = [  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a partial file)
-            threading.Thread(target=_into_cache, args=(cache, ref), name="pitstop-first-shard", daemon=True)
-            for ref in refs
-        ]
-        for t in threads:
-            t.start()
-        self._warming = (cache, threads)
+        self._warmed.update(r.url for r in refs)
+        if self._warm_cache is None:
+            self._warm_cache = ShardCache(self.cache_dir, self.cache_limit, self.policy, self.verify, self.cache_policy)
+        for ref in refs:  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a partial file)
+            thread = threading.Thread(target=_into_cache, args=(self._warm_cache, ref), name="pitstop-first-shard")
+            thread.daemon = True
+            thread.start()
+            self._warm_threads.append(thread)
 
     def side_stats(self) -> dict[str, int]:
-        if not self._warming or any(t.is_alive() for t in self._warming[1]):
+        """The counters of warm()'s downloads so far (in cache_misses, bytes_from_source; a reader that then finds
+        its first shard there counts a cache hit too)."""
+        if self._warm_cache is None:
             return {}
-        cache, self._warming = self._warming[0], ()  # (taken once)
-        return cache.take_stats()
+        self._warm_threads = [t for t in self._warm_threads if t.is_alive()]
+        out = self._warm_cache.take_stats()
+        if not self._warm_threads:
+            self._warm_cache = None
+        return out
 
     def source(self) -> ShardSource:
         return CachedSource(
