@@ -49,8 +49,10 @@ def _dirs(run_dir: str) -> list[str]:
     return groups if groups and not any(n.startswith("samples.rank") for n in os.listdir(run_dir)) else [run_dir]
 
 
-def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
-    """``{step: [sample keys of that step, all ranks]}`` of the steps that survive, and the last header."""
+def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]], dict]:
+    """``{(step, epoch): [sample keys, all ranks]}`` of the steps that survive, and the last header. ``epoch`` is
+    the one a micro-batch's line names (written where a step may run into the next epoch: gradient accumulation),
+    else None (metrics.jsonl says the step's)."""
     names = sorted(
         os.path.join(d, n) for d in _dirs(run_dir) for n in os.listdir(d)
         if n.startswith("samples.rank") and n.endswith(".jsonl")
@@ -59,13 +61,13 @@ def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
         raise SystemExit(f"error: no samples.rank*.jsonl in {run_dir}: train with data.record_sample_ids=true")
     resumed: dict[float, int] = {}
     healed: set[float] = set()  # attempts that resumed from a live peer (strategy=ft): they roll nobody back
-    rows: list[tuple[float, int, int, int, list[str]]] = []  # (attempt, rank, step, micro, keys)
+    rows: list[tuple[float, int, int, int | None, list[str]]] = []  # (attempt, rank, step, epoch, keys)
     header: dict = {}
     last_t: dict[float, float] = {}  # an attempt's last commit line's wall clock (strategy=ft)
     committed: set[tuple[int, int]] = set()  # (step, quorum) that some replica group committed (strategy=ft)
-    orphans: list[tuple[tuple, int]] = []  # (row, quorum): a group's last step, written before it died
+    orphans: list[tuple[list, int]] = []  # (rows, quorum): a group's last step, written before it died
     for name in names:
-        attempt, pending = None, None  # pending: (row, quorum) of a strategy=ft step not yet decided
+        attempt, pending = None, None  # pending: (rows, quorum) of a strategy=ft step not yet decided
         for r in _records(name):
             if "attempt" in r:
                 if pending is not None:
@@ -84,20 +86,20 @@ def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
             elif "commit" in r:  # the step's outcome: its keys were consumed only if it committed
                 last_t[attempt] = max(last_t.get(attempt, 0.0), float(r.get("t", 0.0)))
                 if pending is not None and r["ok"]:
-                    rows.append(pending[0])
+                    rows.extend(pending[0])
                     committed.add((int(r["commit"]), int(r["quorum"])))
                 pending = None
             else:
-                row = (attempt, rank, int(r["step"]), int(r.get("micro", 1)), r["keys"])
-                if "quorum" in r:
-                    pending = (row, int(r["quorum"]))
+                row = (attempt, rank, int(r["step"]), r.get("epoch"), r["keys"])
+                if "quorum" in r:  # (a step's micro-batches: one line each)
+                    pending = ([*pending[0], row] if pending else [row], int(r["quorum"]))
                 else:
                     rows.append(row)
         if pending is not None:
             orphans.append(pending)
     # A group killed between its step's all-reduce and the line saying it committed: its share was consumed iff
     # another group of the same quorum committed that step (their all-reduce had its gradients).
-    rows.extend(row for row, quorum in orphans if (row[2], quorum) in committed)
+    rows.extend(row for step_rows, quorum in orphans for row in step_rows if (row[2], quorum) in committed)
     # How far an attempt's steps are kept: the lowest resume point of any later attempt that restored from a
     # checkpoint (not healed from a live peer) after this one had ended. (An attempt of a strategy=ft group
     # says when it last committed; a later one that started while it was still running did not roll it back.)
@@ -106,10 +108,10 @@ def surviving_keys(run_dir: str) -> tuple[dict[int, list[str]], dict]:
         ended = last_t.get(a, float("-inf"))
         later = [resumed[b] for b in resumed if b > a and b not in healed and ended < b]
         keep[a] = min(later, default=float("inf"))
-    steps: dict[int, list[str]] = defaultdict(list)
-    for attempt, _, step, _, keys in rows:
+    steps: dict[tuple[int, int | None], list[str]] = defaultdict(list)
+    for attempt, _, step, epoch, keys in rows:
         if step <= keep[attempt]:
-            steps[step].extend(keys)
+            steps[step, epoch].extend(keys)
     return steps, header
 
 
@@ -126,12 +128,12 @@ def epochs_of(run_dir: str) -> dict[int, int]:
 def audit(run_dir: str) -> list[EpochAudit]:
     steps, header = surviving_keys(run_dir)
     epoch_of = epochs_of(run_dir)
-    unknown = sorted(s for s in steps if s not in epoch_of)
+    unknown = sorted(s for s, e in steps if e is None and s not in epoch_of)
     if unknown:
         raise SystemExit(f"error: steps {unknown[:5]} of the sample logs are not in {run_dir}/metrics.jsonl")
     per_epoch: dict[int, Counter] = defaultdict(Counter)
-    for step, keys in steps.items():
-        per_epoch[epoch_of[step]].update(keys)
+    for (step, epoch), keys in steps.items():
+        per_epoch[epoch_of[step] if epoch is None else epoch].update(keys)
     expected = int(header["epoch_samples"])
     complete = header.get("epochs")  # epochs mode: every epoch up to it must be complete
     last = max(per_epoch, default=-1)

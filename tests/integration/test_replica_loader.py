@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import random
 
+import pytest
 import torch
 
 from pitstop.data.loader.plain import PlainLoader
@@ -13,17 +14,20 @@ from pitstop.data.loader.replica import ReplicaLoader
 from recipe.vision import ImageShards
 
 
-def group_loader(data_root, place: list[int]) -> ReplicaLoader:
+def group_loader(data_root, place: list[int], accum: int = 1) -> ReplicaLoader:
     ds = ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10, channels=1,
                      augment={"pad": 1})  # fmt: skip
     inner = PlainLoader(ds, "train", batch_size=32, seed=11, num_workers=0)
-    return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3)
+    return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3, accum=accum)
 
 
-def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(data_root):
+@pytest.mark.parametrize("accum", [1, 3])
+def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(data_root, accum):
+    # accum: micro-batches per step (trainer.grad_accum_steps), each the next slice; a step may run into the next
+    # epoch, and a discarded one (no commit) is read again from where the last committed step ended
     rng = random.Random(4)
     places = {k: [3, k] for k in range(3)}
-    loaders = {k: group_loader(data_root, places[k]) for k in range(3)}
+    loaders = {k: group_loader(data_root, places[k], accum) for k in range(3)}
     alive = {0, 1, 2}
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     shapes = set()
@@ -32,27 +36,28 @@ def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(d
             alive.discard(rng.choice(sorted(alive)))
         elif rng.random() < 0.3 and len(alive) < 3:  # a group comes back: healed from a live peer's state
             k = rng.choice(sorted({0, 1, 2} - alive))
-            loaders[k] = group_loader(data_root, places[k])
+            loaders[k] = group_loader(data_root, places[k], accum)
             loaders[k].load_state_dict(loaders[min(alive)].state_dict())
             alive.add(k)
         members = sorted(alive)
         for place, k in enumerate(members):
             places[k][:] = [len(members), place]
-        keys = {}
-        for k in members:
-            got = []
-            loaders[k].sample_log = got.extend
-            x, y = loaders[k].next_batch()
-            assert len(x) == len(y) == len(got)
-            shapes.add(tuple(x.shape[1:]))
-            keys[k] = got
-        epoch = loaders[members[0]].epoch
-        assert len({loaders[k].epoch for k in members}) == 1
+        keys: dict[int, list[tuple[int, list[str]]]] = {k: [] for k in members}
+        for _ in range(accum):
+            for k in members:
+                got: list[str] = []
+                loaders[k].sample_log = got.extend
+                x, y = loaders[k].next_batch()
+                assert len(x) == len(y) == len(got)
+                shapes.add(tuple(x.shape[1:]))
+                keys[k].append((loaders[k].epoch, got))
+            assert len({loaders[k].epoch for k in members}) == 1
         if rng.random() < 0.1:  # a peer failed during the all-reduce: the step is discarded everywhere
             continue
         for k in members:
             loaders[k].commit()
-            seen[epoch].update(keys[k])
+            for epoch, got in keys[k]:
+                seen[epoch].update(got)
     total = loaders[0].num_samples
     for epoch in (0, 1):
         assert len(seen[epoch]) == total and set(seen[epoch].values()) == {1}, epoch

@@ -182,6 +182,27 @@ def test_a_stalled_group_is_ended_by_its_own_watchdog_and_the_healthy_group_neve
     assert all(e.ok for e in audit(str(run)))
 
 
+def test_with_gradient_accumulation_a_group_killed_mid_step_heals_and_every_sample_is_read_once(data_root, tmp_path):
+    # trainer.grad_accum_steps=2: each micro-batch takes the next slice of the epoch's one order, and steps run into
+    # the next epoch (64 samples a step, 1438 an epoch). Group 1 is SIGKILLed after the first micro-batch of step 30:
+    # group 0's step fails in its all-reduce and is discarded (its micro-batches are read again), group 1 heals.
+    # (min_replicas=2: step 30's quorum has both groups however the machine's load times their requests.)
+    run = tmp_path / "run"
+    crash = ["fault=crash_at_step", "fault.step=30", "fault.micro_batch=1", "fault.replica=1"]
+    args = [*FT, "strategy.min_replicas=2", "trainer.grad_accum_steps=2", *crash, "trainer.max_steps=100",
+            "trainer.eval_every_steps=null", "ckpt.interval_steps=40", f"run_dir={run}"]  # fmt: skip
+    r = cli(args, data_root, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [a["status"] for a in attempts(run, 0)] == ["finished"]  # never restarted
+    assert len(attempts(run, 1)) == 2 and attempts(run, 1)[-1]["status"] == "finished"
+    assert "healed from a live peer" in (run / "replica1" / "train.log").read_text()
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 100 and s0["params_sha256"] == s1["params_sha256"]
+    assert s0["ft"]["discarded_steps"] >= 1  # step 30, whose all-reduce lost its peer
+    epochs = audit(str(run))
+    assert len(epochs) == 5 and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
+
+
 def test_a_notice_to_one_group_lets_it_leave_and_the_other_finishes_the_job_alone(data_root, tmp_path):
     # The node of group 0 (the one that writes the durable checkpoints) is being preempted: its trainer gets the
     # notice, saves at the step it finishes and leaves with 75; its supervisor does not restart it (the node is

@@ -52,7 +52,7 @@ def test_the_epoch_order_is_every_sample_once_a_pure_function_of_seed_and_epoch(
     assert sorted(orders[0]) == sorted((s, i) for s, n in enumerate(_Shards.counts) for i in range(n))
     assert orders[0] == orders[2] != orders[1]
     assert loader.steps_per_epoch() == 4  # 31 samples, 2 groups x 4
-    loader.position, loader.epoch = 12, 1
+    loader.committed = (1, 12)  # (epoch, position)
     other = ReplicaLoader(_Shards(), lambda: (1, 0), replicas=2)
     other.load_state_dict(loader.state_dict())
     assert (other.epoch, other.position) == (1, 12)

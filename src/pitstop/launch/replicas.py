@@ -54,18 +54,12 @@ def start_lighthouse(strategy: Any) -> Any:
 
 def check_job(cfg: DictConfig) -> None:
     """strategy=ft's keys and what it does not support yet, each refused in one line naming the key."""
-    from pitstop.errors import ConfigError
     from pitstop.strategy.ft import check_keys
 
     validate(cfg)
     s = cfg.strategy
     check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
                s.max_restarts)  # fmt: skip
-    if int(cfg.trainer.grad_accum_steps) != 1:
-        raise ConfigError(
-            f"trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}: strategy=ft takes one micro-batch per step "
-            f"for now; raise trainer.batch_size instead"
-        )
 
 
 def run_replicas(cfg: DictConfig, run_dir: str) -> dict:

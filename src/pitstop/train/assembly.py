@@ -72,7 +72,7 @@ def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> Step
     if getattr(strategy, "replicas", None):  # strategy=ft: one global order, cut among the step's groups
         from pitstop.data.loader.replica import ReplicaLoader
 
-        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas)
+        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas, int(t.grad_accum_steps))
     elif fresh and hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built
         loader.warm()
     model = build(cfg.model)
@@ -143,7 +143,7 @@ def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, t
         return None
     attempt_id = strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
     quorum = (lambda: strategy.quorum_id) if strategy.quorum_id is not None else None
-    samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum)
+    samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum, lambda: loader.epoch)
     hold.callback(samples.close)
     loader.sample_log = samples.write
     return samples

@@ -18,27 +18,31 @@ class SampleLog:
         accum: int,
         where: Callable[[], tuple[int, int]],
         quorum: Callable[[], int] | None = None,
+        epoch: Callable[[], int] | None = None,
     ):
         """``attempt_id``: rank 0's clock at its setup, the same on every rank; ``where()``: the step being
         taken and its micro-batch. ``quorum()`` (``strategy=ft``): the id of the step's quorum of replica
         groups, written with its keys; each step's lines are then on disk before its gradients leave (a peer
-        commits a step this group may not live to write down)."""
+        commits a step this group may not live to write down). ``epoch()``: the epoch of the micro-batch being
+        written, written with it where a step takes several (one may run into the next epoch)."""
         self.attempt_id, self.rank = attempt_id, rank
         self.file = open(os.path.join(run_dir, f"samples.rank{rank}.jsonl"), "a", buffering=1 << 16)
         f = self.file
+
+        def micro() -> str:  # which micro-batch of the step, and its epoch
+            return f'"micro":{where()[1]},"epoch":{epoch()},' if accum > 1 and epoch is not None else ""
+
         if quorum is not None:
 
             def write(keys: list[str]) -> None:
-                f.write(f'{{"step":{where()[0]},"quorum":{quorum()},"keys":{keys!r}}}\n'.replace("'", '"'))
+                f.write(f'{{"step":{where()[0]},{micro()}"quorum":{quorum()},"keys":{keys!r}}}\n'.replace("'", '"'))
                 f.flush()
 
             self.write = write
         elif accum == 1:
             self.write = lambda keys: f.write(f'{{"step":{where()[0]},"keys":{keys!r}}}\n'.replace("'", '"'))
-        else:  # which micro-batch of the step
-            self.write = lambda keys: f.write(
-                f'{{"step":{where()[0]},"micro":{where()[1]},"keys":{keys!r}}}\n'.replace("'", '"')
-            )
+        else:
+            self.write = lambda keys: f.write(f'{{"step":{where()[0]},{micro()}"keys":{keys!r}}}\n'.replace("'", '"'))
 
     def header(
         self, resumed_from: int | None, world_size: int, epoch_samples: int, epochs: int | None, healed: bool = False

@@ -6,10 +6,12 @@ The epoch's order is one sequence of all its samples: the shards in their seeded
 in their seeded order (the same pure functions as every loader, :mod:`pitstop.data.loader.plan`). The data
 position is two integers, ``(epoch, position)``, the same in every group (it is part of the state a newcomer
 heals from, and of the durable checkpoint). A step with ``P`` groups takes the next ``P x batch_size`` samples;
-the group at place ``r`` of the quorum reads the ``r``-th slice. A committed step moves the position on
-(:meth:`ReplicaLoader.commit`); a discarded one does not, so its samples are read again by the next step. The
-epoch's last step splits the rest evenly over its groups (at most ``batch_size + 1`` each); only if groups joined
-just then and the rest is fewer samples than groups is it dropped (counted: ``dropped_at_epoch_end``).
+the group at place ``r`` of the quorum reads the ``r``-th slice; with ``trainer.grad_accum_steps=K`` each of the
+step's ``K`` micro-batches takes the next such slice (a step may run into the next epoch). A committed step moves
+the position on (:meth:`ReplicaLoader.commit`); a discarded one does not, so its samples are read again by the next
+step (the loader sees a step end without a commit at the next step's first fetch). The epoch's last fetch splits
+the rest evenly over its groups (at most ``batch_size + 1`` each); only if groups joined just then and the rest is
+fewer samples than groups is it dropped (counted: ``dropped_at_epoch_end``).
 
 The global batch is ``trainer.batch_size`` per group, times the groups of the step (the gradients are averaged
 over them, the learning rate is unchanged).
@@ -37,8 +39,9 @@ class ReplicaLoader:
 
     kind = "replica"
 
-    def __init__(self, loader: Any, participation: Callable[[], tuple[int, int]], replicas: int):
-        self.inner, self.participation, self.replicas = loader, participation, int(replicas)
+    def __init__(self, loader: Any, participation: Callable[[], tuple[int, int]], replicas: int, accum: int = 1):
+        """``accum``: micro-batches (fetches) per step, ``trainer.grad_accum_steps``."""
+        self.inner, self.participation, self.replicas, self.accum = loader, participation, int(replicas), int(accum)
         self.dataset, self.batch_size, self.seed, self.shuffle = (
             loader.dataset,
             loader.batch_size,
@@ -47,8 +50,9 @@ class ReplicaLoader:
         )
         self.refs, self.counts = loader.refs, loader.counts
         self.num_samples = sum(self.counts)
-        self.epoch, self.position = 0, 0
-        self.pending = 0  # samples of the step in flight (all groups), committed by commit()
+        self.committed = (0, 0)  # (epoch, position) after the last committed step: the state
+        self._cursor: tuple[int, int] | None = None  # where the step in flight reads next (None: between steps)
+        self._taken, self._dropped = 0, 0  # the step in flight's fetches, and samples it dropped at an epoch end
         self.stats = {"samples": 0, "skipped_corrupt": 0, "dropped_at_epoch_end": 0, "bytes_from_source": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
         self._orders: dict[int, list[tuple[int, int]]] = {}
@@ -84,13 +88,24 @@ class ReplicaLoader:
         return max(1, math.ceil(self.num_samples / (self.batch_size * self.replicas)))
 
     @property
+    def epoch(self) -> int:
+        """The epoch of the step in flight (its fetches so far), else of the last committed step."""
+        return (self._cursor or self.committed)[0]
+
+    @property
+    def position(self) -> int:
+        """Samples of the epoch consumed by committed steps."""
+        return self.committed[1]
+
+    @property
     def batches(self) -> int:
-        """Steps of the current epoch so far, counted as if every group took part."""
+        """Batches of the current epoch so far, counted as if every group took part."""
         return self.position // (self.batch_size * self.replicas)
 
     # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "epoch": self.epoch, "position": self.position, "stats": dict(self.stats)}
+        epoch, position = self.committed
+        return {"kind": self.kind, "epoch": epoch, "position": position, "stats": dict(self.stats)}
 
     def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
         if state.get("kind") != self.kind:
@@ -98,7 +113,8 @@ class ReplicaLoader:
                 "this checkpoint's data position was saved by another strategy than strategy=ft (a per-rank "
                 "position): resume it with the strategy it was trained with"
             )
-        self.epoch, self.position, self.pending = int(state["epoch"]), int(state["position"]), 0
+        self.committed = (int(state["epoch"]), int(state["position"]))
+        self._cursor, self._taken, self._dropped = None, 0, 0
         self.stats.update(state.get("stats", {}))
 
     # ---- reading ----------------------------------------------------------------------------------------
@@ -107,18 +123,22 @@ class ReplicaLoader:
             yield self.next_batch()
 
     def next_batch(self) -> Any:
+        if self._taken >= self.accum:  # the step before ended without a commit (discarded): read its samples again
+            self._cursor, self._taken, self._dropped = None, 0, 0
         groups, place = self.participation()
-        if self.num_samples - self.position < groups:  # the epoch's last few samples: fewer than groups
-            self.stats["dropped_at_epoch_end"] += self.num_samples - self.position
-            self.epoch, self.position = self.epoch + 1, 0
-        start, end, self.pending = self.share(self.position, self.num_samples, self.batch_size, groups, place)
-        order = self.order(self.epoch)
+        epoch, position = self._cursor or self.committed
+        if self.num_samples - position < groups:  # the epoch's last few samples: fewer than groups
+            self._dropped += self.num_samples - position
+            epoch, position = epoch + 1, 0
+        start, end, taken = self.share(position, self.num_samples, self.batch_size, groups, place)
+        self._cursor, self._taken = (epoch, position + taken), self._taken + 1
+        order = self.order(epoch)
         items, keys = [], []
         for shard, i in order[start:end]:
             sample = self._shard(shard)[i]
             key = sample["__key__"]
             try:
-                items.append(self.dataset.decode(sample, train=True, seed=derive_seed(self.seed, self.epoch, key)))
+                items.append(self.dataset.decode(sample, train=True, seed=derive_seed(self.seed, epoch, key)))
             except Exception as e:  # noqa: BLE001 - any decode failure names shard and key
                 if not self.dataset.skip_corrupt:
                     raise DataError(
@@ -135,8 +155,10 @@ class ReplicaLoader:
 
     def commit(self) -> None:
         """The step in flight committed: its samples (every group's) are consumed."""
-        self.position += self.pending
-        self.pending = 0  # (the epoch turns at the next fetch: this step's records say its own epoch)
+        if self._cursor is not None:  # (the epoch turns at the next fetch: this step's records say its own epoch)
+            self.committed = self._cursor
+        self.stats["dropped_at_epoch_end"] += self._dropped
+        self._cursor, self._taken, self._dropped = None, 0, 0
 
     def _shard(self, shard: int) -> list[dict]:
         if shard not in self._shards:
