@@ -50,8 +50,8 @@ def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(d
                 x, y = loaders[k].next_batch()
                 assert len(x) == len(y) == len(got)
                 shapes.add(tuple(x.shape[1:]))
-                keys[k].append((loaders[k].epoch, got))
-            assert len({loaders[k].epoch for k in members}) == 1
+                keys[k].append((loaders[k].batch_epoch, got))
+            assert len({loaders[k].batch_epoch for k in members}) == 1
         if rng.random() < 0.1:  # a peer failed during the all-reduce: the step is discarded everywhere
             continue
         for k in members:
@@ -76,3 +76,34 @@ def test_a_sample_decodes_as_the_per_rank_loaders_decode_it(data_root):
     batch = next(iter(plain))
     where = {k: i for i, k in enumerate(keys[0])}
     assert torch.equal(x[0], batch[0][where[got[0]]])
+
+
+def test_a_micro_batch_read_interrupted_by_a_stall_is_read_again_whole(data_root):
+    # the watchdog ends a stalled fetch by raising in the main thread (DataStall), and the loop asks again: the step
+    # in flight must not have moved on, in its first micro-batch or in its last
+    from pitstop.resilience.watchdog import DataStall
+
+    for interrupted in (1, 2):
+        loader = group_loader(data_root, [1, 0], accum=2)
+        shard, calls = loader._shard, [0]
+
+        def stalling(index, _shard=shard, _at=interrupted):
+            calls[0] += 1
+            if calls[0] == (_at - 1) * 32 + 5:  # (a sample's shard read, 32 a micro-batch: the interrupted one's 5th)
+                raise DataStall("no batch within the limit")
+            return _shard(index)
+
+        loader._shard = stalling
+        got: list[list[str]] = []
+        loader.sample_log = got.append
+        for _ in range(2):
+            try:
+                loader.next_batch()
+            except DataStall:
+                loader.next_batch()  # (as Batches.next does after a recovered stall)
+        loader.commit()
+        clean = group_loader(data_root, [1, 0], accum=2)
+        expected: list[list[str]] = []
+        clean.sample_log = expected.append
+        clean.next_batch(), clean.next_batch()
+        assert got == expected and loader.position == 64, interrupted  # the same two slices, each once

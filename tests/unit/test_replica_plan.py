@@ -108,6 +108,29 @@ def test_the_audit_of_replica_groups_counts_committed_steps_and_a_dead_groups_la
     assert (epoch.once, epoch.repeated, epoch.missing, epoch.expected) == (10, 0, 0, 10), epoch
 
 
+def test_the_audit_counts_every_micro_batch_of_a_step_and_the_epoch_each_names(tmp_path):
+    # trainer.grad_accum_steps=2 under strategy=ft: a step writes one line per micro-batch, each naming its epoch (a
+    # step may run into the next one); group 1, killed after step 2's all-reduce, has both lines counted because its
+    # peer committed that step in the same quorum; metrics.jsonl says epoch 1 for step 2, the lines say better
+    def micro(step, quorum, parts, ok=True, decided=True):
+        lines = [{"step": step, "micro": m, "epoch": e, "quorum": quorum, "keys": k} for m, (e, k) in enumerate(parts)]
+        return lines + ([{"commit": step, "ok": ok, "quorum": quorum, "t": 11.0}] if decided else [])
+
+    run = tmp_path / "run"
+    _write(run / "replica0" / "samples.rank0.jsonl", [
+        _head(10.0, samples=6), *micro(1, 1, [(0, ["a"]), (0, ["b"])]), *micro(2, 1, [(0, ["c"]), (1, ["a"])]),
+    ])  # fmt: skip
+    _write(run / "replica1" / "samples.rank0.jsonl", [
+        _head(10.1, samples=6), *micro(1, 1, [(0, ["d"]), (0, ["e"])]),
+        *micro(2, 1, [(0, ["f"]), (1, ["b"])], decided=False),  # killed after the all-reduce: the peer committed
+    ])  # fmt: skip
+    for k in (0, 1):
+        _write(run / f"replica{k}" / "metrics.jsonl", [{"step": s, "epoch": s - 1, "loss": 1.0} for s in (1, 2)])
+    first, second = audit(str(run))
+    assert (first.epoch, first.once, first.repeated, first.missing) == (0, 6, 0, 0), first
+    assert (second.epoch, second.once, second.repeated) == (1, 2, 0) and second.partial, second
+
+
 def test_the_audit_of_replica_groups_rolls_back_only_what_a_whole_job_restart_redid(tmp_path):
     run = tmp_path / "run"
     # both groups start together (neither rolls the other back), are killed after step 3; the job's next run

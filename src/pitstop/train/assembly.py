@@ -143,7 +143,7 @@ def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, t
         return None
     attempt_id = strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
     quorum = (lambda: strategy.quorum_id) if strategy.quorum_id is not None else None
-    samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum, lambda: loader.epoch)
+    samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum, lambda: loader.batch_epoch)
     hold.callback(samples.close)
     loader.sample_log = samples.write
     return samples

@@ -159,18 +159,10 @@ class ShardLoader(ABC):
             )
         return self._plans[key]
 
-    def first_refs(self) -> list[ShardRef]:
-        """The shard each of this rank's reader streams reads first from the current position (each once)."""
-        out: dict[str, ShardRef] = {}
-        for s in range(self.streams):
-            g = self._gid(self.rank, s)
-            items = self._items(self.epoch, g)
-            reads = plan.read_order(items, self.window, self.seed, self.epoch, g) if items else []
-            pos = self.positions.get(g, 0)
-            if pos < len(reads):
-                ref = self.refs[items[reads[pos][0]][1]]
-                out.setdefault(ref.url, ref)
-        return list(out.values())
+    @property
+    def batch_epoch(self) -> int:
+        """The epoch of the batch handed out last (the sample log names it where a step takes several)."""
+        return self.epoch
 
     def side_stats(self) -> dict[str, int]:
         """Counters of work done outside the readers (a subclass's), taken once: added to ``stats``."""

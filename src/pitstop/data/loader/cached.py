@@ -23,6 +23,7 @@ from typing import Any
 
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
+from pitstop.data.loader import plan
 from pitstop.data.loader.base import ShardLoader, ShardSource
 from pitstop.data.loader.sizes import parse_size
 from pitstop.data.loader.cache import POLICIES, ShardCache
@@ -191,6 +192,19 @@ class CachedLoader(ShardLoader):
         self._warmed: set[str] = set()  # (warm(): the shards it asked for, its cache and its downloads running)
         self._warm_cache: ShardCache | None = None
         self._warm_threads: list[threading.Thread] = []
+
+    def first_refs(self) -> list[ShardRef]:
+        """The shard each of this rank's reader streams reads first from the current position (each once)."""
+        out: dict[str, ShardRef] = {}
+        for s in range(self.streams):
+            g = self._gid(self.rank, s)
+            items = self._items(self.epoch, g)
+            reads = plan.read_order(items, self.window, self.seed, self.epoch, g) if items else []
+            pos = self.positions.get(g, 0)
+            if pos < len(reads):
+                ref = self.refs[items[reads[pos][0]][1]]
+                out.setdefault(ref.url, ref)
+        return list(out.values())
 
     def warm(self) -> None:
         """Start downloading, now, the shard each of this rank's readers reads first from the current position

@@ -53,6 +53,7 @@ class ReplicaLoader:
         self.committed = (0, 0)  # (epoch, position) after the last committed step: the state
         self._cursor: tuple[int, int] | None = None  # where the step in flight reads next (None: between steps)
         self._taken, self._dropped = 0, 0  # the step in flight's fetches, and samples it dropped at an epoch end
+        self.batch_epoch = 0  # the epoch of the micro-batch fetched last (a step may run into the next epoch)
         self.stats = {"samples": 0, "skipped_corrupt": 0, "dropped_at_epoch_end": 0, "bytes_from_source": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
         self._orders: dict[int, list[tuple[int, int]]] = {}
@@ -89,8 +90,8 @@ class ReplicaLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch of the step in flight (its fetches so far), else of the last committed step."""
-        return (self._cursor or self.committed)[0]
+        """The epoch of the last committed step (the data position's)."""
+        return self.committed[0]
 
     @property
     def position(self) -> int:
@@ -123,15 +124,17 @@ class ReplicaLoader:
             yield self.next_batch()
 
     def next_batch(self) -> Any:
-        if self._taken >= self.accum:  # the step before ended without a commit (discarded): read its samples again
-            self._cursor, self._taken, self._dropped = None, 0, 0
+        # (the step's state moves on only once this micro-batch is read: a data stall recovered by the watchdog
+        # interrupts the read, and the same call is made again)
+        cursor, fetched, dropped = self._cursor, self._taken, self._dropped
+        if fetched >= self.accum:  # the step before ended without a commit (discarded): read its samples again
+            cursor, fetched, dropped = None, 0, 0
         groups, place = self.participation()
-        epoch, position = self._cursor or self.committed
+        epoch, position = cursor or self.committed
         if self.num_samples - position < groups:  # the epoch's last few samples: fewer than groups
-            self._dropped += self.num_samples - position
+            dropped += self.num_samples - position
             epoch, position = epoch + 1, 0
         start, end, taken = self.share(position, self.num_samples, self.batch_size, groups, place)
-        self._cursor, self._taken = (epoch, position + taken), self._taken + 1
         order = self.order(epoch)
         items, keys = [], []
         for shard, i in order[start:end]:
@@ -148,6 +151,8 @@ class ReplicaLoader:
                 self.stats["skipped_corrupt"] += 1
                 continue
             keys.append(key)
+        self._cursor, self._taken, self._dropped = (epoch, position + taken), fetched + 1, dropped
+        self.batch_epoch = epoch
         if self.sample_log is not None:
             self.sample_log(keys)
         self.stats["samples"] += len(items)
