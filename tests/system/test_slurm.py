@@ -157,29 +157,30 @@ def test_the_two_node_command_trains_one_rank_per_node_to_the_one_command_digest
     assert "Traceback" not in job_logs(sweep)
 
 
+def sbatch(env: dict, tmp_path: Path, options: list[str], overrides: list[str], data_root: Path) -> str:
+    """Submit deploy/slurm/train.sbatch (``options`` for sbatch, ``overrides`` for recipe.train); the job id."""
+    submit = subprocess.run(
+        ["sbatch", "--parsable", *options, f"--chdir={ROOT}", f"--output={tmp_path}/slurm-%j.out",
+         str(ROOT / "deploy" / "slurm" / "train.sbatch"), *overrides, f"paths.data_dir={data_root / 'data'}"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
+def job_state(slurm: dict, job: str) -> str:
+    out = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True, text=True, env=slurm
+    )
+    return out.stdout.strip()
+
+
 def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_once(slurm, data_root, tmp_path, ddp2):
     # deploy/slurm/train.sbatch: srun starts one agent per node; `scancel --signal=USR1` (as --signal=USR1@90
     # sends it, to every process of the step) makes the ranks save and exit 75, and the script requeues the job.
     run_dir = tmp_path / "run"
     env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
-    submit = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            f"--chdir={ROOT}",
-            f"--output={tmp_path}/slurm-%j.out",
-            str(ROOT / "deploy" / "slurm" / "train.sbatch"),
-            "strategy=ddp",
-            "strategy.nproc_per_node=1",
-            *TWO_RANKS,
-            f"paths.data_dir={data_root / 'data'}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
+    job = sbatch(env, tmp_path, [], ["strategy=ddp", "strategy.nproc_per_node=1", *TWO_RANKS], data_root)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
     while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 60):
         assert time.monotonic() < deadline, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
@@ -187,10 +188,7 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
 
     def state() -> str:
-        out = subprocess.run(
-            ["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True, text=True, env=slurm
-        )
-        return out.stdout.strip()
+        return job_state(slurm, job)
 
     deadline = time.monotonic() + 180
     while state() not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
@@ -246,34 +244,21 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
 
     run_dir = tmp_path / "run"
     env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
-    submit = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--no-kill",
-            f"--chdir={ROOT}",
-            f"--output={tmp_path}/slurm-%j.out",
-            str(ROOT / "deploy" / "slurm" / "train.sbatch"),
-            "strategy=ddp",
-            "strategy.nproc_per_node=1",
-            "strategy.nnodes=1:2",  # (after the script's strategy.nnodes=$SLURM_JOB_NUM_NODES: this one counts)
-            "trainer.max_restarts=3",
-            "strategy.cpu_threads=1",
-            "ckpt=async_dcp",
-            "ckpt.interval_steps=5",
-            "trainer.epochs=2",
-            "trainer.batch_size=32",
-            "trainer.log_every_steps=5",
-            "logger=none",
-            "data.record_sample_ids=true",
-            f"paths.data_dir={data_root / 'data'}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
+    overrides = [
+        "strategy=ddp",
+        "strategy.nproc_per_node=1",
+        "strategy.nnodes=1:2",  # (after the script's strategy.nnodes=$SLURM_JOB_NUM_NODES: this one counts)
+        "trainer.max_restarts=3",
+        "strategy.cpu_threads=1",
+        "ckpt=async_dcp",
+        "ckpt.interval_steps=5",
+        "trainer.epochs=2",
+        "trainer.batch_size=32",
+        "trainer.log_every_steps=5",
+        "logger=none",
+        "data.record_sample_ids=true",
+    ]
+    job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
     out = tmp_path / f"slurm-{job}.out"
     try:
         metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
@@ -284,9 +269,7 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
         assert len(_lose_node(slurm, job, "n2")) >= 4  # slurmd, slurmstepd, the agent, its rank (and helpers)
 
         def state() -> str:
-            return subprocess.run(
-                ["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True, text=True, env=slurm
-            ).stdout.strip()
+            return job_state(slurm, job)
 
         deadline = time.monotonic() + 180
         while state() not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PENDING"):
