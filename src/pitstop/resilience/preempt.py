@@ -138,6 +138,7 @@ class _Handlers:
     signals: list[signal.Signals]
     received: signal.Signals | None
     _previous: dict[signal.Signals, Any]
+    _logging = False  # (this set started the signal-log thread: close() stops it)
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -169,7 +170,7 @@ class _Handlers:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        if getattr(self, "_logging", False):  # (a forked attempt ends with os._exit: no atexit)
+        if self._logging:  # (a forked attempt ends with os._exit: no atexit)
             self._logging = False
             _handler_log.stop()
 
