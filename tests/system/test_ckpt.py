@@ -43,7 +43,7 @@ def reference(data_root, tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    # saves at 5, 10, ...: killed at 27, it resumes from 25, mid-epoch (the data loader restarts its workers)
+    # saves at 5, 10, ...: killed at 27, it resumes from 25 (or 20, below), mid-epoch (the loader restarts its workers)
     args = [
         *RUN,
         f"run_dir={run_dir}",
@@ -58,7 +58,10 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
     second = cli(args, data_root, tmp_path)  # the very same command
     assert second.returncode == 0, second.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 25 and s["final_step"] == 40
+    # An async save started at step 25 may still be staging or writing when step 27 ends (seen once in CI, on
+    # a loaded machine): then it never counts and the resume takes step 20, to the same final parameters.
+    assert s["resumed_from"] == 25 or (backend.startswith("async") and s["resumed_from"] == 20), s["resumed_from"]
+    assert s["final_step"] == 40
     ref_sha, ref_losses = reference
     assert s["params_sha256"] == ref_sha
     assert final_losses(run_dir) == ref_losses  # every step, including those after the resume point
