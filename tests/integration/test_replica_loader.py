@@ -14,51 +14,54 @@ from pitstop.data.loader.replica import ReplicaLoader
 from recipe.vision import ImageShards
 
 
-def group_loader(data_root, place: list[int], accum: int = 1) -> ReplicaLoader:
+def group_loader(data_root, place: list[int], accum: int = 1, ranks: int = 1, rank: int = 0) -> ReplicaLoader:
     ds = ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10, channels=1,
                      augment={"pad": 1})  # fmt: skip
-    inner = PlainLoader(ds, "train", batch_size=32, seed=11, num_workers=0)
-    return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3, accum=accum)
+    inner = PlainLoader(ds, "train", batch_size=32 // ranks, seed=11, num_workers=0)
+    return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3, accum=accum, ranks=ranks, rank=rank)
 
 
-@pytest.mark.parametrize("accum", [1, 3])
-def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(data_root, accum):
+@pytest.mark.parametrize("accum, ranks", [(1, 1), (3, 1), (2, 2)])
+def test_groups_that_leave_and_come_back_read_every_sample_of_every_epoch_once(data_root, accum, ranks):
     # accum: micro-batches per step (trainer.grad_accum_steps), each the next slice; a step may run into the next
-    # epoch, and a discarded one (no commit) is read again from where the last committed step ended
+    # epoch, and a discarded one (no commit) is read again from where the last committed step ended. ranks: a
+    # group's ranks (strategy.nproc_per_node), each reading its own part of the group's share
     rng = random.Random(4)
     places = {k: [3, k] for k in range(3)}
-    loaders = {k: group_loader(data_root, places[k], accum) for k in range(3)}
+    loaders = {(k, r): group_loader(data_root, places[k], accum, ranks, r) for k in range(3) for r in range(ranks)}
     alive = {0, 1, 2}
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     shapes = set()
-    while loaders[min(alive)].epoch < 2:
+    while loaders[min(alive), 0].epoch < 2:
         if rng.random() < 0.15 and len(alive) > 1:  # a group dies
             alive.discard(rng.choice(sorted(alive)))
-        elif rng.random() < 0.3 and len(alive) < 3:  # a group comes back: healed from a live peer's state
+        elif rng.random() < 0.3 and len(alive) < 3:  # a group comes back: each rank healed from a live peer's
             k = rng.choice(sorted({0, 1, 2} - alive))
-            loaders[k] = group_loader(data_root, places[k], accum)
-            loaders[k].load_state_dict(loaders[min(alive)].state_dict())
+            for r in range(ranks):
+                loaders[k, r] = group_loader(data_root, places[k], accum, ranks, r)
+                loaders[k, r].load_state_dict(loaders[min(alive), r].state_dict())
             alive.add(k)
         members = sorted(alive)
         for place, k in enumerate(members):
             places[k][:] = [len(members), place]
-        keys: dict[int, list[tuple[int, list[str]]]] = {k: [] for k in members}
+        procs = [(k, r) for k in members for r in range(ranks)]
+        keys: dict[tuple[int, int], list[tuple[int, list[str]]]] = {p: [] for p in procs}
         for _ in range(accum):
-            for k in members:
+            for p in procs:
                 got: list[str] = []
-                loaders[k].sample_log = got.extend
-                x, y = loaders[k].next_batch()
+                loaders[p].sample_log = got.extend
+                x, y = loaders[p].next_batch()
                 assert len(x) == len(y) == len(got)
                 shapes.add(tuple(x.shape[1:]))
-                keys[k].append((loaders[k].batch_epoch, got))
-            assert len({loaders[k].batch_epoch for k in members}) == 1
+                keys[p].append((loaders[p].batch_epoch, got))
+            assert len({loaders[p].batch_epoch for p in procs}) == 1
         if rng.random() < 0.1:  # a peer failed during the all-reduce: the step is discarded everywhere
             continue
-        for k in members:
-            loaders[k].commit()
-            for epoch, got in keys[k]:
+        for p in procs:
+            loaders[p].commit()
+            for epoch, got in keys[p]:
                 seen[epoch].update(got)
-    total = loaders[0].num_samples
+    total = loaders[0, 0].num_samples
     for epoch in (0, 1):
         assert len(seen[epoch]) == total and set(seen[epoch].values()) == {1}, epoch
     assert len(shapes) == 1  # (one image size throughout)

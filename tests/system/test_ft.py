@@ -107,6 +107,31 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
     assert discarded <= job["ft"]["discarded_steps"] <= 5  # at most one per failure, over every attempt
 
 
+def test_groups_of_two_ranks_a_killed_rank_restarts_only_its_own_group_which_heals_rank_by_rank(data_root, tmp_path):
+    # strategy.nproc_per_node=2: each group is two ranks under DDP and its own elastic agent (4 processes on 2
+    # cores); rank 1 of group 1 is SIGKILLed at step 30: its agent restarts both of its ranks, each heals from the
+    # same rank of group 0, whose processes never restart
+    run = tmp_path / "run"
+    args = [*FT, "strategy.nproc_per_node=2", "strategy.oversubscribe=true", "trainer.max_steps=300",
+            "trainer.eval_every_steps=150", "ckpt.interval_steps=50", "fault=crash_at_step", "fault.replica=1",
+            "fault.rank=1", "fault.step=30", f"run_dir={run}"]  # fmt: skip
+    p = cli(args, data_root, tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    job = json.loads((run / "summary.json").read_text())["ft_job"]
+    assert job["ranks_per_group"] == 2 and job["attempts_per_group"] == {"0": 1, "1": 2}, job
+    assert [len(attempts(run, k)) for k in (0, 1)] == [1, 2]
+    assert attempts(run, 1)[1]["ft"]["heals"], attempts(run, 1)  # the restarted group's rank 0 healed ...
+    rank1 = (run / "replica1" / "rank1.log").read_text()  # ... and so did its rank 1, after the kill
+    assert "healed from a live peer" in rank1.split("fault injection: SIGKILL (at step 30)")[1]
+    for k in (0, 1):  # nobody read a checkpoint
+        for name in ("train.log", "rank1.log"):
+            assert "restored " not in (run / f"replica{k}" / name).read_text()
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 300 and s0["params_sha256"] == s1["params_sha256"]
+    epochs = audit(str(run))  # both ranks' sample logs of both groups: every sample once
+    assert len(epochs) > 3 and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
+
+
 # min_replicas=2: every step has both groups (the steps' shares, and so the arithmetic, are the same in every run)
 BOTH = [*FT, "strategy.min_replicas=2", "trainer.max_steps=60", "trainer.eval_every_steps=30", "ckpt.interval_steps=20"]
 

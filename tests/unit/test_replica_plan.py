@@ -155,7 +155,7 @@ def test_the_audit_of_replica_groups_rolls_back_only_what_a_whole_job_restart_re
         (dict(min_replicas=3), "strategy.min_replicas=3 must be between 1 and strategy.replicas=2"),
         (dict(replica_id=2), "strategy.replica_id=2 must be null or 0 .. strategy.replicas-1=1"),
         (dict(inner="fsdp"), "strategy.inner='fsdp': only ddp inside a replica group for now"),
-        (dict(nproc_per_node=2), "strategy.nproc_per_node=2: strategy=ft runs one rank per replica group"),
+        (dict(nproc_per_node=0), "strategy.nproc_per_node must be a positive integer"),
         (dict(timeout=0), "strategy.timeout must be a positive number"),
         (dict(max_restarts=-1), "strategy.max_restarts must be an integer >= 0"),
     ],
@@ -201,3 +201,18 @@ def test_a_fault_is_aimed_at_one_replica_group_or_at_each_at_the_jobs_rate(tmp_p
     single = type("Single", (), {"rank": 1, "world_size": 2})()
     with pytest.raises(ConfigError, match=r"fault.replica=1 aims a fault at a replica group: it needs strategy=ft"):
         _fault(tmp_path, single, *crash)
+
+
+def test_more_processes_than_cores_for_the_groups_started_here_is_refused_unless_oversubscribed(tmp_path):
+    import os
+
+    from conftest import compose_cfg
+    from pitstop.launch.replicas import check_job
+
+    cores = os.cpu_count() or 1
+    many = [f"strategy.replicas={cores}", "strategy.nproc_per_node=2", "strategy.device=cpu"]
+    with pytest.raises(ConfigError, match=rf"strategy.replicas x strategy.nproc_per_node={2 * cores} but this machine"):
+        check_job(compose_cfg(["strategy=ft", *many], tmp_path))
+    check_job(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path))
+    # one group of a job started on several machines (strategy.replica_id): its own ranks are checked by its agent
+    check_job(compose_cfg(["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"], tmp_path))

@@ -127,6 +127,8 @@ class FT(Single):
     min_replicas: int = MISSING
     inner: str = MISSING  # ddp
     nproc_per_node: int = MISSING
+    backend: str = MISSING  # inside a group of several ranks: auto | gloo | nccl | cpu:gloo,cuda:nccl
+    oversubscribe: bool = MISSING
     timeout: float = MISSING
     heartbeat_ms: int = MISSING
     quorum_timeout: float = MISSING

@@ -37,6 +37,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         from pitstop.launch.replicas import check_job, replica_dir
 
         check_job(cfg)
+        if int(cfg.strategy.nproc_per_node) > 1:  # its ranks under torch's elastic agent, restarted together
+            return elastic(cfg, replica_dir(run_dir, k), int(cfg.strategy.nproc_per_node), 1, 1)
         return supervise(cfg, replica_dir(run_dir, k), int(cfg.strategy.max_restarts))
     n, restarts, (min_nodes, max_nodes) = nproc(cfg), max_restarts(cfg), nnodes(cfg)
     mode = launch_mode(n, restarts, os.environ, max_nodes)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from pitstop.errors import ConfigError
 
 
-def check_capacity(cfg: DictConfig, n: int) -> None:
+def check_capacity(cfg: DictConfig, n: int, what_asks: str = "strategy.nproc_per_node") -> None:
     import torch
 
     if torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu":
@@ -22,8 +22,7 @@ def check_capacity(cfg: DictConfig, n: int) -> None:
         have, what = os.cpu_count() or 1, "CPU cores"
     if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
         raise ConfigError(
-            f"strategy.nproc_per_node={n} but this machine has {have} {what}; "
-            f"lower it or set strategy.oversubscribe=true"
+            f"{what_asks}={n} but this machine has {have} {what}; lower it or set strategy.oversubscribe=true"
         )
 
 

@@ -5,7 +5,9 @@
 Group ``K`` runs in ``RUN_DIR/replica{K}/`` (its train.log, metrics, ledger, sample log, summary) as a warm
 attempt (a fork of a pre-imported server, as :mod:`pitstop.launch.supervisor` starts them). When it dies, its
 supervisor starts it again up to ``strategy.max_restarts`` times, alone: the other groups go on, and the new
-attempt heals from one of them. The durable checkpoints are the job's (``ckpt.dir``, shared): the group at
+attempt heals from one of them. A group of several ranks (``strategy.nproc_per_node``) is a process of its own
+running torch's elastic agent (as ``strategy=ddp`` does): when one of its ranks dies the agent restarts the group's
+ranks, and only those. The durable checkpoints are the job's (``ckpt.dir``, shared): the group at
 place 0 of each step's quorum writes them, so if every group dies the same command resumes from the newest.
 ``RUN_DIR/summary.json`` is the job's: each group's summary, restarts per group.
 """
@@ -60,6 +62,10 @@ def check_job(cfg: DictConfig) -> None:
     s = cfg.strategy
     check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
                s.max_restarts)  # fmt: skip
+    if s.replica_id is None:  # every group on this machine
+        from pitstop.launch.rendezvous import check_capacity
+
+        check_capacity(cfg, int(s.replicas) * int(s.nproc_per_node), "strategy.replicas x strategy.nproc_per_node")
 
 
 def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
@@ -81,6 +87,8 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     children: list[Any] = []
     started: dict[int, int] = {k: 0 for k in range(groups)}
 
+    ranks = int(strategy.nproc_per_node)
+
     def group(k: int) -> None:
         own = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         own.strategy.replica_id, own.strategy.lighthouse = k, address
@@ -91,10 +99,13 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             started[k] += 1
 
         try:
-            results[k] = attempts(
-                ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
-                name=f"replica{k}-attempt", limit_key="strategy.max_restarts", notice=notice,
-            )  # fmt: skip
+            if ranks > 1:  # the group's own elastic agent, in a process of its own, restarts its ranks
+                results[k] = agent_group(OmegaConf.to_yaml(own), replica_dir(run_dir, k), ranks, k, seen)
+            else:
+                results[k] = attempts(
+                    ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
+                    name=f"replica{k}-attempt", limit_key="strategy.max_restarts", notice=notice,
+                )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
             errors[k] = e
             running = groups - len(results) - len(errors)
@@ -129,9 +140,13 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             signal.signal(signal.SIGTERM, previous)
         if lighthouse is not None:
             lighthouse.shutdown()
+    account = replica_account(run_dir, groups)
+    if ranks > 1:  # (one agent process per group; its attempts are the ledger's)
+        started = {k: account["groups"][str(k)]["attempts"] for k in range(groups)}
     job = {
         "replicas": groups,
-        "ft": replica_account(run_dir, groups),
+        "ranks_per_group": ranks,
+        "ft": account,
         "wall_seconds": round(time.time() - t0, 3),
         "attempts_per_group": {str(k): started[k] for k in range(groups)},
         "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
@@ -150,6 +165,58 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     if errors:  # (a group that left on a notice, its node going away, or failed for good: the others finished)
         log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors), job["errors"])
     return out
+
+
+def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any) -> dict:
+    """Replica group ``k`` of several ranks: a fresh process runs torch's elastic agent for them (its signal
+    handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them."""
+    import json
+    import multiprocessing as mp
+
+    from pitstop.errors import ConfigError, PitstopError
+    from pitstop.resilience.preempt import PREEMPTED_EXIT
+    from pitstop.train.launch_facts import error_file
+
+    os.makedirs(run_dir, exist_ok=True)
+    errors = error_file(run_dir)
+    if os.path.exists(errors):
+        os.remove(errors)
+    child = mp.get_context("spawn").Process(
+        target=_agent_main, args=(cfg_yaml, run_dir, ranks, k), name=f"pitstop-replica{k}-agent"
+    )
+    child.start()
+    started(child)
+    child.join()
+    if child.exitcode == 0:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    if child.exitcode == PREEMPTED_EXIT:
+        raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
+    try:
+        with open(errors) as f:
+            why = f.read().strip()
+    except OSError:
+        why = f"its agent ended with exit status {child.exitcode}"
+    raise (ConfigError if child.exitcode == 2 else PitstopError)(why)
+
+
+def _agent_main(cfg_yaml: str, run_dir: str, ranks: int, k: int) -> None:
+    """The process of a replica group of several ranks: their elastic agent (restarts: ``strategy.max_restarts``)."""
+    import sys
+
+    from pitstop.errors import ConfigError
+    from pitstop.launch.elastic import elastic
+    from pitstop.resilience.preempt import PREEMPTED_EXIT
+    from pitstop.train.launch_facts import record_error
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"[replica{k} agent] %(levelname)s %(message)s")
+    try:
+        elastic(OmegaConf.create(cfg_yaml), run_dir, ranks, 1, 1)
+    except Preempted:
+        raise SystemExit(PREEMPTED_EXIT) from None
+    except BaseException as e:  # noqa: BLE001 - one line for the launcher, which names the group
+        record_error(run_dir, f"replica group {k}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
 
 
 def replica_account(run_dir: str, groups: int) -> dict:

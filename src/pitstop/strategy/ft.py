@@ -1,17 +1,21 @@
 """``strategy=ft``: replica groups joined by torchft, so that healthy groups keep training when one dies.
 
-Each replica group is one process (one rank for now) with its own ``torchft.Manager``. Every step:
+Each replica group is one process, or ``strategy.nproc_per_node`` ranks joined by their own process group (inside a
+group: ``strategy.inner=ddp``, DistributedDataParallel); every rank has its own ``torchft.Manager``, and rank ``r`` of
+each group all-reduces with rank ``r`` of the others. Every step:
 
     begin_step()        the step's quorum at the Lighthouse: which groups take part, this group's place among
                         them; a group that is behind (new, or its last step failed) heals here from a live peer
     (fetch + forward/backward: this group's share of the step, see ``pitstop.data.loader.replica``)
-    reduce_gradients()  one all-reduce (average) of the gradients over the groups of the quorum (Gloo)
+    reduce_gradients()  one all-reduce (average) of the gradients over the groups of the quorum (Gloo); inside a
+                        group of several ranks, DDP's backward averaged them over the group's ranks first
     commit()            torchft's should_commit: False if a collective of this step failed (a peer died) --
                         the step is discarded, nothing changes, the loop goes on; True: the optimizer steps
 
 A peer's death costs a healthy group the step in flight and a pause of about the Lighthouse's heartbeat timeout
 (``strategy.heartbeat_ms``); the dead group's launcher restarts it alone and it heals from a peer's live state
 (model, optimizer, step, data position, RNGs) over torchft's checkpoint transport: no checkpoint file is read.
+A group of several ranks restarts all of them (its own elastic agent), and each heals from the same rank of a peer.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from torch import nn
 
 from pitstop.config.checks import is_integer
 from pitstop.errors import ConfigError
-from pitstop.strategy.single import Single
+from pitstop.strategy.base import Strategy
+from pitstop.strategy.ddp import DDP
+from pitstop.strategy.single import Single, cpu_threads_key
 
 log = logging.getLogger("pitstop.strategy")
 
@@ -38,7 +44,7 @@ def lighthouse_url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-class FT(Single):
+class FT(Strategy):
     name = "ft"
 
     def __init__(
@@ -49,6 +55,8 @@ class FT(Single):
         min_replicas: int = 1,
         inner: str = "ddp",
         nproc_per_node: int = 1,
+        backend: str = "auto",
+        oversubscribe: bool = False,
         timeout: float = 10,
         heartbeat_ms: int = 250,
         quorum_timeout: float = 60,
@@ -56,8 +64,18 @@ class FT(Single):
         cpu_threads: Any = "auto",
         device: str = "auto",
     ):
-        super().__init__(device=device, cpu_threads=cpu_threads)
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
+        self.cpu_threads = cpu_threads_key(cpu_threads)
+        self.nproc_per_node = int(nproc_per_node)
+        # inside the group: one process, or its ranks under DDP (their own process group; its collectives, the
+        # checkpoint's included, wait at least a minute: a rank that died ends the others at once, a stalled one
+        # is the watchdog's)
+        self.inner: Single = (
+            Single(device=device, cpu_threads=cpu_threads)
+            if self.nproc_per_node == 1
+            else DDP(nproc_per_node, backend=backend, timeout=max(60.0, float(timeout)), device=device,
+                     cpu_threads=cpu_threads)
+        )  # fmt: skip
         self.replicas, self.min_replicas = int(replicas), int(min_replicas)
         self.replica_id = None if replica_id is None else int(replica_id)
         self.lighthouse = lighthouse
@@ -119,12 +137,59 @@ class FT(Single):
                         f"strategy.replica_id (0 .. strategy.replicas-1)"
                     )
 
-    def set_cpu_threads(self) -> None:
-        """This machine's cores, shared by the groups started here."""
-        torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 1) // self.replicas))
+    # ---- the group's own ranks: the inner strategy's --------------------------------------------------
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.inner.rank
+
+    @property
+    def local_rank(self) -> int:  # type: ignore[override]
+        return self.inner.local_rank
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """The ranks of this group (the job has ``strategy.replicas`` such groups)."""
+        return self.inner.world_size
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.inner.device
+
+    def share_cores(self, loader_workers: int) -> None:
+        self.inner.share_cores(loader_workers)
+
+    def to_device(self, batch: Any) -> Any:
+        return self.inner.to_device(batch)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        return self.inner.no_sync(model)
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        self.inner.sync_buffers(model)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_reduce_sum(t)
+
+    def ckpt_group(self) -> Any:
+        return self.inner.ckpt_group()
+
+    def init_local_group(self, store_path: str) -> None:
+        self.inner.init_local_group(store_path)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.inner.broadcast_object(obj, src)
+
+    def any(self, flag: bool) -> bool:
+        return self.inner.any(flag)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
 
     def setup(self) -> None:
-        super().setup()
+        if self.cpu_threads is None:  # this machine's cores, shared by every rank of the groups started here
+            cores = os.cpu_count() or 1
+            self.inner.cpu_threads = max(1, cores // (self.replicas * self.nproc_per_node))
+        self.inner.setup()  # the device; with several ranks, the group's process group
         if self.replica_id is None or not self.lighthouse:
             raise ConfigError(
                 "strategy=ft: this process is no replica group (strategy.replica_id and strategy.lighthouse are "
@@ -137,7 +202,11 @@ class FT(Single):
             raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
         timeout = timedelta(seconds=self.timeout)
         self._started_ms = int(time.time() * 1000)
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # the group's store for torchft (its manager's address, its replica id): hosted by the group's rank 0 on a
+        # free port, made known to the others over the group's process group (no key of an earlier attempt)
+        if self.rank == 0:
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self.inner.broadcast_object(self._store.port if self.rank == 0 else None)
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout),
@@ -148,10 +217,10 @@ class FT(Single):
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=self.quorum_timeout),
                 connect_timeout=timeout,
-                rank=0,
-                world_size=1,
+                rank=self.rank,
+                world_size=self.world_size,
                 store_addr="127.0.0.1",
-                store_port=self._store.port,
+                store_port=int(port),
                 lighthouse_addr=lighthouse_url(str(self.lighthouse)),
                 replica_id=f"replica{self.replica_id}:{self._code}:{self._started_ms}",  # torchft adds :{uuid}
                 heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
@@ -164,9 +233,13 @@ class FT(Single):
             ) from None
         from torchft.manager import REPLICA_ID_KEY
 
-        self._full_id = self._store.get(REPLICA_ID_KEY).decode()  # (with the uuid torchft appended)
+        self._full_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # (rank 0's, with torchft's uuid)
+        self._started_ms = int(self._full_id.split(":")[2])  # (every rank of the group decides as its rank 0)
         self.manager._client = _SeenQuorums(self.manager._client, self._check_peers)
-        log.info("replica group %d of %d, Lighthouse %s", self.replica_id, self.replicas, self.lighthouse)
+        log.info(
+            "replica group %d of %d (%d rank%s), Lighthouse %s", self.replica_id, self.replicas, self.world_size,
+            "s" if self.world_size > 1 else "", self.lighthouse,
+        )  # fmt: skip
 
     def attach(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
         """What a heal sends and receives: the run's whole live state (``state()``), applied with ``load``."""
@@ -224,7 +297,7 @@ class FT(Single):
 
     # ---- one step -----------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
-        self._model = super().wrap(model)
+        self._model = self.inner.wrap(model)
         return self._model
 
     def begin_step(self) -> None:
@@ -295,7 +368,7 @@ class FT(Single):
                 self.manager.shutdown(wait=False)
             finally:
                 self.manager = None
-        super().teardown()
+        self.inner.teardown()
 
 
 class _SeenQuorums:
@@ -323,12 +396,12 @@ def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeou
     if replica_id is not None and (not is_integer(replica_id) or not 0 <= replica_id < replicas):
         raise ConfigError(f"strategy.replica_id={replica_id!r} must be null or 0 .. strategy.replicas-1={replicas - 1}")
     if inner != "ddp":
-        raise ConfigError(f"strategy.inner={inner!r}: only ddp inside a replica group for now")
-    if nproc_per_node != 1:
         raise ConfigError(
-            f"strategy.nproc_per_node={nproc_per_node!r}: strategy=ft runs one rank per replica group for now; "
-            f"use strategy.replicas for more processes"
+            f"strategy.inner={inner!r}: only ddp inside a replica group for now (fsdp inside, i.e. HSDP, is not "
+            f"built yet); use strategy.inner=ddp"
         )
+    if not is_integer(nproc_per_node) or nproc_per_node < 1:
+        raise ConfigError(f"strategy.nproc_per_node must be a positive integer (ranks per group): {nproc_per_node!r}")
     for key, value in (("timeout", timeout), ("heartbeat_ms", heartbeat_ms)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"strategy.{key} must be a positive number, got {value!r}")

@@ -72,7 +72,8 @@ def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> Step
     if getattr(strategy, "replicas", None):  # strategy=ft: one global order, cut among the step's groups
         from pitstop.data.loader.replica import ReplicaLoader
 
-        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas, int(t.grad_accum_steps))
+        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas, int(t.grad_accum_steps),
+                               ranks=strategy.world_size, rank=strategy.rank)  # fmt: skip
     elif fresh and hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built
         loader.warm()
     model = build(cfg.model)

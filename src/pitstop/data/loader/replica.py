@@ -6,15 +6,16 @@ The epoch's order is one sequence of all its samples: the shards in their seeded
 in their seeded order (the same pure functions as every loader, :mod:`pitstop.data.loader.plan`). The data
 position is two integers, ``(epoch, position)``, the same in every group (it is part of the state a newcomer
 heals from, and of the durable checkpoint). A step with ``P`` groups takes the next ``P x batch_size`` samples;
-the group at place ``r`` of the quorum reads the ``r``-th slice; with ``trainer.grad_accum_steps=K`` each of the
-step's ``K`` micro-batches takes the next such slice (a step may run into the next epoch). A committed step moves
+the group at place ``r`` of the quorum reads the ``r``-th slice (a group of ``R`` ranks: its rank ``i`` reads the
+``(r x R + i)``-th of ``P x R`` slices, ``trainer.batch_size`` per rank); with ``trainer.grad_accum_steps=K`` each
+of the step's ``K`` micro-batches takes the next such slice (a step may run into the next epoch). A committed step moves
 the position on (:meth:`ReplicaLoader.commit`); a discarded one does not, so its samples are read again by the next
 step (the loader sees a step end without a commit at the next step's first fetch). The epoch's last fetch splits
 the rest evenly over its groups (at most ``batch_size + 1`` each); only if groups joined just then and the rest is
 fewer samples than groups is it dropped (counted: ``dropped_at_epoch_end``).
 
-The global batch is ``trainer.batch_size`` per group, times the groups of the step (the gradients are averaged
-over them, the learning rate is unchanged).
+The global batch is ``trainer.batch_size`` per rank, times the ranks of a group, times the groups of the step (the
+gradients are averaged over them, the learning rate is unchanged).
 """
 
 from __future__ import annotations
@@ -39,9 +40,19 @@ class ReplicaLoader:
 
     kind = "replica"
 
-    def __init__(self, loader: Any, participation: Callable[[], tuple[int, int]], replicas: int, accum: int = 1):
-        """``accum``: micro-batches (fetches) per step, ``trainer.grad_accum_steps``."""
+    def __init__(
+        self,
+        loader: Any,
+        participation: Callable[[], tuple[int, int]],
+        replicas: int,
+        accum: int = 1,
+        ranks: int = 1,
+        rank: int = 0,
+    ):
+        """``accum``: micro-batches (fetches) per step, ``trainer.grad_accum_steps``; ``ranks``: the ranks of a group
+        (``strategy.nproc_per_node``), ``rank`` this process's among them."""
         self.inner, self.participation, self.replicas, self.accum = loader, participation, int(replicas), int(accum)
+        self.ranks, self.rank = int(ranks), int(rank)
         self.dataset, self.batch_size, self.seed, self.shuffle = (
             loader.dataset,
             loader.batch_size,
@@ -86,7 +97,7 @@ class ReplicaLoader:
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """With every group taking part (the schedule's plan; missing groups make an epoch longer)."""
-        return max(1, math.ceil(self.num_samples / (self.batch_size * self.replicas)))
+        return max(1, math.ceil(self.num_samples / (self.batch_size * self.replicas * self.ranks)))
 
     @property
     def epoch(self) -> int:
@@ -101,7 +112,7 @@ class ReplicaLoader:
     @property
     def batches(self) -> int:
         """Batches of the current epoch so far, counted as if every group took part."""
-        return self.position // (self.batch_size * self.replicas)
+        return self.position // (self.batch_size * self.replicas * self.ranks)
 
     # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -130,6 +141,7 @@ class ReplicaLoader:
         if fetched >= self.accum:  # the step before ended without a commit (discarded): read its samples again
             cursor, fetched, dropped = None, 0, 0
         groups, place = self.participation()
+        groups, place = groups * self.ranks, place * self.ranks + self.rank  # (every rank of the step's groups)
         epoch, position = cursor or self.committed
         if self.num_samples - position < groups:  # the epoch's last few samples: fewer than groups
             dropped += self.num_samples - position
