@@ -107,14 +107,17 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
     assert discarded <= job["ft"]["discarded_steps"] <= 5  # at most one per failure, over every attempt
 
 
-def test_groups_of_two_ranks_a_killed_rank_restarts_only_its_own_group_which_heals_rank_by_rank(data_root, tmp_path):
-    # strategy.nproc_per_node=2: each group is two ranks under DDP and its own elastic agent (4 processes on 2
-    # cores); rank 1 of group 1 is SIGKILLed at step 30: its agent restarts both of its ranks, each heals from the
-    # same rank of group 0, whose processes never restart
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_groups_of_two_ranks_a_killed_rank_restarts_only_its_own_group_which_heals_rank_by_rank(
+    inner, data_root, tmp_path
+):
+    # strategy.nproc_per_node=2: each group is two ranks under DDP, or FSDP2 (HSDP), and its own elastic agent (4
+    # processes on 2 cores); rank 1 of group 1 is SIGKILLed at step 30: its agent restarts both of its ranks, each
+    # heals from the same rank of group 0 (under fsdp: its shard), whose processes never restart
     run = tmp_path / "run"
-    args = [*FT, "strategy.nproc_per_node=2", "strategy.oversubscribe=true", "trainer.max_steps=300",
-            "trainer.eval_every_steps=150", "ckpt.interval_steps=50", "fault=crash_at_step", "fault.replica=1",
-            "fault.rank=1", "fault.step=30", f"run_dir={run}"]  # fmt: skip
+    args = [*FT, f"strategy.inner={inner}", "strategy.nproc_per_node=2", "strategy.oversubscribe=true",
+            "trainer.max_steps=300", "trainer.eval_every_steps=150", "ckpt.interval_steps=50", "fault=crash_at_step",
+            "fault.replica=1", "fault.rank=1", "fault.step=30", f"run_dir={run}"]  # fmt: skip
     p = cli(args, data_root, tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     job = json.loads((run / "summary.json").read_text())["ft_job"]

@@ -129,6 +129,9 @@ class FT(Single):
     nproc_per_node: int = MISSING
     backend: str = MISSING  # inside a group of several ranks: auto | gloo | nccl | cpu:gloo,cuda:nccl
     oversubscribe: bool = MISSING
+    shard: Any = MISSING  # inner=fsdp: auto | [module names]
+    reshard_after_forward: bool = MISSING  # inner=fsdp
+    mixed_precision: Optional[str] = MISSING  # inner=fsdp: ${trainer.precision}
     timeout: float = MISSING
     heartbeat_ms: int = MISSING
     quorum_timeout: float = MISSING

@@ -57,6 +57,9 @@ class FT(Strategy):
         nproc_per_node: int = 1,
         backend: str = "auto",
         oversubscribe: bool = False,
+        shard: Any = "auto",
+        reshard_after_forward: bool = True,
+        mixed_precision: Any = None,
         timeout: float = 10,
         heartbeat_ms: int = 250,
         quorum_timeout: float = 60,
@@ -67,15 +70,20 @@ class FT(Strategy):
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
         self.cpu_threads = cpu_threads_key(cpu_threads)
         self.nproc_per_node = int(nproc_per_node)
-        # inside the group: one process, or its ranks under DDP (their own process group; its collectives, the
-        # checkpoint's included, wait at least a minute: a rank that died ends the others at once, a stalled one
-        # is the watchdog's)
-        self.inner: Single = (
-            Single(device=device, cpu_threads=cpu_threads)
-            if self.nproc_per_node == 1
-            else DDP(nproc_per_node, backend=backend, timeout=max(60.0, float(timeout)), device=device,
-                     cpu_threads=cpu_threads)
-        )  # fmt: skip
+        # inside the group: one process, or its ranks under DDP or FSDP2 (HSDP: sharded inside the group, replicated
+        # across groups); their own process group, whose collectives (the checkpoint's too) wait at least a minute: a
+        # rank that died ends the others at once, a stalled one is the watchdog's
+        group = dict(nproc_per_node=nproc_per_node, backend=backend, timeout=max(60.0, float(timeout)), device=device,
+                     cpu_threads=cpu_threads)  # fmt: skip
+        self.inner: Single
+        if inner == "fsdp":
+            from pitstop.strategy.fsdp import FSDP
+
+            self.inner = FSDP(shard, reshard_after_forward, mixed_precision, **group)
+        elif self.nproc_per_node > 1:
+            self.inner = DDP(**group)
+        else:
+            self.inner = Single(device=device, cpu_threads=cpu_threads)
         self.replicas, self.min_replicas = int(replicas), int(min_replicas)
         self.replica_id = None if replica_id is None else int(replica_id)
         self.lighthouse = lighthouse
@@ -154,6 +162,14 @@ class FT(Strategy):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.inner.device
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:  # type: ignore[override]
+        return self.inner.compute_dtype
+
+    @property
+    def channels_last_params(self) -> bool:  # type: ignore[override]
+        return self.inner.channels_last_params
 
     def share_cores(self, loader_workers: int) -> None:
         self.inner.share_cores(loader_workers)
@@ -325,7 +341,8 @@ class FT(Strategy):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         buffers = [b for b in model.buffers() if b.is_floating_point()]
-        tensors = [p.grad for p in params] + buffers
+        # (FSDP inside the group: a gradient is a DTensor; rank r of every group holds the same shard of it)
+        tensors = [_local(p.grad) for p in params] + buffers
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self.manager.allreduce(flat).wait()
         at = 0
@@ -371,6 +388,12 @@ class FT(Strategy):
         self.inner.teardown()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the same storage), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 class _SeenQuorums:
     """torchft's manager client, each quorum's result shown to ``check`` before the manager acts on it (torchft
     keeps no list of the quorum's replica ids)."""
@@ -395,13 +418,15 @@ def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeou
         raise ConfigError(f"strategy.min_replicas={min_replicas!r} must be between 1 and strategy.replicas={replicas}")
     if replica_id is not None and (not is_integer(replica_id) or not 0 <= replica_id < replicas):
         raise ConfigError(f"strategy.replica_id={replica_id!r} must be null or 0 .. strategy.replicas-1={replicas - 1}")
-    if inner != "ddp":
-        raise ConfigError(
-            f"strategy.inner={inner!r}: only ddp inside a replica group for now (fsdp inside, i.e. HSDP, is not "
-            f"built yet); use strategy.inner=ddp"
-        )
+    if inner not in ("ddp", "fsdp"):
+        raise ConfigError(f"strategy.inner={inner!r} is not a strategy inside a replica group: use ddp or fsdp")
     if not is_integer(nproc_per_node) or nproc_per_node < 1:
         raise ConfigError(f"strategy.nproc_per_node must be a positive integer (ranks per group): {nproc_per_node!r}")
+    if inner == "fsdp" and nproc_per_node < 2:
+        raise ConfigError(
+            "strategy.inner=fsdp shards inside a replica group, which needs strategy.nproc_per_node >= 2 (HSDP: "
+            "sharded inside a group, replicated across groups); or use strategy.inner=ddp"
+        )
     for key, value in (("timeout", timeout), ("heartbeat_ms", heartbeat_ms)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"strategy.{key} must be a positive number, got {value!r}")

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pitstop.resilience.watchdog import DataStall, Watchdog
 from pitstop.train.precision import Precision
 from pitstop.train.seed import rng_state, set_rng_state
@@ -66,20 +68,56 @@ class TrainState:
 def live_state(target: Any) -> dict:
     """The whole live state of a run, as a peer heals from it (``strategy=ft``). Parameters and optimizer state
     by reference (they change only at the optimizer step, after the peer's heal has ended: it takes part in the
-    step's all-reduce); buffers copied (the forward that runs meanwhile updates BatchNorm's statistics)."""
+    step's all-reduce); buffers copied (the forward that runs meanwhile updates BatchNorm's statistics). A sharded
+    tensor (FSDP inside a group: a DTensor) travels as this rank's shard; the same rank of the healing group holds
+    the same shard of it (:func:`load_live_state` wraps it again)."""
     model = target.model.state_dict()
     buffers = {name for name, _ in target.model.named_buffers()}
     return {
-        "model": {k: (v.clone() if k in buffers else v) for k, v in model.items()},
-        "optimizer": target.optimizer.state_dict(),
+        "model": {k: _local(v.clone() if k in buffers else v) for k, v in model.items()},
+        "optimizer": _local(target.optimizer.state_dict()),
         "train": target.state.state_dict(),
     }
 
 
 def load_live_state(target: Any, state: dict) -> None:
-    target.model.load_state_dict(state["model"])
-    target.optimizer.load_state_dict(state["optimizer"])
+    current = target.model.state_dict()
+    target.model.load_state_dict({k: _like(v, current.get(k)) for k, v in state["model"].items()})
+    optimizer = state["optimizer"]
+    params = [p for group in target.optimizer.param_groups for p in group["params"]]
+    index = [i for group in optimizer["param_groups"] for i in group["params"]]
+    of = dict(zip(index, params))  # the state dict's index of a parameter -> the parameter
+    for i, entry in optimizer["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # (a step count stays a plain scalar)
+                entry[key] = _like(value, of.get(i))
+    target.optimizer.load_state_dict(optimizer)
     target.state.load_state_dict(state["train"])
+
+
+def _local(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by this rank's shard of it (dicts and lists walked)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _like(value: Any, model: Any) -> Any:
+    """A shard received from a peer, as a DTensor laid out like ``model`` (when ``model`` is one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, DTensor) or isinstance(value, DTensor):
+        return value
+    return DTensor.from_local(
+        value.to(model.device), model.device_mesh, model.placements, run_check=False, shape=model.shape,
+        stride=model.stride(),
+    )  # fmt: skip
 
 
 @dataclass
