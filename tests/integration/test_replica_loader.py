@@ -14,10 +14,12 @@ from pitstop.data.loader.replica import ReplicaLoader
 from recipe.vision import ImageShards
 
 
-def group_loader(data_root, place: list[int], accum: int = 1, ranks: int = 1, rank: int = 0) -> ReplicaLoader:
+def group_loader(
+    data_root, place: list[int], accum: int = 1, ranks: int = 1, rank: int = 0, workers: int = 0
+) -> ReplicaLoader:
     ds = ImageShards(root=str(data_root / "data" / "digits"), name="digits", num_classes=10, channels=1,
                      augment={"pad": 1})  # fmt: skip
-    inner = PlainLoader(ds, "train", batch_size=32 // ranks, seed=11, num_workers=0)
+    inner = PlainLoader(ds, "train", batch_size=32 // ranks, seed=11, num_workers=workers)
     return ReplicaLoader(inner, lambda: (place[0], place[1]), replicas=3, accum=accum, ranks=ranks, rank=rank)
 
 
@@ -88,7 +90,8 @@ def test_a_micro_batch_read_interrupted_by_a_stall_is_read_again_whole(data_root
 
     for interrupted in (1, 2):
         loader = group_loader(data_root, [1, 0], accum=2)
-        shard, calls = loader._shard, [0]
+        reader = loader.local_reader()
+        shard, calls = reader._shard, [0]
 
         def stalling(index, _shard=shard, _at=interrupted):
             calls[0] += 1
@@ -96,7 +99,7 @@ def test_a_micro_batch_read_interrupted_by_a_stall_is_read_again_whole(data_root
                 raise DataStall("no batch within the limit")
             return _shard(index)
 
-        loader._shard = stalling
+        reader._shard = stalling
         got: list[list[str]] = []
         loader.sample_log = got.append
         for _ in range(2):
@@ -110,3 +113,37 @@ def test_a_micro_batch_read_interrupted_by_a_stall_is_read_again_whole(data_root
         clean.sample_log = expected.append
         clean.next_batch(), clean.next_batch()
         assert got == expected and loader.position == 64, interrupted  # the same two slices, each once
+
+
+def test_loader_workers_decode_ahead_exactly_what_the_trainer_would_read_as_groups_come_and_go(data_root):
+    # loader.num_workers=2: the pool decodes the next slices as if the quorum stays and the step commits; a change of
+    # the quorum, a discarded step and a heal (a new position) make the planned slices wrong, and the batches must
+    # still be the ones read in the trainer, bit for bit
+    import concurrent.futures
+
+    place = [2, 0]
+    plain, ahead = group_loader(data_root, place, accum=2), group_loader(data_root, place, accum=2, workers=2)
+    got: dict[str, list] = {"plain": [], "ahead": []}
+    plain.sample_log, ahead.sample_log = got["plain"].append, got["ahead"].append
+    try:
+        for step in range(40):
+            place[:] = [3, 1] if 10 <= step < 20 else [2, 0]  # a group joined before it for ten steps
+            if step == 30:  # a heal: both take a peer's position
+                state = {**plain.state_dict(), "position": plain.position + 96}
+                plain.load_state_dict(state), ahead.load_state_dict(state)
+            for _ in range(2):
+                x0, y0 = plain.next_batch()
+                x1, y1 = ahead.next_batch()
+                assert torch.equal(x0, x1) and torch.equal(y0, y1), step
+            if step % 7 != 3:  # every seventh step discarded (no commit): its slices are read again
+                plain.commit(), ahead.commit()
+        assert got["plain"] == got["ahead"] and plain.committed == ahead.committed
+        assert ahead.workers == 2 and ahead._pool is not None  # (read in the pool, not in the trainer)
+        bytes_read = "bytes_from_source"  # (each worker reads the shards it needs: more bytes than one reader)
+        assert {**plain.stats, bytes_read: 0} == {**ahead.stats, bytes_read: 0}
+        assert ahead.stats[bytes_read] >= plain.stats[bytes_read] > 0
+        futures = list(ahead._ahead.values())
+        assert futures and all(isinstance(f, concurrent.futures.Future) for f in futures)
+    finally:
+        ahead.close()
+    assert ahead._pool is None and not ahead._ahead

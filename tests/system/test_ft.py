@@ -65,7 +65,9 @@ def wait_for(what, timeout: float = 60.0, p=None):
 
 def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_read_once(data_root, tmp_path):
     run = tmp_path / "run"
-    args = [*FT, "trainer.max_steps=400", "trainer.eval_every_steps=200", "ckpt.interval_steps=40", f"run_dir={run}"]
+    # (each group's loader decodes ahead in a worker process: loader.num_workers=1)
+    args = [*FT, "trainer.max_steps=400", "trainer.eval_every_steps=200", "ckpt.interval_steps=40",
+            "loader.num_workers=1", f"run_dir={run}"]  # fmt: skip
     log = open(tmp_path / "job.log", "w")
     p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
     rng, kills = random.Random(7), {0: 0, 1: 0}

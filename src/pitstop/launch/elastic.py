@@ -62,6 +62,8 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
     timeout = int(float(OmegaConf.select(cfg, "strategy.timeout", default=300)))
+    if OmegaConf.select(cfg, "strategy.replicas") is not None:  # (strategy=ft: its timeout is torchft's, per step)
+        timeout = max(60, timeout)
     if max_nodes > 1:
         # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
         # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.

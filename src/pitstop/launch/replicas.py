@@ -62,10 +62,18 @@ def check_job(cfg: DictConfig) -> None:
     s = cfg.strategy
     check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
                s.max_restarts)  # fmt: skip
-    if s.replica_id is None:  # every group on this machine
-        from pitstop.launch.rendezvous import check_capacity
+    from pitstop.launch.rendezvous import check_capacity
 
+    if s.replica_id is not None or _on_gpus(cfg):  # a group's ranks need a GPU each (groups here may share them)
+        check_capacity(cfg, int(s.nproc_per_node))
+    else:  # every process of every group on this machine's cores
         check_capacity(cfg, int(s.replicas) * int(s.nproc_per_node), "strategy.replicas x strategy.nproc_per_node")
+
+
+def _on_gpus(cfg: DictConfig) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu"
 
 
 def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
@@ -92,7 +100,6 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     def group(k: int) -> None:
         own = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         own.strategy.replica_id, own.strategy.lighthouse = k, address
-        own.loader.num_workers = 0  # (a group reads its share of each step in its own process, for now)
 
         def seen(child: Any) -> None:
             children.append(child)
@@ -100,7 +107,7 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
 
         try:
             if ranks > 1:  # the group's own elastic agent, in a process of its own, restarts its ranks
-                results[k] = agent_group(OmegaConf.to_yaml(own), replica_dir(run_dir, k), ranks, k, seen)
+                results[k] = agent_group(OmegaConf.to_yaml(own), replica_dir(run_dir, k), ranks, k, seen, notice)
             else:
                 results[k] = attempts(
                     ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
@@ -132,7 +139,7 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
             if child.is_alive():
                 child.terminate()
         for child in children:
-            child.join(grace + 30)
+            child.join(grace + (90 if ranks > 1 else 30))  # (an agent waits up to grace + 30 s for its ranks)
             if child.is_alive():
                 child.kill()
         notice.close()  # (after the joins: a notice meanwhile must not kill the launcher)
@@ -141,8 +148,8 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
         if lighthouse is not None:
             lighthouse.shutdown()
     account = replica_account(run_dir, groups)
-    if ranks > 1:  # (one agent process per group; its attempts are the ledger's)
-        started = {k: account["groups"][str(k)]["attempts"] for k in range(groups)}
+    if ranks > 1:  # (one agent process per group; its attempts are those of its ledger that this launch started)
+        started = {k: this_launch_attempts(run_dir, k, job_start - 0.01) for k in range(groups)}
     job = {
         "replicas": groups,
         "ranks_per_group": ranks,
@@ -167,13 +174,16 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     return out
 
 
-def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any) -> dict:
+def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any, notice: Any) -> dict:
     """Replica group ``k`` of several ranks: a fresh process runs torch's elastic agent for them (its signal
-    handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them."""
+    handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them. The
+    agent starts with the scheduler's notices blocked: one that comes before its handlers are in waits for them
+    (``JobNotice.install``), and the launcher's ``notice`` hands it any that reaches the launcher."""
     import json
     import multiprocessing as mp
 
     from pitstop.errors import ConfigError, PitstopError
+    from pitstop.notices import notices_blocked
     from pitstop.resilience.preempt import PREEMPTED_EXIT
     from pitstop.train.launch_facts import error_file
 
@@ -181,11 +191,19 @@ def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any) -
     errors = error_file(run_dir)
     if os.path.exists(errors):
         os.remove(errors)
+    if notice.received is not None:  # (the job was told to stop before this group started)
+        raise Preempted(f"preempted ({notice.received.name}); run the same command again to resume ({run_dir})")
     child = mp.get_context("spawn").Process(
         target=_agent_main, args=(cfg_yaml, run_dir, ranks, k), name=f"pitstop-replica{k}-agent"
     )
-    child.start()
-    started(child)
+    with notices_blocked():
+        child.start()
+        started(child)
+    if notice.received is not None:  # (one that came while it was starting)
+        try:
+            os.kill(child.pid, notice.received)
+        except OSError:
+            pass
     child.join()
     if child.exitcode == 0:
         with open(os.path.join(run_dir, "summary.json")) as f:
@@ -217,6 +235,17 @@ def _agent_main(cfg_yaml: str, run_dir: str, ranks: int, k: int) -> None:
     except BaseException as e:  # noqa: BLE001 - one line for the launcher, which names the group
         record_error(run_dir, f"replica group {k}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
         raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+
+
+def this_launch_attempts(run_dir: str, k: int, since: float) -> int:
+    """Attempts of group ``k`` in its ledger that started at ``since`` or later (this launch's)."""
+    import json
+
+    try:
+        with open(os.path.join(replica_dir(run_dir, k), "goodput.json")) as f:
+            return sum(1 for a in json.load(f)["attempts"] if float(a.get("start", 0.0)) >= since)
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def replica_account(run_dir: str, groups: int) -> dict:

@@ -231,6 +231,9 @@ class JobNotice(_Handlers):
 
     def install(self) -> "JobNotice":
         self._install()
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
+            # (an agent started with the notices blocked, a replica group's: one that came meanwhile is its now)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2} & set(self.signals))
         return self
 
     def _on_signal(self, signum: int, frame: Any) -> None:

@@ -109,7 +109,9 @@ class FT(Strategy):
         from pitstop.strategy.nodes import flat_config
 
         digests: dict[str, Any] = {}
-        for key, value in sorted(flat_config(cfg).items()):
+        flat = flat_config(cfg)
+        flat["strategy.nproc_per_node"] = str(self.nproc_per_node)  # (node-local elsewhere; every group's here)
+        for key, value in sorted(flat.items()):
             if key in ("strategy.replica_id", "strategy.lighthouse"):
                 continue
             digests.setdefault(key.split(".")[0], hashlib.sha256()).update(f"{key}={value}\n".encode())
@@ -202,6 +204,11 @@ class FT(Strategy):
         self.inner.barrier()
 
     def setup(self) -> None:
+        if self.inner.requested == "auto" and torch.cuda.is_available() and self.replica_id is not None:
+            count, wanted = torch.cuda.device_count(), self.replicas * self.nproc_per_node
+            if count >= wanted:  # a GPU for every rank of every group: group K takes its own
+                local = int(os.environ.get("LOCAL_RANK", 0))
+                self.inner.requested = f"cuda:{self.replica_id * self.nproc_per_node + local}"
         if self.cpu_threads is None:  # this machine's cores, shared by every rank of the groups started here
             cores = os.cpu_count() or 1
             self.inner.cpu_threads = max(1, cores // (self.replicas * self.nproc_per_node))
@@ -273,11 +280,21 @@ class FT(Strategy):
         from the newest durable checkpoint, as every group of the quorum does)."""
         for attempt in range(3):  # a heal that failed (its source died meanwhile): the next quorum, another peer
             self._quorum()
-            if self.heals or self.manager.errored() is None:
+            # (the group's ranks decide together: each heals its own part, and one whose transfer failed must not
+            # ask for a quorum alone while the others train or restore)
+            if not self.inner.any(not (self.heals or self.manager.errored() is None)):
                 break
             log.warning("joining: the quorum or the heal failed; trying again (%d of 3)", attempt + 1)
+        healed = bool(self.heals)
+        if self.inner.any(healed) and self.inner.any(not healed):
+            from pitstop.errors import PitstopError
+
+            raise PitstopError(
+                f"replica group {self.replica_id}: some of its ranks healed from a live peer and some did not (the "
+                f"peer failed during the transfer); the group restarts"
+            )
         self._ready = True
-        return bool(self.heals)
+        return healed
 
     def peer_wait_seconds(self) -> float:
         """A quorum waits up to ``strategy.quorum_timeout``; a heal's transfer, the all-reduce and the commit each

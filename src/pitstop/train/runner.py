@@ -103,6 +103,8 @@ class Runner:
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
             self.model, self.compile_clock, self.optimizer = parts.model, parts.compile_clock, parts.optimizer
             self.loader, self.eval_loader = parts.loader, parts.eval_loader
+            if hasattr(self.loader, "close"):  # (strategy=ft's loader: its worker pool ends before the process does)
+                hold.callback(self.loader.close)
             self.total_steps = steps.total_steps(t, self.loader, self.accum)
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
             self.evals = steps.EvalSchedule(t.eval_every_steps, self.loader)

@@ -14,6 +14,11 @@ step (the loader sees a step end without a commit at the next step's first fetch
 the rest evenly over its groups (at most ``batch_size + 1`` each); only if groups joined just then and the rest is
 fewer samples than groups is it dropped (counted: ``dropped_at_epoch_end``).
 
+With ``loader.num_workers=W`` a pool of ``W`` worker processes (forks of the data workers' fork server) decodes
+the next ``W`` slices ahead, planned as if the step's groups stay and it commits (the usual case); a slice that
+turns out otherwise (a group came or went, a step was discarded) is read again, in the pool's order, from where
+the data position says. What a sample decodes to depends on its key, epoch and seed only, never on who read it.
+
 The global batch is ``trainer.batch_size`` per rank, times the ranks of a group, times the groups of the step (the
 gradients are averaged over them, the learning rate is unchanged).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -68,8 +74,10 @@ class ReplicaLoader:
         self.stats = {"samples": 0, "skipped_corrupt": 0, "dropped_at_epoch_end": 0, "bytes_from_source": 0}
         self.sample_log: Callable[[list[str]], None] | None = None
         self._orders: dict[int, list[tuple[int, int]]] = {}
-        self._shards: OrderedDict[int, list[dict]] = OrderedDict()
-        self._source: Any = None
+        self._slices: SliceReader | None = None  # (in this process: no workers, or a broken pool)
+        self.workers = int(getattr(loader, "num_workers", 0) or 0)
+        self._pool: Any = None
+        self._ahead: dict[tuple[int, int, int], Any] = {}  # (epoch, start, end) -> a future of its slice
 
     # ---- the plan (pure) ------------------------------------------------------------------------------
     def order(self, epoch: int) -> list[tuple[int, int]]:
@@ -128,11 +136,22 @@ class ReplicaLoader:
         self.committed = (int(state["epoch"]), int(state["position"]))
         self._cursor, self._taken, self._dropped = None, 0, 0
         self.stats.update(state.get("stats", {}))
+        self._forget_ahead()
 
     # ---- reading ----------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         while True:
             yield self.next_batch()
+
+    def _slice(self, cursor: tuple[int, int], groups: int, place: int) -> tuple[int, int, int, tuple[int, int], int]:
+        """Where a fetch at ``cursor`` reads (pure): ``(epoch, start, end, cursor after it, samples dropped)``."""
+        epoch, position = cursor
+        dropped = 0
+        if self.num_samples - position < groups:  # the epoch's last few samples: fewer than groups
+            dropped = self.num_samples - position
+            epoch, position = epoch + 1, 0
+        start, end, taken = self.share(position, self.num_samples, self.batch_size, groups, place)
+        return epoch, start, end, (epoch, position + taken), dropped
 
     def next_batch(self) -> Any:
         # (the step's state moves on only once this micro-batch is read: a data stall recovered by the watchdog
@@ -142,14 +161,109 @@ class ReplicaLoader:
             cursor, fetched, dropped = None, 0, 0
         groups, place = self.participation()
         groups, place = groups * self.ranks, place * self.ranks + self.rank  # (every rank of the step's groups)
-        epoch, position = cursor or self.committed
-        if self.num_samples - position < groups:  # the epoch's last few samples: fewer than groups
-            dropped += self.num_samples - position
-            epoch, position = epoch + 1, 0
-        start, end, taken = self.share(position, self.num_samples, self.batch_size, groups, place)
-        order = self.order(epoch)
-        items, keys = [], []
-        for shard, i in order[start:end]:
+        epoch, start, end, after, more = self._slice(cursor or self.committed, groups, place)
+        batch, keys, skipped, read = self._read(epoch, start, end)
+        self._cursor, self._taken, self._dropped = after, fetched + 1, dropped + more
+        self.batch_epoch = epoch
+        self.stats["skipped_corrupt"] += skipped
+        self.stats["bytes_from_source"] += read
+        if self.workers:  # the next slices, as if this step's groups stay and it commits
+            self._plan_ahead(after, groups, place)
+        if self.sample_log is not None:
+            self.sample_log(keys)
+        self.stats["samples"] += len(keys)
+        return batch
+
+    def _read(self, epoch: int, start: int, end: int) -> tuple[Any, list[str], int, int]:
+        pairs = self.order(epoch)[start:end]
+        future = self._ahead.get((epoch, start, end))
+        if future is None and self.workers and self._pool_or_none() is not None:
+            future = self._ahead[epoch, start, end] = self._pool.submit(_read_in_worker, epoch, pairs)
+        if future is not None:
+            from concurrent.futures.process import BrokenProcessPool
+
+            try:
+                got = future.result()
+                del self._ahead[epoch, start, end]
+                return got
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): read here from now on
+                log.warning("strategy=ft's loader workers failed (%s): reading in the trainer from here on", e)
+                self._forget_ahead()
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool, self.workers = None, 0
+        return self.local_reader().read(epoch, pairs)
+
+    def local_reader(self) -> SliceReader:
+        """The reader in this process (no workers, or a pool that broke)."""
+        if self._slices is None:
+            self._slices = SliceReader(self.dataset, self.refs, self.inner.source(), self.seed)
+        return self._slices
+
+    def _pool_or_none(self) -> Any:
+        if self._pool is None:
+            from concurrent.futures import ProcessPoolExecutor
+
+            from pitstop.data.loader import server
+
+            server.start({__name__, type(self.dataset).__module__})  # (the runner started it already, if it could)
+            self._pool = ProcessPoolExecutor(
+                self.workers,
+                mp_context=server.context(),
+                initializer=_start_worker,
+                initargs=(server.parent(), os.getpid(), self.dataset, self.refs, self.inner.source(), self.seed),
+            )
+        return self._pool
+
+    def _plan_ahead(self, cursor: tuple[int, int], groups: int, place: int) -> None:
+        wanted = []
+        for _ in range(self.workers):
+            epoch, start, end, cursor, _ = self._slice(cursor, groups, place)
+            wanted.append((epoch, start, end))
+        for key in set(self._ahead) - set(wanted):  # planned for another quorum or position: not needed now
+            self._ahead.pop(key).cancel()
+        pool = self._pool_or_none()
+        for key in wanted:
+            if key not in self._ahead:
+                self._ahead[key] = pool.submit(_read_in_worker, key[0], self.order(key[0])[key[1] : key[2]])
+
+    def _forget_ahead(self) -> None:
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
+
+    def commit(self) -> None:
+        """The step in flight committed: its samples (every group's) are consumed."""
+        if self._cursor is not None:  # (the epoch turns at the next fetch: this step's records say its own epoch)
+            self.committed = self._cursor
+        self.stats["dropped_at_epoch_end"] += self._dropped
+        self._cursor, self._taken, self._dropped = None, 0, 0
+
+    def close(self) -> None:
+        self._forget_ahead()
+        if self._pool is not None:
+            # (waits for the workers to end: without it, a process that exits right after could close the pool's
+            # call queue before its manager thread put the workers' stop sentinels in, and then wait for them forever)
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._slices is not None:
+            self._slices.close()
+            self._slices = None
+
+
+class SliceReader:
+    """Reads and decodes a slice of an epoch's order (``(shard, index)`` pairs) into a batch: in the trainer, or in
+    a loader worker. Keeps the last two shards it read."""
+
+    def __init__(self, dataset: Any, refs: list, source: Any, seed: int):
+        self.dataset, self.refs, self.source, self.seed = dataset, refs, source, seed
+        self._shards: OrderedDict[int, list[dict]] = OrderedDict()
+        self._read = 0
+
+    def read(self, epoch: int, pairs: list[tuple[int, int]]) -> tuple[Any, list[str], int, int]:
+        """``(batch, keys, corrupt samples skipped, bytes read from the source)``."""
+        self._read = 0
+        items, keys, skipped = [], [], 0
+        for shard, i in pairs:
             sample = self._shard(shard)[i]
             key = sample["__key__"]
             try:
@@ -160,30 +274,16 @@ class ReplicaLoader:
                         f"corrupt sample {key!r} in shard {self.refs[shard].url}: {e} "
                         f"(set data.skip_corrupt=true to skip and count such samples)"
                     ) from None
-                self.stats["skipped_corrupt"] += 1
+                skipped += 1
                 continue
             keys.append(key)
-        self._cursor, self._taken, self._dropped = (epoch, position + taken), fetched + 1, dropped
-        self.batch_epoch = epoch
-        if self.sample_log is not None:
-            self.sample_log(keys)
-        self.stats["samples"] += len(items)
-        return self.dataset.collate(items)
-
-    def commit(self) -> None:
-        """The step in flight committed: its samples (every group's) are consumed."""
-        if self._cursor is not None:  # (the epoch turns at the next fetch: this step's records say its own epoch)
-            self.committed = self._cursor
-        self.stats["dropped_at_epoch_end"] += self._dropped
-        self._cursor, self._taken, self._dropped = None, 0, 0
+        return self.dataset.collate(items), keys, skipped, self._read
 
     def _shard(self, shard: int) -> list[dict]:
         if shard not in self._shards:
-            if self._source is None:
-                self._source = self.inner.source()
             ref = self.refs[shard]
-            data = self._source.read(ref)
-            self.stats["bytes_from_source"] += len(data)
+            data = self.source.read(ref)
+            self._read += len(data)
             self._shards[shard] = read_shard(data, ref.url)
             while len(self._shards) > 2:
                 self._shards.popitem(last=False)
@@ -191,6 +291,21 @@ class ReplicaLoader:
         return self._shards[shard]
 
     def close(self) -> None:
-        if self._source is not None:
-            self._source.close()
-            self._source = None
+        self.source.close()
+
+
+_worker: SliceReader | None = None  # a loader worker's reader
+
+
+def _start_worker(parent: int, trainer: int, dataset: Any, refs: list, source: Any, seed: int) -> None:
+    """A loader worker of strategy=ft: ends with its trainer, ignores the scheduler's notices."""
+    global _worker
+    from pitstop.data.loader.workers import worker_init
+
+    worker_init(0, parent, trainer)
+    _worker = SliceReader(dataset, refs, source, seed)
+
+
+def _read_in_worker(epoch: int, pairs: list[tuple[int, int]]) -> tuple[Any, list[str], int, int]:
+    assert _worker is not None
+    return _worker.read(epoch, pairs)
