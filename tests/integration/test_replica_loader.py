@@ -147,3 +147,26 @@ def test_loader_workers_decode_ahead_exactly_what_the_trainer_would_read_as_grou
     finally:
         ahead.close()
     assert ahead._pool is None and not ahead._ahead
+
+
+def test_a_killed_loader_worker_leaves_the_trainer_reading_the_same_batches_itself(data_root):
+    # a worker SIGKILLed (the OOM killer, say): the pool is broken; the loader says so once and reads in the trainer
+    import os
+    import signal
+    import time
+
+    place = [1, 0]
+    plain, ahead = group_loader(data_root, place), group_loader(data_root, place, workers=2)
+    try:
+        for step in range(20):
+            if step == 8:
+                for p in list(ahead._pool._processes.values()):
+                    os.kill(p.pid, signal.SIGKILL)
+                time.sleep(0.5)  # (the pool's manager thread sees it)
+            x0, y0 = plain.next_batch()
+            x1, y1 = ahead.next_batch()
+            assert torch.equal(x0, x1) and torch.equal(y0, y1), step
+            plain.commit(), ahead.commit()
+        assert ahead.workers == 0 and ahead._pool is None  # reading in the trainer from then on
+    finally:
+        ahead.close()

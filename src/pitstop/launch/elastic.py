@@ -99,8 +99,9 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
         endpoint,
         config.max_restarts,
     )
-    notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig)).install()
+    notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig))
     try:
+        notice.install()  # (inside: a notice that waited, blocked, is delivered by it and raises here)
         results = elastic_launch(config, worker)(
             OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start, os.getpid()
         )

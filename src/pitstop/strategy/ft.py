@@ -1,14 +1,15 @@
 """``strategy=ft``: replica groups joined by torchft, so that healthy groups keep training when one dies.
 
 Each replica group is one process, or ``strategy.nproc_per_node`` ranks joined by their own process group (inside a
-group: ``strategy.inner=ddp``, DistributedDataParallel); every rank has its own ``torchft.Manager``, and rank ``r`` of
-each group all-reduces with rank ``r`` of the others. Every step:
+group: ``strategy.inner=ddp``, DistributedDataParallel, or ``fsdp``, FSDP2: HSDP); every rank has its own
+``torchft.Manager``, and rank ``r`` of each group all-reduces with rank ``r`` of the others. Every step:
 
     begin_step()        the step's quorum at the Lighthouse: which groups take part, this group's place among
                         them; a group that is behind (new, or its last step failed) heals here from a live peer
     (fetch + forward/backward: this group's share of the step, see ``pitstop.data.loader.replica``)
     reduce_gradients()  one all-reduce (average) of the gradients over the groups of the quorum (Gloo); inside a
-                        group of several ranks, DDP's backward averaged them over the group's ranks first
+                        group of several ranks, DDP's backward averaged them over the group's ranks first (FSDP's
+                        reduce-scattered them: rank r all-reduces its shard with rank r of the other groups)
     commit()            torchft's should_commit: False if a collective of this step failed (a peer died) --
                         the step is discarded, nothing changes, the loop goes on; True: the optimizer steps
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from pitstop.config.checks import is_integer
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, PitstopError
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
@@ -268,7 +269,13 @@ class FT(Strategy):
         """What a heal sends and receives: the run's whole live state (``state()``), applied with ``load``."""
 
         def loaded(sd: dict) -> None:
-            load(sd)
+            try:
+                load(sd)
+            except Exception as e:  # noqa: BLE001 - a state this process cannot take is no transient failure
+                raise HealFailed(
+                    f"replica group {self.replica_id} cannot load the state a peer sent ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); the group restarts"
+                ) from None
             self._healed = True
 
         self._healed = False
@@ -287,9 +294,7 @@ class FT(Strategy):
             log.warning("joining: the quorum or the heal failed; trying again (%d of 3)", attempt + 1)
         healed = bool(self.heals)
         if self.inner.any(healed) and self.inner.any(not healed):
-            from pitstop.errors import PitstopError
-
-            raise PitstopError(
+            raise HealFailed(
                 f"replica group {self.replica_id}: some of its ranks healed from a live peer and some did not (the "
                 f"peer failed during the transfer); the group restarts"
             )
@@ -311,13 +316,20 @@ class FT(Strategy):
         self._healed = False
         try:
             self.manager.start_quorum()
-        except ConfigError:
+        except (ConfigError, HealFailed):
             raise
         except Exception as e:  # noqa: BLE001 - e.g. no quorum within strategy.quorum_timeout (a stalled peer
             # still sends heartbeats): this step is discarded and the next one asks again; the process goes on
             self.manager._quorum_future = None  # (torchft would raise the same error again at the next quorum)
             self.manager.report_error(e)
         took = time.perf_counter() - t0
+        if getattr(self.manager, "_healing", False) and not self._healed and self.world_size > 1:
+            # (this rank's transfer failed while others of its group may have healed: the group's ranks would hold
+            # different states, and the next quorum may no longer ask it to heal)
+            raise HealFailed(
+                f"replica group {self.replica_id}: rank {self.rank}'s heal from a live peer failed "
+                f"({str(self.manager.errored()).splitlines()[0][:200]}); the group restarts"
+            )
         self.quorum_seconds += took
         if self._healed:
             self.heals.append({"step": self.manager.current_step(), "from_step": step, "seconds": round(took, 4)})
@@ -409,6 +421,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the same storage), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+class HealFailed(PitstopError):
+    """A heal this process cannot complete: its group restarts (a bounded count) rather than train on."""
 
 
 class _SeenQuorums:

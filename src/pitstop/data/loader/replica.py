@@ -163,35 +163,35 @@ class ReplicaLoader:
         groups, place = groups * self.ranks, place * self.ranks + self.rank  # (every rank of the step's groups)
         epoch, start, end, after, more = self._slice(cursor or self.committed, groups, place)
         batch, keys, skipped, read = self._read(epoch, start, end)
+        if self.workers:  # the next slices, as if this step's groups stay and it commits
+            self._plan_ahead(after, groups, place)
         self._cursor, self._taken, self._dropped = after, fetched + 1, dropped + more
         self.batch_epoch = epoch
         self.stats["skipped_corrupt"] += skipped
         self.stats["bytes_from_source"] += read
-        if self.workers:  # the next slices, as if this step's groups stay and it commits
-            self._plan_ahead(after, groups, place)
         if self.sample_log is not None:
             self.sample_log(keys)
         self.stats["samples"] += len(keys)
         return batch
 
     def _read(self, epoch: int, start: int, end: int) -> tuple[Any, list[str], int, int]:
-        pairs = self.order(epoch)[start:end]
-        future = self._ahead.get((epoch, start, end))
-        if future is None and self.workers and self._pool_or_none() is not None:
-            future = self._ahead[epoch, start, end] = self._pool.submit(_read_in_worker, epoch, pairs)
-        if future is not None:
-            from concurrent.futures.process import BrokenProcessPool
+        """A slice: from the pool if it was planned (its decode is under way or done), else read here (a slice
+        planned otherwise would wait behind the pool's stale work)."""
+        from concurrent.futures.process import BrokenProcessPool
 
+        future = self._ahead.get((epoch, start, end))
+        if future is not None:
             try:
                 got = future.result()
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): read here from now on
+                self._give_up_pool(f"strategy=ft's loader workers failed ({e}): reading in the trainer from here on")
+            except BaseException:  # a stall the watchdog interrupted, or any error: a fresh pool next time
+                self._stop_pool()
+                raise
+            else:
                 del self._ahead[epoch, start, end]
                 return got
-            except BrokenProcessPool as e:  # a worker died (killed, out of memory): read here from now on
-                log.warning("strategy=ft's loader workers failed (%s): reading in the trainer from here on", e)
-                self._forget_ahead()
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool, self.workers = None, 0
-        return self.local_reader().read(epoch, pairs)
+        return self.local_reader().read(epoch, pairs=self.order(epoch)[start:end])
 
     def local_reader(self) -> SliceReader:
         """The reader in this process (no workers, or a pool that broke)."""
@@ -200,7 +200,7 @@ class ReplicaLoader:
         return self._slices
 
     def _pool_or_none(self) -> Any:
-        if self._pool is None:
+        if self._pool is None and self.workers:
             from concurrent.futures import ProcessPoolExecutor
 
             from pitstop.data.loader import server
@@ -215,21 +215,46 @@ class ReplicaLoader:
         return self._pool
 
     def _plan_ahead(self, cursor: tuple[int, int], groups: int, place: int) -> None:
+        from concurrent.futures.process import BrokenProcessPool
+
         wanted = []
         for _ in range(self.workers):
             epoch, start, end, cursor, _ = self._slice(cursor, groups, place)
             wanted.append((epoch, start, end))
         for key in set(self._ahead) - set(wanted):  # planned for another quorum or position: not needed now
             self._ahead.pop(key).cancel()
-        pool = self._pool_or_none()
-        for key in wanted:
-            if key not in self._ahead:
-                self._ahead[key] = pool.submit(_read_in_worker, key[0], self.order(key[0])[key[1] : key[2]])
+        try:
+            for key in wanted:
+                if key not in self._ahead and self._pool_or_none() is not None:
+                    self._ahead[key] = self._pool.submit(_read_in_worker, key[0], self.order(key[0])[key[1] : key[2]])
+        except (BrokenProcessPool, RuntimeError) as e:  # (a worker died since: the pool takes no more work)
+            self._give_up_pool(f"strategy=ft's loader workers failed ({e}): reading in the trainer from here on")
+
+    def _give_up_pool(self, why: str) -> None:
+        log.warning("%s", why)
+        self._stop_pool()
+        self.workers = 0
 
     def _forget_ahead(self) -> None:
         for future in self._ahead.values():
             future.cancel()
         self._ahead.clear()
+
+    def _stop_pool(self) -> None:
+        """End the pool's workers now (work in flight is dropped; a later fetch starts a fresh pool)."""
+        self._forget_ahead()
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:  # (terminated, not told: a stop sentinel could be left unsent by an exiting process)
+            p.terminate()
+        for p in processes:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
     def commit(self) -> None:
         """The step in flight committed: its samples (every group's) are consumed."""
@@ -239,12 +264,7 @@ class ReplicaLoader:
         self._cursor, self._taken, self._dropped = None, 0, 0
 
     def close(self) -> None:
-        self._forget_ahead()
-        if self._pool is not None:
-            # (waits for the workers to end: without it, a process that exits right after could close the pool's
-            # call queue before its manager thread put the workers' stop sentinels in, and then wait for them forever)
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._stop_pool()
         if self._slices is not None:
             self._slices.close()
             self._slices = None
@@ -303,6 +323,9 @@ def _start_worker(parent: int, trainer: int, dataset: Any, refs: list, source: A
     from pitstop.data.loader.workers import worker_init
 
     worker_init(0, parent, trainer)
+    import torch
+
+    torch.set_num_threads(1)  # (as torch's DataLoader does in its workers: the trainer has the cores)
     _worker = SliceReader(dataset, refs, source, seed)
 
 
