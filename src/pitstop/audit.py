@@ -119,6 +119,8 @@ def epochs_of(run_dir: str) -> dict[int, int]:
     """step -> epoch, from metrics.jsonl (the last record of a step: the attempt whose step survived)."""
     out: dict[int, int] = {}
     for d in _dirs(run_dir):
+        if not os.path.exists(os.path.join(d, "metrics.jsonl")):  # (a group that never trained a step)
+            continue
         for r in _records(os.path.join(d, "metrics.jsonl")):
             if "loss" in r and "epoch" in r:
                 out[int(r["step"])] = int(r["epoch"])

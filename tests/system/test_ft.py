@@ -137,6 +137,24 @@ def test_groups_of_two_ranks_a_killed_rank_restarts_only_its_own_group_which_hea
     assert len(epochs) > 3 and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
 
 
+def test_in_epochs_mode_a_killed_group_leaves_every_epoch_read_whole_and_the_groups_agree(data_root, tmp_path):
+    # trainer.epochs=12: while a group is gone the other takes every step's whole share, so the epochs take more
+    # steps; the run ends where the data position says the 12th epoch ends, and the LR schedule is re-planned after
+    # the same committed steps in both groups (a healed group takes its peer's)
+    run = tmp_path / "run"
+    args = [*FT, "trainer.max_steps=null", "trainer.epochs=12", "trainer.eval_every_steps=null",
+            "ckpt.interval_steps=100", "fault=crash_at_step", "fault.replica=1", "fault.step=20",
+            f"run_dir={run}"]  # fmt: skip
+    p = cli(args, data_root, tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] and s0["params_sha256"] == s1["params_sha256"]
+    assert [len(attempts(run, k)) for k in (0, 1)] == [1, 2]
+    epochs = audit(str(run))  # epochs mode: every one of the 12 must be whole
+    assert len(epochs) == 12 and all(e.ok and e.missing == 0 and e.once == e.expected for e in epochs), epochs
+    assert "12 epochs end at step" in (run / "replica0" / "train.log").read_text()
+
+
 # min_replicas=2: every step has both groups (the steps' shares, and so the arithmetic, are the same in every run)
 BOTH = [*FT, "strategy.min_replicas=2", "trainer.max_steps=60", "trainer.eval_every_steps=30", "ckpt.interval_steps=20"]
 

@@ -46,6 +46,21 @@ class _Shards:
     refs, counts = [f"shard{i}" for i in range(5)], [7, 7, 7, 7, 3]
 
 
+def test_the_fetches_left_of_the_epochs_follow_the_groups_that_take_part():
+    # 31 samples per epoch, batch 4: with 2 groups a step takes 8 until fewer than 2 x 5 are left, then the rest
+    # (31 = 8 + 8 + 8 + 7: 4 fetches); with 3 groups 12 + 12 + 7 (3); alone 4 x 7 + 3 (8). From a committed position
+    # inside the second epoch, only what is left of it and of the epochs after counts
+    loader = ReplicaLoader(_Shards(), lambda: (1, 0), replicas=2)
+    assert [loader.fetches_left(2, groups) for groups in (1, 2, 3)] == [16, 8, 6]
+    loader.committed = (1, 24)  # 7 samples of epoch 1 left
+    assert [loader.fetches_left(2, groups) for groups in (1, 2, 3)] == [2, 1, 1]
+    assert loader.fetches_left(1, 2) == 0  # (epoch 0 is over)
+    # 9 samples left at 2 groups of batch 4: one fetch takes them all (at most batch + 1 each), where a
+    # plan from the batch size alone would count 2
+    loader.committed = (0, 22)
+    assert loader.fetches_left(1, 2) == 1
+
+
 def test_the_epoch_order_is_every_sample_once_a_pure_function_of_seed_and_epoch():
     loader = ReplicaLoader(_Shards(), lambda: (1, 0), replicas=2)
     orders = [loader.order(e) for e in (0, 1, 0)]

@@ -37,6 +37,7 @@ from pitstop.strategy.nodes import check_nodes
 from pitstop.train import assembly, steps, summary
 from pitstop.train.digest import model_sha256
 from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
+from pitstop.train.lr import planned_steps
 from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
 from pitstop.train.seed import seed_everything
@@ -187,10 +188,15 @@ class Runner:
         self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
-            self.total_steps = steps.steps_at_this_world_size(
-                self.step, self.loader, int(t.epochs), self.accum, self.scheduler, self.total_steps,
-                self.strategy.world_size,
-            )  # fmt: skip
+            if self._epochs_follow_groups():  # (strategy=ft: the restored or healed schedule's plan, as it is; it is
+                # re-planned only after committed steps, the same in every group: a group's own restore or heal
+                # comes at another moment than its peers')
+                self.total_steps = planned_steps(self.scheduler) or self.total_steps
+            else:
+                self.total_steps = steps.steps_at_this_world_size(
+                    self.step, self.loader, int(t.epochs), self.accum, self.scheduler, self.total_steps,
+                    self.strategy.world_size,
+                )  # fmt: skip
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
         if self.samples is not None:
@@ -237,6 +243,8 @@ class Runner:
                 ledger.add("compile", compiling)
                 self.progress.step += 1
                 self._outcome(self.step, True)
+                if self._epochs_follow_groups():
+                    self._replan_for_groups()
                 self.progress.samples_seen += out.samples * self.strategy.world_size * self.strategy.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
@@ -266,6 +274,16 @@ class Runner:
                     self._stop_for_preemption()
         if bar is not None:
             bar.close()
+
+    def _epochs_follow_groups(self) -> bool:
+        """``strategy=ft`` with ``trainer.epochs``: the run ends where the data position says the epochs end."""
+        return self.cfg.trainer.max_steps is None and hasattr(self.loader, "fetches_left")
+
+    def _replan_for_groups(self) -> None:
+        self.total_steps = steps.steps_with_groups(
+            self.step, self.loader, int(self.cfg.trainer.epochs), self.accum, self.scheduler, self.total_steps,
+            self.strategy.participants,
+        )  # fmt: skip
 
     def _outcome(self, step: int, committed: bool) -> None:
         quorum = self.strategy.quorum_id  # (strategy=ft: one line per step in the sample log)

@@ -57,6 +57,22 @@ def steps_at_this_world_size(
     return new_total
 
 
+def steps_with_groups(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, groups: int) -> int:
+    """``strategy=ft`` with ``trainer.epochs``: the steps left are the fetches left of the epochs from the committed
+    data position, over ``accum``, if the ``groups`` of the last step stay (a missing group's share makes an epoch
+    take more steps; a group that comes back, fewer). Whenever that changes the LR schedule is re-planned to decay
+    over the steps left. Every group computes the same from the same position and quorum; a healed group gets the
+    schedule's state from its peer. Returns the new total."""
+    new_total = step + loader.fetches_left(epochs, groups) // accum
+    if new_total != total:
+        fits = replan(scheduler, step, new_total)
+        log.info(
+            "%d replica group(s) from step %d: %d epochs end at step %d (were %d)%s", groups, step, epochs,
+            new_total, total, "" if fits else f"; {type(scheduler).__name__} keeps its length",
+        )  # fmt: skip
+    return new_total
+
+
 class EvalSchedule:
     """After which steps the loop evaluates: every ``trainer.eval_every_steps``, else when an epoch has ended
     (with accumulation an epoch can end inside a step); and after the last step."""

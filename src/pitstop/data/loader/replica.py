@@ -103,6 +103,16 @@ class ReplicaLoader:
         start = position + place * base + min(place, extra)
         return start, start + base + (1 if place < extra else 0), rest
 
+    def fetches_left(self, epochs: int, groups: int) -> int:
+        """Fetches (micro-batches) left until the committed position reaches the end of epoch ``epochs - 1``, if
+        ``groups`` groups take part in every step from here on (pure: the same in every group)."""
+        cursor, fetches = self.committed, 0
+        while True:
+            epoch, _, _, cursor, _ = self._slice(cursor, groups * self.ranks, 0)
+            if epoch >= epochs:
+                return fetches
+            fetches += 1
+
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """With every group taking part (the schedule's plan; missing groups make an epoch longer)."""
         return max(1, math.ceil(self.num_samples / (self.batch_size * self.replicas * self.ranks)))
