@@ -59,6 +59,18 @@ def test_the_fetches_left_of_the_epochs_follow_the_groups_that_take_part():
     # plan from the batch size alone would count 2
     loader.committed = (0, 22)
     assert loader.fetches_left(1, 2) == 1
+    # the closed form against fetching step by step, for every position, group count and batch size up to 6
+    for batch in range(1, 7):
+        loader.batch_size = batch
+        for slots in range(1, 8):
+            for position in range(loader.num_samples + 1):
+                cursor, fetches = (0, position), 0
+                while True:
+                    epoch, _, _, cursor, _ = loader._slice(cursor, slots, 0)
+                    if epoch >= 1:
+                        break
+                    fetches += 1
+                assert loader.fetches_in_epoch(position, slots) == fetches, (batch, slots, position)
 
 
 def test_the_epoch_order_is_every_sample_once_a_pure_function_of_seed_and_epoch():

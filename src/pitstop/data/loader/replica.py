@@ -106,12 +106,22 @@ class ReplicaLoader:
     def fetches_left(self, epochs: int, groups: int) -> int:
         """Fetches (micro-batches) left until the committed position reaches the end of epoch ``epochs - 1``, if
         ``groups`` groups take part in every step from here on (pure: the same in every group)."""
-        cursor, fetches = self.committed, 0
-        while True:
-            epoch, _, _, cursor, _ = self._slice(cursor, groups * self.ranks, 0)
-            if epoch >= epochs:
-                return fetches
-            fetches += 1
+        epoch, position = self.committed
+        if epoch >= epochs:
+            return 0
+        slots = groups * self.ranks
+        return self.fetches_in_epoch(position, slots) + (epochs - epoch - 1) * self.fetches_in_epoch(0, slots)
+
+    def fetches_in_epoch(self, position: int, slots: int) -> int:
+        """Fetches that read the rest of an epoch from ``position`` with ``slots`` readers in every step (the rules of
+        :meth:`share` and :meth:`next_batch`, in closed form): full steps while at least ``slots x (batch + 1)``
+        samples are left, then one that splits the rest, unless fewer than ``slots`` are left (dropped)."""
+        rest, full, b = self.num_samples - position, slots * self.batch_size, self.batch_size
+        if rest < slots:
+            return 0
+        steps = max(0, -(-(rest - slots * (b + 1) + 1) // full))  # (ceil)
+        last = rest - steps * full
+        return steps + (1 if last >= slots else 0)
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """With every group taking part (the schedule's plan; missing groups make an epoch longer)."""
