@@ -244,3 +244,34 @@ def test_more_processes_than_cores_for_the_groups_started_here_is_refused_unless
     check_job(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path))
     # one group of a job started on several machines (strategy.replica_id): its own ranks are checked by its agent
     check_job(compose_cfg(["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"], tmp_path))
+
+
+def test_a_healed_group_re_plans_the_lr_schedule_exactly_as_its_peer_whatever_its_own_count():
+    # the decision to re-plan reads the schedule's own plan (a heal copies it), not the process's total: a group
+    # healed mid-run with a stale count of its own re-plans at the same steps as its peer, to the same numbers
+    import torch
+
+    from pitstop.train.lr import warmup_cosine
+    from pitstop.train.steps import steps_with_groups
+
+    class Left:
+        def __init__(self):
+            self.left = 0
+
+        def fetches_left(self, epochs, groups):
+            return self.left // groups
+
+    def scheduler():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        return warmup_cosine(opt, total_steps=100, warmup_steps=2)
+
+    a, b, data = scheduler(), scheduler(), Left()
+    data.left = 200
+    total_a = steps_with_groups(10, data, 3, 1, a, 100, groups=1)  # A alone: re-planned to 210
+    b.load_state_dict(a.state_dict())  # B heals from A: the schedule, not A's count
+    totals = {"a": total_a, "b": 110}  # (B's own count is stale: by chance what the next step computes)
+    for step, groups in ((11, 2), (12, 2), (13, 1), (14, 2)):
+        data.left = 200 - 2 * (step - 10)
+        totals = {k: steps_with_groups(step, data, 3, 1, s, totals[k], groups) for k, s in (("a", a), ("b", b))}
+        assert totals["a"] == totals["b"]
+        assert a.lr_lambdas[0].__dict__ == b.lr_lambdas[0].__dict__, step

@@ -122,6 +122,7 @@ class FT(Strategy):
     def _check_peers(self, quorum: Any) -> None:
         """Refuse, in this group, a peer group of the quorum started with another config or with the same
         ``strategy.replica_id``, if this group is the later one of the two to start (the earlier one goes on)."""
+        self._asked_heal = bool(getattr(quorum, "heal", False))  # (this rank must heal in this quorum)
         mine = self._full_id
         for other in quorum.replica_ids:
             parts = other.split(":")
@@ -313,7 +314,7 @@ class FT(Strategy):
     def _quorum(self) -> None:
         t0 = time.perf_counter()
         step = self.manager.current_step()
-        self._healed = False
+        self._healed, self._asked_heal = False, False
         try:
             self.manager.start_quorum()
         except (ConfigError, HealFailed):
@@ -323,7 +324,7 @@ class FT(Strategy):
             self.manager._quorum_future = None  # (torchft would raise the same error again at the next quorum)
             self.manager.report_error(e)
         took = time.perf_counter() - t0
-        if getattr(self.manager, "_healing", False) and not self._healed and self.world_size > 1:
+        if self._asked_heal and not self._healed and self.world_size > 1:
             # (this rank's transfer failed while others of its group may have healed: the group's ranks would hold
             # different states, and the next quorum may no longer ask it to heal)
             raise HealFailed(

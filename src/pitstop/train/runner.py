@@ -37,7 +37,6 @@ from pitstop.strategy.nodes import check_nodes
 from pitstop.train import assembly, steps, summary
 from pitstop.train.digest import model_sha256
 from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
-from pitstop.train.lr import planned_steps
 from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
 from pitstop.train.seed import seed_everything
@@ -188,10 +187,12 @@ class Runner:
         self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
-            if self._epochs_follow_groups():  # (strategy=ft: the restored or healed schedule's plan, as it is; it is
-                # re-planned only after committed steps, the same in every group: a group's own restore or heal
-                # comes at another moment than its peers')
-                self.total_steps = planned_steps(self.scheduler) or self.total_steps
+            if self._epochs_follow_groups():  # (strategy=ft: the bound from the data position; the restored or healed
+                # schedule's plan is kept as it is and re-planned only after committed steps, the same in every group:
+                # a group's own restore or heal comes at another moment than its peers')
+                self.total_steps = self.step + self.loader.fetches_left(int(t.epochs), self.strategy.participants) // (
+                    self.accum
+                )
             else:
                 self.total_steps = steps.steps_at_this_world_size(
                     self.step, self.loader, int(t.epochs), self.accum, self.scheduler, self.total_steps,

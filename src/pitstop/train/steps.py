@@ -60,15 +60,17 @@ def steps_at_this_world_size(
 def steps_with_groups(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, groups: int) -> int:
     """``strategy=ft`` with ``trainer.epochs``: the steps left are the fetches left of the epochs from the committed
     data position, over ``accum``, if the ``groups`` of the last step stay (a missing group's share makes an epoch
-    take more steps; a group that comes back, fewer). Whenever that changes the LR schedule is re-planned to decay
-    over the steps left. Every group computes the same from the same position and quorum; a healed group gets the
-    schedule's state from its peer. Returns the new total."""
+    take more steps; a group that comes back, fewer). Whenever that differs from the LR schedule's own plan, the
+    schedule is re-planned to decay over the steps left. The decision reads only what every group holds alike after
+    a committed step (the position, the quorum, the schedule's state, which a heal copies), never this process's
+    own count. Returns the new total (the loop's bound)."""
     new_total = step + loader.fetches_left(epochs, groups) // accum
-    if new_total != total:
+    planned = planned_steps(scheduler) or total
+    if new_total != planned:
         fits = replan(scheduler, step, new_total)
         log.info(
             "%d replica group(s) from step %d: %d epochs end at step %d (were %d)%s", groups, step, epochs,
-            new_total, total, "" if fits else f"; {type(scheduler).__name__} keeps its length",
+            new_total, planned, "" if fits else f"; {type(scheduler).__name__} keeps its length",
         )  # fmt: skip
     return new_total
 
