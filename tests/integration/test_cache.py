@@ -107,8 +107,16 @@ def test_ranged_parts_read_the_same_batches_and_a_server_without_ranges_gets_one
                 assert loader.stats["fetch_retries"] == 0
             paths = {p: v for p, v in srv.stats()["paths"].items() if p.endswith(".tar")}
         assert len(paths) == 8
-        if ranges:  # every request a ranged one, three per read
-            assert all(v["ranged"] == v["requests"] and v["requests"] % 3 == 0 for v in paths.values())
+        if ranges:  # every request a ranged one, three per whole read (at least one by each loader)
+            # (a part whose connection failed before its first byte is asked for again: seen a few times in 20 runs)
+            size = {p: (data_root / "data" / p.lstrip("/")).stat().st_size for p in paths}
+            reads = {p: v["bytes"] // size[p] for p, v in paths.items()}
+            odd = {
+                p: v for p, v in paths.items()
+                if v["ranged"] != v["requests"] or v["bytes"] % size[p] or reads[p] < 2
+                or not 3 * reads[p] <= v["requests"] <= 3 * reads[p] + 1
+            }  # fmt: skip
+            assert not odd, odd
         else:  # each read got the whole file; a process asks for ranges only until its first answer says no
             # (and downloads that started before that answer): fewer ranged requests than reads
             assert all(v["requests"] > v["ranged"] for v in paths.values())

@@ -37,6 +37,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class SlowStore(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # (socketserver's default listen backlog is 5: a cached loader's readers open up to 8 ranged downloads at once, and
+    # with the plain loader's workers beside them a connection could be refused and retried, as no object store does)
+    request_queue_size = 128
 
     def __init__(
         self,

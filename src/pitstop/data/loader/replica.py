@@ -206,7 +206,7 @@ class ReplicaLoader:
             except BrokenProcessPool as e:  # a worker died (killed, out of memory): read here from now on
                 self._give_up_pool(f"strategy=ft's loader workers failed ({e}): reading in the trainer from here on")
             except BaseException:  # a stall the watchdog interrupted, or any error: a fresh pool next time
-                self._stop_pool()
+                self._stop_pool(patience=0.0)
                 raise
             else:
                 del self._ahead[epoch, start, end]
@@ -252,7 +252,7 @@ class ReplicaLoader:
 
     def _give_up_pool(self, why: str) -> None:
         log.warning("%s", why)
-        self._stop_pool()
+        self._stop_pool(patience=0.0)
         self.workers = 0
 
     def _forget_ahead(self) -> None:
@@ -260,15 +260,29 @@ class ReplicaLoader:
             future.cancel()
         self._ahead.clear()
 
-    def _stop_pool(self) -> None:
-        """End the pool's workers now (work in flight is dropped; a later fetch starts a fresh pool)."""
+    def _stop_pool(self, patience: float = 10.0) -> None:
+        """End the pool's workers (a later fetch starts a fresh pool): told to stop once the work in flight is done,
+        within ``patience`` seconds, else terminated (a stuck worker; a stall). Told and waited for, not left to stop
+        on their own: a process that exits right after could close the pool's call queue before the manager thread
+        put the stop sentinels in, and then wait for its workers forever."""
+        import threading
+
         self._forget_ahead()
         pool, self._pool = self._pool, None
         if pool is None:
             return
         processes = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in processes:  # (terminated, not told: a stop sentinel could be left unsent by an exiting process)
+        if patience > 0:
+            stopping = threading.Thread(
+                target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
+            )
+            stopping.start()
+            stopping.join(patience)
+            if not stopping.is_alive():
+                return
+        else:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:  # (the manager thread then fails what is left: the pool is broken)
             p.terminate()
         for p in processes:
             p.join(5)
@@ -284,7 +298,7 @@ class ReplicaLoader:
         self._cursor, self._taken, self._dropped = None, 0, 0
 
     def close(self) -> None:
-        self._stop_pool()
+        self._stop_pool(patience=10.0)
         if self._slices is not None:
             self._slices.close()
             self._slices = None
