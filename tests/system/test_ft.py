@@ -117,7 +117,10 @@ def test_groups_of_two_ranks_a_killed_rank_restarts_only_its_own_group_which_hea
     # processes on 2 cores); rank 1 of group 1 is SIGKILLed at step 30: its agent restarts both of its ranks, each
     # heals from the same rank of group 0 (under fsdp: its shard), whose processes never restart
     run = tmp_path / "run"
+    # (strategy.min_replicas=2: both groups take the first step together, so group 1 reaches step 30 however late
+    # its four processes start on a loaded machine; while it restarts, group 0 waits in its quorum, never restarting)
     args = [*FT, f"strategy.inner={inner}", "strategy.nproc_per_node=2", "strategy.oversubscribe=true",
+            "strategy.min_replicas=2",
             "trainer.max_steps=300", "trainer.eval_every_steps=150", "ckpt.interval_steps=50", "fault=crash_at_step",
             "fault.replica=1", "fault.rank=1", "fault.step=30", f"run_dir={run}"]  # fmt: skip
     p = cli(args, data_root, tmp_path, timeout=300)
@@ -143,10 +146,17 @@ def test_in_epochs_mode_a_killed_group_leaves_every_epoch_read_whole_and_the_gro
     # the same committed steps in both groups (a healed group takes its peer's)
     run = tmp_path / "run"
     args = [*FT, "trainer.max_steps=null", "trainer.epochs=12", "trainer.eval_every_steps=null",
-            "ckpt.interval_steps=100", "fault=crash_at_step", "fault.replica=1", "fault.step=20",
-            f"run_dir={run}"]  # fmt: skip
-    p = cli(args, data_root, tmp_path, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+            "ckpt.interval_steps=100", f"run_dir={run}"]  # fmt: skip
+    log = open(tmp_path / "job.log", "w")
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:  # group 1 SIGKILLed once both groups have trained together (however late either started)
+        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 10, p=p)
+        os.kill(attempts(run, 1)[-1]["pid"], signal.SIGKILL)
+        assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
     assert s0["final_step"] == s1["final_step"] and s0["params_sha256"] == s1["params_sha256"]
     assert [len(attempts(run, k)) for k in (0, 1)] == [1, 2]
