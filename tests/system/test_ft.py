@@ -5,6 +5,7 @@ bitwise from the durable checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -52,6 +53,19 @@ def committed_step(run: Path, k: int) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def background_job(args: list[str], data_root, tmp_path):
+    """The job started in the background (its output in ``tmp_path/job.log``), killed on the way out if still up."""
+    log = open(tmp_path / "job.log", "w")
+    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+
+
 def wait_for(what, timeout: float = 60.0, p=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -68,10 +82,8 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
     # (each group's loader decodes ahead in a worker process: loader.num_workers=1)
     args = [*FT, "trainer.max_steps=400", "trainer.eval_every_steps=200", "ckpt.interval_steps=40",
             "loader.num_workers=1", f"run_dir={run}"]  # fmt: skip
-    log = open(tmp_path / "job.log", "w")
-    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
     rng, kills = random.Random(7), {0: 0, 1: 0}
-    try:
+    with background_job(args, data_root, tmp_path) as p:
         for _ in range(5):  # five SIGKILLs of a group drawn at random, each while both train
             base = min(committed_step(run, 0), committed_step(run, 1))
             wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= base + 25, p=p)
@@ -86,10 +98,6 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
             wait_for(lambda: committed_step(run, k) > at, p=p)  # healed and training again
             assert [a["pid"] for a in attempts(run, 1 - k)] == [a["pid"] for a in healthy]  # not restarted
         assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
     for k in (0, 1):
         assert len(attempts(run, k)) == 1 + kills[k]  # only a killed group ever restarted
         text = (run / f"replica{k}" / "train.log").read_text()
@@ -147,16 +155,11 @@ def test_in_epochs_mode_a_killed_group_leaves_every_epoch_read_whole_and_the_gro
     run = tmp_path / "run"
     args = [*FT, "trainer.max_steps=null", "trainer.epochs=12", "trainer.eval_every_steps=null",
             "ckpt.interval_steps=100", f"run_dir={run}"]  # fmt: skip
-    log = open(tmp_path / "job.log", "w")
-    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
-    try:  # group 1 SIGKILLed once both groups have trained together (however late either started)
+    # group 1 SIGKILLed once both groups have trained together (however late either started)
+    with background_job(args, data_root, tmp_path) as p:
         wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 10, p=p)
         os.kill(attempts(run, 1)[-1]["pid"], signal.SIGKILL)
         assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
     assert s0["final_step"] == s1["final_step"] and s0["params_sha256"] == s1["params_sha256"]
     assert [len(attempts(run, k)) for k in (0, 1)] == [1, 2]
@@ -203,17 +206,11 @@ def test_every_group_killed_at_once_restarts_in_the_job_from_the_durable_checkpo
     # Both groups SIGKILLed together (the launcher lives): no live peer to heal from, so both restarted attempts
     # restore the newest durable checkpoint, in the same job, and end at the uninterrupted run's parameters.
     run = tmp_path / "run"
-    log = open(tmp_path / "job.log", "w")
-    p = popen_cmd(cli_cmd([*BOTH, f"run_dir={run}"], data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with background_job([*BOTH, f"run_dir={run}"], data_root, tmp_path) as p:
         wait_for(lambda: (run / "checkpoints" / "step_00000020").is_dir() and committed_step(run, 1) >= 25, p=p)
         for k in (0, 1):
             os.kill(attempts(run, k)[-1]["pid"], signal.SIGKILL)
         assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
     for k in (0, 1):
         s = group_summary(run, k)
         assert len(attempts(run, k)) == 2 and s["resumed_from"] in (20, 40), s["resumed_from"]
@@ -268,16 +265,10 @@ def test_a_notice_to_one_group_lets_it_leave_and_the_other_finishes_the_job_alon
     run = tmp_path / "run"
     args = [*FT, "trainer.max_steps=120", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
             "trainer.preempt_grace_seconds=60", f"run_dir={run}"]  # fmt: skip
-    log = open(tmp_path / "job.log", "w")
-    p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with background_job(args, data_root, tmp_path) as p:
         wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
         os.kill(attempts(run, 0)[-1]["pid"], signal.SIGUSR1)
         assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
     left = attempts(run, 0)
     assert [a["status"] for a in left] == ["preempted"] and [a["status"] for a in attempts(run, 1)] == ["finished"]
     text = (run / "replica0" / "train.log").read_text()
