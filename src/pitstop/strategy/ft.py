@@ -36,6 +36,7 @@ from pitstop.errors import ConfigError, PitstopError
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
+from pitstop.train.batch import local_shard
 
 log = logging.getLogger("pitstop.strategy")
 
@@ -372,7 +373,7 @@ class FT(Strategy):
                 p.grad = torch.zeros_like(p)
         buffers = [b for b in model.buffers() if b.is_floating_point()]
         # (FSDP inside the group: a gradient is a DTensor; rank r of every group holds the same shard of it)
-        tensors = [_local(p.grad) for p in params] + buffers
+        tensors = [local_shard(p.grad) for p in params] + buffers
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self.manager.allreduce(flat).wait()
         at = 0
@@ -416,12 +417,6 @@ class FT(Strategy):
             finally:
                 self.manager = None
         self.inner.teardown()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the same storage), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class HealFailed(PitstopError):

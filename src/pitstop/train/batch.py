@@ -16,3 +16,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, dict):
         return {k: map_tensors(fn, v) for k, v in batch.items()}
     return batch
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2: the same storage), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

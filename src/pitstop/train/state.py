@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pitstop.resilience.watchdog import DataStall, Watchdog
+from pitstop.train.batch import local_shard, map_tensors
 from pitstop.train.precision import Precision
 from pitstop.train.seed import rng_state, set_rng_state
 
@@ -74,8 +75,8 @@ def live_state(target: Any) -> dict:
     model = target.model.state_dict()
     buffers = {name for name, _ in target.model.named_buffers()}
     return {
-        "model": {k: _local(v.clone() if k in buffers else v) for k, v in model.items()},
-        "optimizer": _local(target.optimizer.state_dict()),
+        "model": {k: local_shard(v.clone() if k in buffers else v) for k, v in model.items()},
+        "optimizer": map_tensors(local_shard, target.optimizer.state_dict()),
         "train": target.state.state_dict(),
     }
 
@@ -93,19 +94,6 @@ def load_live_state(target: Any, state: dict) -> None:
                 entry[key] = _like(value, of.get(i))
     target.optimizer.load_state_dict(optimizer)
     target.state.load_state_dict(state["train"])
-
-
-def _local(obj: Any) -> Any:
-    """``obj`` with every DTensor replaced by this rank's shard of it (dicts and lists walked)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _local(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_local(v) for v in obj)
-    return obj
 
 
 def _like(value: Any, model: Any) -> Any:
