@@ -66,6 +66,12 @@ def background_job(args: list[str], data_root, tmp_path):
         log.close()
 
 
+def signal_once_both_trained(run: Path, p, k: int, sig: int, steps: int) -> None:
+    """Send ``sig`` to group ``k``'s trainer once both groups committed ``steps`` steps (however late they started)."""
+    wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= steps, p=p)
+    os.kill(attempts(run, k)[-1]["pid"], sig)
+
+
 def wait_for(what, timeout: float = 60.0, p=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,8 +163,7 @@ def test_in_epochs_mode_a_killed_group_leaves_every_epoch_read_whole_and_the_gro
             "ckpt.interval_steps=100", f"run_dir={run}"]  # fmt: skip
     # group 1 SIGKILLed once both groups have trained together (however late either started)
     with background_job(args, data_root, tmp_path) as p:
-        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 10, p=p)
-        os.kill(attempts(run, 1)[-1]["pid"], signal.SIGKILL)
+        signal_once_both_trained(run, p, 1, signal.SIGKILL, steps=10)
         assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
     assert s0["final_step"] == s1["final_step"] and s0["params_sha256"] == s1["params_sha256"]
@@ -266,8 +271,7 @@ def test_a_notice_to_one_group_lets_it_leave_and_the_other_finishes_the_job_alon
     args = [*FT, "trainer.max_steps=120", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
             "trainer.preempt_grace_seconds=60", f"run_dir={run}"]  # fmt: skip
     with background_job(args, data_root, tmp_path) as p:
-        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
-        os.kill(attempts(run, 0)[-1]["pid"], signal.SIGUSR1)
+        signal_once_both_trained(run, p, 0, signal.SIGUSR1, steps=30)
         assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
     left = attempts(run, 0)
     assert [a["status"] for a in left] == ["preempted"] and [a["status"] for a in attempts(run, 1)] == ["finished"]
@@ -293,8 +297,7 @@ def test_a_notice_to_one_group_when_every_group_is_needed_stops_the_whole_job_wi
     with open(tmp_path / "job.log", "w") as log:
         p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= 30, p=p)
-        os.kill(attempts(run, 0)[-1]["pid"], signal.SIGUSR1)
+        signal_once_both_trained(run, p, 0, signal.SIGUSR1, steps=30)
         assert p.wait(timeout=120) == 75, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         if p.poll() is None:
