@@ -43,7 +43,7 @@ class DDP(Single):
         config node (accepted here, unused by the strategy itself)."""
         super().__init__(device=device, cpu_threads=cpu_threads)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
-        self._ckpt_group = None
+        self._ckpt_group = self._control_group = None
 
     def set_cpu_threads(self) -> None:
         """The node's cores, shared by its ranks (whoever launched them: our agent, torchrun, SLURM)."""
@@ -66,7 +66,13 @@ class DDP(Single):
                 world_size=self.world_size,
             )
             self._owns_group = True
-        self._ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        # Two gloo groups beside the training one: DCP's collectives (an async save runs them in a background
+        # thread), and this process's own small ones (broadcast_object, any, barrier: the main thread). On one
+        # group, the two threads' collectives would pair up in a different order on different ranks: a hang
+        # (seen as an eval's broadcast waiting forever while a save's gather waited for it, ddp(4) on 2 cores).
+        timeout = timedelta(seconds=self.timeout)
+        self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._control_group = dist.new_group(backend="gloo", timeout=timeout)
         log.info("rank %d/%d on %s, backend %s", self.rank, self.world_size, self.device, backend)
 
     def _store(self) -> Any:
@@ -123,16 +129,16 @@ class DDP(Single):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._ckpt_group)
+        dist.broadcast_object_list(box, src=src, group=self._control_group)
         return box[0]
 
     def any(self, flag: bool) -> bool:
         t = torch.tensor([int(bool(flag))])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ckpt_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(t.item())
 
     def barrier(self) -> None:
-        dist.barrier(group=self._ckpt_group)
+        dist.barrier(group=self._control_group)
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
