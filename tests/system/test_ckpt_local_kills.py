@@ -6,13 +6,14 @@ durable tier (or is switched off) with a clear line, and never commits a partial
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import assert_resumed, cli
 
 RUN = [
     "debug=tiny",
@@ -29,6 +30,14 @@ def local_args(shm: Path, every: int = 3) -> list[str]:
 
 def summary(run_dir) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def restored_local(run_dir: Path, newest: int, every: int, backend: str) -> int:
+    """The local-tier step the run restored (see ``assert_resumed``)."""
+    m = re.search(r"\(step (\d+), local tier\)", (Path(run_dir) / "train.log").read_text())
+    assert m, "no restore from the local tier in train.log"
+    assert_resumed(int(m.group(1)), newest, newest - every, backend)
+    return int(m.group(1))
 
 
 def local_steps(shm: Path) -> list[str]:
@@ -75,8 +84,8 @@ def test_a_killed_run_resumes_from_the_local_tier_exactly(backend, data_root, tm
     assert steps[-2:] == ["step_00000030", "step_00000033"] and steps[:-2] in ([], ["step_00000027"]), steps
     p = cli(args, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "(step 33, local tier)" in (run_dir / "train.log").read_text()
-    assert summary(run_dir)["params_sha256"] == reference and summary(run_dir)["resumed_from"] == 33
+    step = restored_local(run_dir, 33, 3, backend)
+    assert summary(run_dir)["params_sha256"] == reference and summary(run_dir)["resumed_from"] == step
 
 
 @pytest.mark.slow
@@ -174,5 +183,5 @@ def test_ddp_resumes_from_the_local_tier_exactly(data_root, tmp_path):
     assert cli(args, data_root, tmp_path).returncode != 0
     p = cli(args, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "(step 16, local tier)" in (run_dir / "train.log").read_text()
+    restored_local(run_dir, 16, 4, "async_dcp")
     assert summary(run_dir)["params_sha256"] == summary(ref)["params_sha256"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import final_losses as losses, cli, read_jsonl
+from conftest import assert_resumed, final_losses as losses, cli, read_jsonl
 from pitstop.audit import audit
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks in subprocesses
@@ -95,7 +95,7 @@ def test_two_rank_kill_and_same_command_resumes_bitwise(strategy, data_root, tmp
     second = cli(args, data_root, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     s = summary(run_dir)
-    assert s["resumed_from"] == 10
+    assert_resumed(s["resumed_from"], 10, 5, "async_dcp")
     # FSDP computes the same math as DDP here (fp32, same reductions): both match the DDP reference.
     assert s["params_sha256"] == reference[0] and losses(run_dir) == reference[1]
 

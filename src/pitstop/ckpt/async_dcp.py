@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from pitstop.ckpt import orphans
 from pitstop.ckpt.contract import Pending, SaveRecord, SaveResult, Target, one_line
 from pitstop.ckpt.dcp import ERRORS
 from pitstop.ckpt.manager import CheckpointManager
@@ -57,6 +58,7 @@ class AsyncDCP(CheckpointManager):
         super().__init__(**kw)
         self.pinned, self.checkpointer = bool(pinned), checkpointer
         self.stager = None
+        self._recorded: int | None = None  # the checkpoint process's pid, once recorded (pitstop.ckpt.orphans)
         if self.pinned:
             self.name = "async_dcp_pinned"
 
@@ -107,7 +109,7 @@ class AsyncDCP(CheckpointManager):
             log.warning("checkpoint process warm-up save failed: %s", one_line(e))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        _lower_priority()
+        self._writer_started()
 
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         result = super().maybe_save(target, step, last=last, force=force)
@@ -146,7 +148,7 @@ class AsyncDCP(CheckpointManager):
             self._wait_warmup()  # (DCP keeps one checkpoint process per trainer: never start a second one)
         if kind == AsyncCheckpointerType.PROCESS:
             self._replace_dead_checkpoint_process()
-            _lower_priority()
+            self._writer_started()
         self._check_shared_memory(app_state)
         if self.kind == AsyncCheckpointerType.THREAD:  # (shared memory too small: a thread writes from now on)
             kind = AsyncCheckpointerType.THREAD
@@ -211,8 +213,23 @@ class AsyncDCP(CheckpointManager):
             proc.join(timeout=10)
         executor._CHECKPOINT_PROCESS = None
 
+    def _writer_started(self) -> None:
+        """The checkpoint process (if one runs): its priority lowered, and recorded on this machine for the next
+        attempt, which it may outlive (:mod:`pitstop.ckpt.orphans`)."""
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
+        proc = getattr(getattr(executor, "_CHECKPOINT_PROCESS", None), "_save_process", None)
+        if proc is None or not proc.is_alive():
+            return
+        _lower_priority(proc.pid)
+        if proc.pid != self._recorded:
+            orphans.record(self.root, proc.pid)
+            self._recorded = proc.pid
+
     def _shutdown(self) -> None:
         self._wait_warmup()
+        if self._recorded is not None:
+            orphans.forget(self.root)
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -240,18 +257,13 @@ _malloc_trim: Any = None
 WRITER_NICE = 10
 
 
-def _lower_priority() -> None:
+def _lower_priority(pid: int) -> None:
     """The checkpoint process only has to finish before the next save; the training loop is what the job pays
     for.  With fewer free cores than busy threads (a CPU-only box, or a data loader using every core), the
     writer at nice 10 takes the cores the loop leaves idle instead of slowing its steps."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    proc = getattr(getattr(executor, "_CHECKPOINT_PROCESS", None), "_save_process", None)
-    if proc is None or not proc.is_alive():
-        return
     try:
-        if os.getpriority(os.PRIO_PROCESS, proc.pid) < WRITER_NICE:
-            os.setpriority(os.PRIO_PROCESS, proc.pid, WRITER_NICE)
+        if os.getpriority(os.PRIO_PROCESS, pid) < WRITER_NICE:
+            os.setpriority(os.PRIO_PROCESS, pid, WRITER_NICE)
     except OSError:
         pass
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pitstop import fsurl
-from pitstop.ckpt import dcp, layout
+from pitstop.ckpt import dcp, layout, orphans
 from pitstop.ckpt import restore as fallback
 from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, one_line
 from pitstop.ckpt.formats import encode_json, read_checkpoint
@@ -114,6 +114,7 @@ class CheckpointManager(Checkpointer):
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
         self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
+        orphans.end_orphans(self.root)  # (before anything is restored or saved: see pitstop.ckpt.orphans)
         self._setup_backend()
 
     def _setup_local(self, make_auto: Callable[[], Any]) -> None:
