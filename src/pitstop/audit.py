@@ -61,6 +61,7 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
         raise SystemExit(f"error: no samples.rank*.jsonl in {run_dir}: train with data.record_sample_ids=true")
     resumed: dict[float, int] = {}
     healed: set[float] = set()  # attempts that resumed from a live peer (strategy=ft): they roll nobody back
+    decided: dict[float, float] = {}  # when an attempt restored (its header's clock; older logs: its start)
     rows: list[tuple[float, int, int, int | None, list[str]]] = []  # (attempt, rank, step, epoch, keys)
     header: dict = {}
     last_t: dict[float, float] = {}  # an attempt's last commit line's wall clock (strategy=ft)
@@ -75,6 +76,7 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
                     pending = None
                 attempt, header = r["attempt"], max(header, r, key=lambda h: h.get("attempt", 0))
                 resumed[attempt] = int(r["resumed_from"])
+                decided[attempt] = float(r.get("t", attempt))
                 if r.get("healed"):
                     healed.add(attempt)
                 rank = int(r["rank"])
@@ -102,11 +104,12 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
     rows.extend(row for step_rows, quorum in orphans for row in step_rows if (row[2], quorum) in committed)
     # How far an attempt's steps are kept: the lowest resume point of any later attempt that restored from a
     # checkpoint (not healed from a live peer) after this one had ended. (An attempt of a strategy=ft group
-    # says when it last committed; a later one that started while it was still running did not roll it back.)
+    # says when it last committed; a later one that restored while it was still running did not roll it back, and
+    # one that started before it died but restored after, when no live peer was left to heal from, did.)
     keep: dict[float, float] = {}
     for a in resumed:
         ended = last_t.get(a, float("-inf"))
-        later = [resumed[b] for b in resumed if b > a and b not in healed and ended < b]
+        later = [resumed[b] for b in resumed if b > a and b not in healed and ended < decided[b]]
         keep[a] = min(later, default=float("inf"))
     steps: dict[tuple[int, int | None], list[str]] = defaultdict(list)
     for attempt, _, step, epoch, keys in rows:

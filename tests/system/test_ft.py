@@ -224,6 +224,27 @@ def test_every_group_killed_at_once_restarts_in_the_job_from_the_durable_checkpo
     assert all(e.ok for e in audit(str(run)))
 
 
+def test_a_peer_killed_while_serving_a_heal_the_newcomer_restores_from_the_durable_checkpoint(data_root, tmp_path):
+    # group 1 SIGKILLed once both trained 30 steps; group 0 is SIGKILLed in turn as it starts sending its state to
+    # group 1 (fault=during_heal): the newcomer's transfer fails, the next quorum has no peer ahead of it, so it
+    # restores the newest durable checkpoint; group 0 restarts and heals from it. Nothing lost, read once each.
+    run = tmp_path / "run"
+    heal = ["fault=during_heal", "fault.step=30", "fault.replica=0"]
+    args = [*FT, *heal, "trainer.max_steps=100", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
+            f"run_dir={run}"]  # fmt: skip
+    with background_job(args, data_root, tmp_path) as p:
+        signal_once_both_trained(run, p, 1, signal.SIGKILL, 30)
+        assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    log0, log1 = ((run / f"replica{k}" / "train.log").read_text() for k in (0, 1))
+    assert "fault injection: SIGKILL (while a peer heals from this group's state at step" in log0
+    assert len(attempts(run, 0)) == len(attempts(run, 1)) == 2
+    assert "the quorum or the heal failed; trying again" in log1 and "restored " in log1, log1[-3000:]
+    assert "healed from a live peer" in log0.split("while a peer heals")[-1]  # group 0's new attempt healed
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 100 and s0["params_sha256"] == s1["params_sha256"]
+    assert all(e.ok for e in audit(str(run)))
+
+
 def test_a_stalled_group_is_ended_by_its_own_watchdog_and_the_healthy_group_never_restarts(data_root, tmp_path):
     # group 1 stops responding at step 40 (its torchft heartbeats go on): the healthy group waits in the "peers"
     # phase, whose limit torchft's own timeouts bound, so its watchdog leaves it alone; the stalled group's ends it

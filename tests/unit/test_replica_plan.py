@@ -94,9 +94,11 @@ def _write(path, lines):
             f.write(json.dumps(line) + "\n")
 
 
-def _head(attempt, resumed=0, healed=False, samples=8):
+def _head(attempt, resumed=0, healed=False, samples=8, t=None):
     h = {"attempt": attempt, "resumed_from": resumed, "rank": 0, "world_size": 1, "epoch_samples": samples}
     h["epochs"] = None
+    if t is not None:  # (when the attempt restored; older logs have no clock here: their start counts)
+        h["t"] = t
     return {**h, "healed": True} if healed else h
 
 
@@ -173,6 +175,27 @@ def test_the_audit_of_replica_groups_rolls_back_only_what_a_whole_job_restart_re
     _metrics(run, [1, 2, 3])
     [epoch] = audit(str(run))
     assert (epoch.once, epoch.repeated, epoch.missing) == (8, 0, 0), epoch
+
+
+def test_the_audit_of_replica_groups_rolls_back_a_dead_peers_steps_when_a_newcomer_restores_after_it(tmp_path):
+    run = tmp_path / "run"
+    # group 1 is killed after step 1 and restarts (t=12); its heal from group 0 fails as group 0 dies (after its
+    # step 3, t=14), so it restores the step-1 checkpoint (t=15) and redoes steps 2 and 3 with group 0's samples
+    # (alone: the whole batch). Group 0's steps 2 and 3 died with it; group 0 comes back healed from group 1.
+    _write(run / "replica0" / "samples.rank0.jsonl", [
+        _head(10.0, samples=10), *_step(1, 1, ["a", "b"], t=11), *_step(2, 2, ["c", "d", "e"], t=13),
+        *_step(3, 2, ["f", "g", "h"], t=14),
+        _head(16.0, resumed=4, healed=True, samples=10, t=16.1),
+    ])  # fmt: skip
+    _write(run / "replica1" / "samples.rank0.jsonl", [
+        _head(10.1, samples=10), *_step(1, 1, ["x"], t=11),
+        _head(12.0, resumed=1, samples=10, t=15.0), *_step(2, 3, ["c", "d", "e"], t=15.2),
+        *_step(3, 3, ["f", "g", "h"], t=15.3), *_step(4, 3, ["y"], t=15.4),
+    ])  # fmt: skip
+    _metrics(run, [1, 2, 3, 4])
+    [epoch] = audit(str(run))
+    # (by the newcomer's start, before group 0 died, group 0's steps 2 and 3 would count too: 6 repeated)
+    assert (epoch.once, epoch.repeated, epoch.missing) == (10, 0, 0), epoch
 
 
 @pytest.mark.parametrize(

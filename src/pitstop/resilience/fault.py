@@ -16,7 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pitstop.config import checks
 from pitstop.errors import ConfigError
@@ -43,6 +43,9 @@ class FaultContext:
     start_wall: float  # when this process started (time.time())
     checkpointer: Any  # pitstop.ckpt.contract.Checkpointer: its root and the step of the newest save started
     grad_accum_steps: int = 1  # micro-batches per step
+    # strategy=ft: registers a call made (with the step) when this process starts sending its state to a healing
+    # peer; None under other strategies
+    on_heal_served: Callable[[Callable[[int], None]], None] | None = None
 
 
 class Fault(ABC):
@@ -271,6 +274,29 @@ class DuringSave(NoFault):
 
     def close(self) -> None:
         self.stop.set()
+
+
+class DuringHeal(NoFault):
+    """``strategy=ft``: SIGKILL as this group starts sending its live state to a group that heals from it (the
+    first heal it serves at or after step ``step``), once per run dir. The healing group's transfer fails: it asks
+    the next quorum for another peer, or restores from the newest durable checkpoint when none is ahead of it."""
+
+    name = "during_heal"
+
+    def __init__(self, step: int = 1, rank: int = 0, replica: Any = None):
+        self.replica = replica
+        self.step, self.rank = checks.integer("fault.step", step), rank
+
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        if ctx.on_heal_served is None:
+            raise ConfigError("fault=during_heal kills a replica group as a peer heals from it: it needs strategy=ft")
+        if ctx.rank == self.rank and not _count(ctx.run_dir, self.name):
+            ctx.on_heal_served(self._serving)
+
+    def _serving(self, step: int) -> None:
+        if step >= self.step and _first_time(self.ctx.run_dir, self.name):
+            _kill(f"while a peer heals from this group's state at step {step}")
 
 
 def _fired(run_dir: str) -> list[str]:

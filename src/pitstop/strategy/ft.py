@@ -99,6 +99,7 @@ class FT(Strategy):
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
         self.discarded = 0  # steps of this attempt whose commit failed
+        self._heal_served: list[Callable[[int], None]] = []  # called as a heal from this process starts
         self.participants, self.place = 1, 0
         self._model: nn.Module | None = None
         self._buffers: list[torch.Tensor] = []
@@ -280,8 +281,17 @@ class FT(Strategy):
                 ) from None
             self._healed = True
 
+        def served() -> dict:  # (torchft asks for it as this group starts sending it to a healing peer)
+            for call in self._heal_served:
+                call(self.manager.current_step())
+            return state()
+
         self._healed = False
-        self.manager.register_state_dict_fn("pitstop", loaded, state)
+        self.manager.register_state_dict_fn("pitstop", loaded, served)
+
+    def on_heal_served(self, call: Callable[[int], None]) -> None:
+        """``call(step)`` as this process starts sending its state to a healing peer (``fault=during_heal``)."""
+        self._heal_served.append(call)
 
     def join(self) -> bool:
         """The first quorum of this attempt; True if the group healed from a live peer in it (its state is that

@@ -186,6 +186,7 @@ def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, 
             start_wall=start_wall,
             checkpointer=ckpt,
             grad_accum_steps=accum,
+            on_heal_served=getattr(strategy, "on_heal_served", None),
         )  # fmt: skip
     )
     return fault

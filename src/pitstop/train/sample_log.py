@@ -56,6 +56,7 @@ class SampleLog:
             "world_size": world_size,
             "epoch_samples": epoch_samples,
             "epochs": epochs,
+            "t": round(time.time(), 3),  # (after the restore or the heal: when the resume point was decided)
         }
         if healed:
             head["healed"] = True
