@@ -1,6 +1,6 @@
 """Replica groups (strategy=ft) against elastic DDP restarts, under the same failures, side by side in one run.
 
-    python bench/ft.py [--steps 600] [--mtbf 8] [--seed 7]     # needs torchft (the dev or ft extra)
+    python bench/ft.py [--steps 600] [--mtbf 8] [--seed 7] [--nproc 1]   # needs torchft (the dev or ft extra)
 
 The recovery bench's job (SmallCNN on digits, ``--steps`` steps of batch 64 per process, ``ckpt=async_dcp``
 every 7 steps), two processes either way:
@@ -8,6 +8,8 @@ every 7 steps), two processes either way:
   from the other group, which goes on.
 - ``ddp``: ``strategy=ddp strategy.nproc_per_node=2`` with ``trainer.max_restarts``: torch's elastic agent restarts
   both ranks, and they resume from the newest checkpoint.
+``--nproc N``: groups of N ranks (DDP inside each) against ddp(2N); a failure kills rank 0 of the drawn group (its
+group's agent restarts the group's N ranks), in ddp rank 0.
 The failures are the same in both: this script SIGKILLs a process at seeded times on the job's clock (from its
 launch; gaps ~ Exponential(``--mtbf``)): in ft the group drawn for that failure, in ddp rank 0 (any rank's death
 restarts all). A failure whose target is still starting waits until it runs. (``fault=random`` draws its times per
@@ -151,7 +153,15 @@ def ft_failures(run: str, groups: int, killed: list[tuple[float, int]]) -> dict:
                 around = [g for g, start in gaps if t - 1.0 <= start <= t + 5.0]
                 if around:
                     pauses.append(max(around) - normal)
-                discarded += sum(1 for r in commits[h] if not r["ok"] and t - 1.0 <= r["t"] <= t + 5.0)
+                # (each discarded step once: to the last kill of another group before it, within 5 s; kills a
+                # fraction of a second apart have overlapping windows)
+                discarded += sum(
+                    1
+                    for r in commits[h]
+                    if not r["ok"]
+                    and t - 1.0 <= r["t"] <= t + 5.0
+                    and t == max((u for u, g in killed if g != h and u - 1.0 <= r["t"]), default=None)
+                )
     return {"failures": failures, "pauses": pauses, "discarded": discarded, "healthy_restarts": healthy_restarts,
             "heals": heals}  # fmt: skip
 
@@ -166,12 +176,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--mtbf", type=float, default=8.0, help="mean seconds between failures of the job")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks per replica group (ddp gets twice as many)")
     a = ap.parse_args()
     ensure_data()
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ft-")
     steps = [f"trainer.max_steps={a.steps}"]
-    ft = ["strategy=ft", "strategy.replicas=2", "strategy.max_restarts=100"]
-    ddp = ["strategy=ddp", "strategy.nproc_per_node=2", "trainer.max_restarts=100"]
+    ft = ["strategy=ft", "strategy.replicas=2", f"strategy.nproc_per_node={a.nproc}", "strategy.max_restarts=100"]
+    ddp = ["strategy=ddp", f"strategy.nproc_per_node={2 * a.nproc}", "trainer.max_restarts=100"]
+    if a.nproc > 1:  # (more processes than this machine's cores: allowed for the comparison)
+        ft.append("strategy.oversubscribe=true")
+        ddp.append("strategy.oversubscribe=true")
     failures = schedule(a.mtbf, a.seed, 2)
     walls = {}
     walls["ft_clean"] = train(f"{tmp}/ft_clean", [*ft, *steps])
@@ -188,8 +202,8 @@ def main() -> None:
     d = ledger(f"{tmp}/ddp")
     g_ft, g_ddp = goodput_ft(f"{tmp}/ft", 2), d["goodput"]
     clean_ft, clean_ddp = goodput_ft(f"{tmp}/ft_clean", 2), ledger(f"{tmp}/ddp_clean")["goodput"]
-    print(f"strategy=ft (2 replica groups) vs ddp(2) with elastic restarts: {a.steps} steps, async_dcp every 7, "
-          f"the same SIGKILLs at seeded times (gaps ~ Exponential({a.mtbf:g} s), seed {a.seed}); "
+    print(f"strategy=ft (2 replica groups of {a.nproc}) vs ddp({2 * a.nproc}) with elastic restarts: {a.steps} steps, "
+          f"async_dcp every 7, the same SIGKILLs at seeded times (gaps ~ Exponential({a.mtbf:g} s), seed {a.seed}); "
           f"2 CPU cores, gloo")  # fmt: skip
     print("| | ft | ddp | target |\n|---|---|---|---|")
     print(f"| goodput | {g_ft:.1%} | {g_ddp:.1%} | ft >= ddp + 15 points ({(g_ft - g_ddp) * 100:+.1f}) |")
