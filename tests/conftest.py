@@ -122,7 +122,7 @@ def refused(cfg) -> str:
 
 def assert_resumed(got, newest, before, backend: str) -> None:
     """The resume took ``newest``, the last save before the kill; with an async backend also ``before`` (the one
-    earlier, or None): that save may still be staging or writing when a kill comes a few steps later on a loaded
+    earlier): that save may still be staging or writing when a kill comes a few steps later on a loaded
     machine, and it never counts then. The bitwise checks after the resume are the same either way."""
     allowed = (newest, before) if backend.startswith("async") else (newest,)
     assert got in allowed, f"resumed from {got}, expected one of {allowed} ({backend})"

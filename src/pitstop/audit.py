@@ -109,7 +109,9 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
     keep: dict[float, float] = {}
     for a in resumed:
         ended = last_t.get(a, float("-inf"))
-        later = [resumed[b] for b in resumed if b > a and b not in healed and ended < decided[b]]
+        later = [
+            resumed[b] for b in resumed if b != a and b not in healed and decided[a] < decided[b] and ended < decided[b]
+        ]
         keep[a] = min(later, default=float("inf"))
     steps: dict[tuple[int, int | None], list[str]] = defaultdict(list)
     for attempt, _, step, epoch, keys in rows:

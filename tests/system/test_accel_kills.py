@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_resumed, cli, read_jsonl
+from conftest import cli, read_jsonl
 
 # Every new option on at once; aot_eager compiles through dynamo + AOT autograd like inductor does, without
 # inductor's C++ builds (30 s per process on 2 cores; one test below uses inductor itself).
@@ -71,8 +71,7 @@ def test_all_options_on_killed_mid_accumulation_resume_bitwise(strategy, ckpt, d
     )
     assert p.returncode == 0, p.stderr[-3000:]
     s, ref = summary(run_dir), references(strategy)
-    assert_resumed(s["resumed_from"], 4, None, ckpt)
-    assert s["goodput"]["restarts"] == 1 and s["final_step"] == 12
+    assert s["resumed_from"] == 4 and s["goodput"]["restarts"] == 1 and s["final_step"] == 12
     assert s["params_sha256"] == ref["params_sha256"]
     assert s["samples_seen"] == ref["samples_seen"] == 12 * 2 * 16 * s["world_size"]
     assert s["precision"] == "bf16" and s["goodput"]["totals"]["compile"] > 0  # compile: its own bucket

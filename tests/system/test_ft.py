@@ -230,7 +230,7 @@ def test_a_peer_killed_while_serving_a_heal_the_newcomer_restores_from_the_durab
     # restores the newest durable checkpoint; group 0 restarts and heals from it. Nothing lost, read once each.
     run = tmp_path / "run"
     heal = ["fault=during_heal", "fault.step=30", "fault.replica=0"]
-    args = [*FT, *heal, "trainer.max_steps=100", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
+    args = [*FT, *heal, "trainer.max_steps=200", "trainer.eval_every_steps=null", "ckpt.interval_steps=20",
             f"run_dir={run}"]  # fmt: skip
     with background_job(args, data_root, tmp_path) as p:
         signal_once_both_trained(run, p, 1, signal.SIGKILL, 30)
@@ -241,7 +241,7 @@ def test_a_peer_killed_while_serving_a_heal_the_newcomer_restores_from_the_durab
     assert "the quorum or the heal failed; trying again" in log1 and "restored " in log1, log1[-3000:]
     assert "healed from a live peer" in log0.split("while a peer heals")[-1]  # group 0's new attempt healed
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
-    assert s0["final_step"] == s1["final_step"] == 100 and s0["params_sha256"] == s1["params_sha256"]
+    assert s0["final_step"] == s1["final_step"] == 200 and s0["params_sha256"] == s1["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
 
 

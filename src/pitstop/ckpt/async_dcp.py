@@ -113,6 +113,8 @@ class AsyncDCP(CheckpointManager):
 
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:
         result = super().maybe_save(target, step, last=last, force=force)
+        if self.kind == AsyncCheckpointerType.PROCESS:  # (DCP starts a new one inside a save's thread: seen here)
+            self._writer_started()
         if (
             result.started is None
             and self.stager is not None
@@ -219,12 +221,11 @@ class AsyncDCP(CheckpointManager):
         from torch.distributed.checkpoint import _async_process_executor as executor
 
         proc = getattr(getattr(executor, "_CHECKPOINT_PROCESS", None), "_save_process", None)
-        if proc is None or not proc.is_alive():
+        if proc is None or proc.pid is None or proc.pid == self._recorded or not proc.is_alive():
             return
         _lower_priority(proc.pid)
-        if proc.pid != self._recorded:
-            orphans.record(self.root, proc.pid)
-            self._recorded = proc.pid
+        orphans.record(self.root, proc.pid)
+        self._recorded = proc.pid
 
     def _shutdown(self) -> None:
         self._wait_warmup()

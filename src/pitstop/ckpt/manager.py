@@ -114,7 +114,10 @@ class CheckpointManager(Checkpointer):
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
         self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
-        orphans.end_orphans(self.root)  # (before anything is restored or saved: see pitstop.ckpt.orphans)
+        # (before anything is restored or saved: see pitstop.ckpt.orphans; ranks of other machines wait meanwhile in
+        # the next collective, within the group's timeout)
+        timeout = getattr(getattr(strategy, "inner", strategy), "timeout", None) or 3 * orphans.ORPHAN_WAIT
+        orphans.end_orphans(self.root, min(orphans.ORPHAN_WAIT, timeout / 3))
         self._setup_backend()
 
     def _setup_local(self, make_auto: Callable[[], Any]) -> None:

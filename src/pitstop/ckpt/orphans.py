@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import tempfile
 import time
 
@@ -50,6 +51,16 @@ def _alive(pid: int, start: int | None) -> bool:
     return start is not None and started(pid) == start
 
 
+def _boot() -> str:
+    """This machine and boot (a pid and its start time name one process only within them)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def record(root: str, writer_pid: int) -> None:
     """Note this trainer's checkpoint process (a hint: without it, only the cleanup below is lost)."""
     me = os.getpid()
@@ -60,7 +71,7 @@ def record(root: str, writer_pid: int) -> None:
     try:
         os.makedirs(_folder(), exist_ok=True)
         with open(f"{path}.tmp", "w") as f:
-            json.dump({"trainer": [me, trainer], "writer": [writer_pid, writer], "dir": root}, f)
+            json.dump({"trainer": [me, trainer], "writer": [writer_pid, writer], "dir": root, "boot": _boot()}, f)
         os.replace(f"{path}.tmp", path)
     except OSError:
         pass
@@ -77,13 +88,15 @@ def forget(root: str) -> None:
 def end_orphans(root: str, wait: float = ORPHAN_WAIT) -> int:
     """Wait for, then stop, the checkpoint processes of dead trainers that wrote to ``root`` from this machine.
     Returns how many were still running."""
-    orphans, records = [], []
+    orphans, records, boot = [], [], _boot()
     for path in glob.glob(os.path.join(_folder(), f"{_key(root)}-*.json")):
         try:
             with open(path) as f:
                 doc = json.load(f)
             (tpid, tstart), (wpid, wstart) = doc["trainer"], doc["writer"]
         except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if doc.get("boot") != boot:  # another machine's or boot's (a temp dir that is shared or kept): not ours
             continue
         if _alive(tpid, tstart):
             continue  # a live trainer's (another replica group here, or another rank)
@@ -115,7 +128,7 @@ def _wait_or_stop(orphans: list[tuple[int, int]], wait: float) -> None:
     for pid, _ in late:
         try:
             os.kill(pid, signal.SIGKILL)  # its save stays partial (no commit marker) and is never loaded
-        except ProcessLookupError:
+        except OSError:  # (gone meanwhile; or not ours to stop after all)
             pass
     while any(_alive(*o) for o in late) and time.monotonic() - t0 < wait + 5:
         time.sleep(0.05)

@@ -1,7 +1,8 @@
 """``strategy=ddp``: DistributedDataParallel — one process per device (or per CPU share), gloo/nccl.
 
-Checkpoint collectives (broadcast of the resume choice, save barriers, DCP) run on a dedicated gloo
-group, never on the training group, so a save cannot deadlock against gradient all-reduces.
+Two gloo groups besides the training group: DCP's collectives (an async save runs them in a background thread)
+on one, this process's own small ones (the resume choice's broadcast, save barriers, ``any``) on the other. A save
+cannot deadlock against gradient all-reduces, nor against the main thread's collectives.
 """
 
 from __future__ import annotations
