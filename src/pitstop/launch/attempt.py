@@ -93,6 +93,28 @@ def warm_context(cfg: DictConfig) -> Any:
     return ctx
 
 
+def start_warm(cfg: DictConfig) -> Any:
+    """:func:`warm_context` (``trainer.warm_restarts``; else ``spawn``), with its fork server started now: its
+    imports (seconds) run while this launcher imports what it needs itself (torch, the elastic agent, torchft, a
+    Lighthouse), not after. A scheduler's notice reaches every process of the job step: the children's resource
+    tracker (a fresh interpreter) would die of it, come back and print KeyError tracebacks; their fork server
+    would die of it (SIGUSR1's default action), which looks to their parent as if every child had ended. Both
+    start with the notices blocked, so they never get them; each child unblocks them once its own handlers are
+    in (PreemptionNotice.install), and a notice that came before is delivered then."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver, resource_tracker
+
+    from pitstop.notices import notices_blocked
+
+    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
+    with notices_blocked():
+        resource_tracker.ensure_running()
+        if ctx.get_start_method() == "forkserver":
+            forkserver.ensure_running()
+    return ctx
+
+
 def log_to(run_dir: str, rank: int) -> None:
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] - %(message)s")
     root = logging.getLogger()

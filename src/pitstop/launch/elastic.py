@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import validate
 from pitstop.errors import PitstopError
-from pitstop.launch.attempt import warm_context, worker
+from pitstop.launch.attempt import start_warm, worker
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
 from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
@@ -25,6 +25,9 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     """``strategy.nproc_per_node`` ranks on this node (of ``strategy.nnodes``), started and restarted by torch's
     elastic agent in this process; a failed rank is named, a preemption notice is the whole job's."""
     validate(cfg)
+    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
+    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
+    method = start_warm(cfg).get_start_method()
     check_capacity(cfg, n)
     endpoint, run_id = rendezvous(cfg, run_dir, max_nodes)
     is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
@@ -37,24 +40,8 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from multiprocessing import forkserver, resource_tracker
-
-    from pitstop.notices import notices_blocked
     from pitstop.resilience.preempt import JobNotice, parse_signals
 
-    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
-    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
-    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
-    method = warm_context(cfg).get_start_method() if warm else "spawn"
-    # A scheduler's notice reaches every process of the job step. The ranks' resource tracker (a fresh interpreter)
-    # would die of it, come back and print KeyError tracebacks; the ranks' fork server died of it (SIGUSR1's default
-    # action), which looked to the agent as if every rank had ended: it went on before their saves. Both start with
-    # the notices blocked, so they never get them; each rank unblocks them once its own handlers are in
-    # (PreemptionNotice.install), and a notice that came before is delivered then.
-    with notices_blocked():
-        resource_tracker.ensure_running()
-        if method == "forkserver":
-            forkserver.ensure_running()
     job_start = launch_facts.job_start()
     # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
     # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import validate
-from pitstop.launch.attempt import warm_context
+from pitstop.launch.attempt import start_warm
 from pitstop.launch.supervisor import _exit_on_signal, attempts
 from pitstop.resilience.preempt import LauncherNotice, Preempted
 from pitstop.telemetry.metrics import write_json_atomic
@@ -79,14 +79,16 @@ def _on_gpus(cfg: DictConfig) -> bool:
 def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     import multiprocessing as mp
 
+    validate(cfg)
+    ranks = int(cfg.strategy.nproc_per_node)
+    # (groups of one rank: attempts of the warm server, started now; several: each group's agent has its own)
+    ctx = start_warm(cfg) if ranks == 1 else mp.get_context("spawn")
     check_job(cfg)
     strategy = cfg.strategy
     groups = int(strategy.replicas)
     os.makedirs(run_dir, exist_ok=True)
     lighthouse = start_lighthouse(strategy) if not strategy.lighthouse else None
     address = strategy.lighthouse or lighthouse.address()
-    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
-    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
     job_start = launch_facts.job_start()
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     restarts = int(strategy.max_restarts)
@@ -94,8 +96,6 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     errors: dict[int, BaseException] = {}
     children: list[Any] = []
     started: dict[int, int] = {k: 0 for k in range(groups)}
-
-    ranks = int(strategy.nproc_per_node)
 
     def group(k: int) -> None:
         own = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))

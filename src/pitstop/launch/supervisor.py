@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
-from pitstop.launch.attempt import run_attempt, warm_context
+from pitstop.launch.attempt import run_attempt, start_warm
 from pitstop.notices import notices_blocked
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.train import launch_facts
@@ -31,13 +31,11 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     Restarts are warm (:func:`warm_context`): attempts are forks of a pre-imported server, so a restart
     costs the detection of the failure, the fork, init and restore, not a cold start. The first attempt's
     ledger counts from the supervisor's own start (its imports and the server's are program start)."""
-    import multiprocessing as mp
 
     validate(cfg)
+    ctx = start_warm(cfg)
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
-    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
     job_start = launch_facts.job_start()
     grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
