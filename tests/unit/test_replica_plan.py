@@ -12,7 +12,7 @@ import pytest
 from pitstop.audit import audit
 from pitstop.data.loader.replica import ReplicaLoader
 from pitstop.errors import ConfigError
-from pitstop.strategy.ft import check_keys
+from pitstop.strategy.ft_keys import check_keys
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -258,15 +258,15 @@ def test_more_processes_than_cores_for_the_groups_started_here_is_refused_unless
     import os
 
     from conftest import compose_cfg
-    from pitstop.launch.replicas import check_job
+    from pitstop.launch.replicas import check_room
 
     cores = os.cpu_count() or 1
     many = [f"strategy.replicas={cores}", "strategy.nproc_per_node=2", "strategy.device=cpu"]
     with pytest.raises(ConfigError, match=rf"strategy.replicas x strategy.nproc_per_node={2 * cores} but this machine"):
-        check_job(compose_cfg(["strategy=ft", *many], tmp_path))
-    check_job(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path))
+        check_room(compose_cfg(["strategy=ft", *many], tmp_path))
+    check_room(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path))
     # one group of a job started on several machines (strategy.replica_id): its own ranks are checked by its agent
-    check_job(compose_cfg(["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"], tmp_path))
+    check_room(compose_cfg(["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"], tmp_path))
 
 
 def test_a_healed_group_re_plans_the_lr_schedule_exactly_as_its_peer_whatever_its_own_count():

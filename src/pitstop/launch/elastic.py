@@ -25,12 +25,13 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     """``strategy.nproc_per_node`` ranks on this node (of ``strategy.nnodes``), started and restarted by torch's
     elastic agent in this process; a failed rank is named, a preemption notice is the whole job's."""
     validate(cfg)
-    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
-    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
-    method = start_warm(cfg).get_start_method()
-    check_capacity(cfg, n)
     endpoint, run_id = rendezvous(cfg, run_dir, max_nodes)
     is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
+    check_capacity(cfg, n)  # (no torch on a machine without GPUs)
+    # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
+    # interpreters; the first ones are charged this job's start (the server's imports are their program start).
+    # Started after the checks (a refused job starts nothing), before the agent's own imports.
+    method = start_warm(cfg).get_start_method()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (

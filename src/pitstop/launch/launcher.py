@@ -34,9 +34,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
             return run_replicas(cfg, run_dir)
         k = int(cfg.strategy.replica_id)  # one group of a job started on several machines: restarted alone
-        from pitstop.launch.replicas import check_job, replica_dir
+        from pitstop.launch.replicas import check_config, replica_dir
 
-        check_job(cfg)
+        check_config(cfg)  # (this machine's room for the group: elastic's own check; one rank always fits)
         if int(cfg.strategy.nproc_per_node) > 1:  # its ranks under torch's elastic agent, restarted together
             return elastic(cfg, replica_dir(run_dir, k), int(cfg.strategy.nproc_per_node), 1, 1)
         return supervise(cfg, replica_dir(run_dir, k), int(cfg.strategy.max_restarts))

@@ -13,10 +13,22 @@ from omegaconf import DictConfig, OmegaConf
 from pitstop.errors import ConfigError
 
 
-def check_capacity(cfg: DictConfig, n: int, what_asks: str = "strategy.nproc_per_node") -> None:
+def on_gpus(cfg: DictConfig) -> bool:
+    """Whether the ranks run on GPUs: ``strategy.device`` allows it and torch sees one. Without a GPU driver's
+    device files (NVIDIA's or ROCm's) there is none, and torch (seconds to import) is not asked."""
+    if OmegaConf.select(cfg, "strategy.device", default="auto") == "cpu":
+        return False
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
+        return False
     import torch
 
-    if torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu":
+    return torch.cuda.is_available()
+
+
+def check_capacity(cfg: DictConfig, n: int, what_asks: str = "strategy.nproc_per_node") -> None:
+    if on_gpus(cfg):
+        import torch
+
         have, what = torch.cuda.device_count(), "GPUs"
     else:
         have, what = os.cpu_count() or 1, "CPU cores"

@@ -54,36 +54,36 @@ def start_lighthouse(strategy: Any) -> Any:
     )
 
 
-def check_job(cfg: DictConfig) -> None:
-    """strategy=ft's keys and what it does not support yet, each refused in one line naming the key."""
-    from pitstop.strategy.ft import check_keys
+def check_config(cfg: DictConfig) -> None:
+    """strategy=ft's keys, each refused in one line naming the key (no torch: before anything starts)."""
+    from pitstop.strategy.ft_keys import check_keys
 
     validate(cfg)
     s = cfg.strategy
     check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
                s.max_restarts)  # fmt: skip
-    from pitstop.launch.rendezvous import check_capacity
 
-    if s.replica_id is not None or _on_gpus(cfg):  # a group's ranks need a GPU each (groups here may share them)
+
+def check_room(cfg: DictConfig) -> None:
+    """Room on this machine for the groups it starts (CPU cores, or a GPU per rank of a group)."""
+    from pitstop.launch.rendezvous import check_capacity, on_gpus
+
+    s = cfg.strategy
+
+    if s.replica_id is not None or on_gpus(cfg):  # a group's ranks need a GPU each (groups here may share them)
         check_capacity(cfg, int(s.nproc_per_node))
     else:  # every process of every group on this machine's cores
         check_capacity(cfg, int(s.replicas) * int(s.nproc_per_node), "strategy.replicas x strategy.nproc_per_node")
 
 
-def _on_gpus(cfg: DictConfig) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and OmegaConf.select(cfg, "strategy.device", default="auto") != "cpu"
-
-
 def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     import multiprocessing as mp
 
-    validate(cfg)
+    check_config(cfg)
+    check_room(cfg)  # (no torch on a machine without GPUs: a refused job starts nothing)
     ranks = int(cfg.strategy.nproc_per_node)
     # (groups of one rank: attempts of the warm server, started now; several: each group's agent has its own)
     ctx = start_warm(cfg) if ranks == 1 else mp.get_context("spawn")
-    check_job(cfg)
     strategy = cfg.strategy
     groups = int(strategy.replicas)
     os.makedirs(run_dir, exist_ok=True)
