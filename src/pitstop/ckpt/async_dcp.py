@@ -150,7 +150,6 @@ class AsyncDCP(CheckpointManager):
             self._wait_warmup()  # (DCP keeps one checkpoint process per trainer: never start a second one)
         if kind == AsyncCheckpointerType.PROCESS:
             self._replace_dead_checkpoint_process()
-            self._writer_started()
         self._check_shared_memory(app_state)
         if self.kind == AsyncCheckpointerType.THREAD:  # (shared memory too small: a thread writes from now on)
             kind = AsyncCheckpointerType.THREAD
