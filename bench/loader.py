@@ -10,7 +10,8 @@ is calibrated once so the local-disk ceiling is compute-bound: --step-factor (2)
 needs to decode a batch from local disk.  For each pipeline, two epochs: samples/s and data-wait fraction (time
 blocked in next(batch) / wall time), plus bytes read from the source and cache hits.
 Each loader is built ``--setup-s`` seconds before its first batch, untimed, as in a job (model build, restore): the
-cached loader fetches each reader's first shard meanwhile (the row "no first shards" does not).
+cached loader fetches each reader's first shards meanwhile (its first and the two its prefetch asks for as it
+starts; the row "no first shards" does not).
 Targets: cached epoch 2 >= 0.9x the ceiling with data-wait <= 5%; cached epoch 1 clearly above plain epoch 1.
 
 First, the sample path per core (``--decode-only`` stops there): for the digits (8x8 PNG) and the 224x224 JPEG
@@ -194,7 +195,7 @@ def main() -> None:
         type=float,
         default=1.5,
         help="seconds from building a loader to its first batch (a job's model build, dynamo import and restore; "
-        "~1.7 s in the default job here), not timed; the cached loader fetches each reader's first shard then",
+        "~1.7 s in the default job here), not timed; the cached loader fetches each reader's first shards then",
     )
     a = ap.parse_args()
 

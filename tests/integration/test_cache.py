@@ -65,20 +65,21 @@ def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(d
         loader = CachedLoader(
             remote_digits(store.url), "train", batch_size=64, seed=5, num_workers=2, cache_dir=str(tmp_path / "cache")
         )
-        if e == 1:  # as a job does once it is built: each reader's first shard downloads before the first batch
-            loader.warm()
+        if e == 1:  # as a job does once it is built: each reader's first shard, and the two its prefetch asks for
+            loader.warm()  # as it starts (prefetch_shards=auto), download before the first batch
             names = ShardCache(str(tmp_path / "cache"), None, FAST, "sha256")
-            first = sorted(os.path.basename(names.path(r)) for r in loader.first_refs())
+            leads = loader.lead_refs(3)
+            first = sorted(os.path.basename(names.path(r)) for refs in leads for r in refs)
             deadline = time.monotonic() + 20
             while [p.name for p in cached_tars(tmp_path / "cache")] != first:
-                assert time.monotonic() < deadline and len(first) == 2, first
+                assert time.monotonic() < deadline and [len(refs) for refs in leads] == [3, 3], first
                 time.sleep(0.02)
         got = epoch(loader)
         assert [k for k, _ in got] == [k for k, _ in local]
         assert all(x.equal(y) for (_, x), (_, y) in zip(got, local))
         st = loader.stats
-        if e == 1:  # (the readers found their first shards there: two hits; every shard downloaded once)
-            assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (8, 2, total)
+        if e == 1:  # (the readers found their first three shards each there: six hits; every shard downloaded once)
+            assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (8, 6, total)
         else:
             assert (st["cache_misses"], st["cache_hits"], st["bytes_from_source"]) == (0, 8, 0)
     assert set(shard_requests(store).values()) == {1}
@@ -89,6 +90,12 @@ def test_cached_epochs_equal_plain_local_ones_and_epoch2_reads_no_source_bytes(d
     )  # fmt: skip
     small.warm()
     assert small.first_refs() and not small._warm_threads and not cached_tars(tmp_path / "small")
+    # one that can keep the first shards but not the ones after them: the first shards only
+    limit = 8 * sum(r.bytes for r in small.first_refs())
+    first = CachedLoader(remote_digits(store.url), "train", batch_size=64, seed=6, num_workers=2,
+                         cache_dir=str(tmp_path / "first"), cache_limit=limit)  # fmt: skip
+    first.warm()
+    assert first._warmed == {r.url for r in small.first_refs()} and len(first._warmed) == 2
 
 
 def test_ranged_parts_read_the_same_batches_and_a_server_without_ranges_gets_one_request(data_root, tmp_path):

@@ -132,14 +132,15 @@ class CachedSource(ShardSource):
             self._pool = None
 
 
-def _into_cache(cache: ShardCache, ref: ShardRef) -> None:
-    try:
-        handle = cache.acquire(ref)
-    except Exception as e:  # noqa: BLE001 - the reader fetches it again, with retries, and reports a failure
-        log.debug("first shard %s not fetched ahead: %s", ref.url, e)
-        return
-    if not isinstance(handle, bytes):
-        handle.close()
+def _into_cache(cache: ShardCache, refs: list[ShardRef]) -> None:
+    for ref in refs:
+        try:
+            handle = cache.acquire(ref)
+        except Exception as e:  # noqa: BLE001 - the reader fetches it again, with retries, and reports a failure
+            log.debug("shard %s not fetched ahead: %s", ref.url, e)
+            return
+        if not isinstance(handle, bytes):
+            handle.close()
 
 
 def _release(fut: Future) -> None:
@@ -196,32 +197,55 @@ class CachedLoader(ShardLoader):
     def first_refs(self) -> list[ShardRef]:
         """The shard each of this rank's reader streams reads first from the current position (each once)."""
         out: dict[str, ShardRef] = {}
+        for refs in self.lead_refs(1):
+            for ref in refs:
+                out.setdefault(ref.url, ref)
+        return list(out.values())
+
+    def lead_refs(self, n: int) -> list[list[ShardRef]]:
+        """Per reader stream of this rank, the first ``n`` shards it reads from the current position, in order."""
+        out = []
         for s in range(self.streams):
             g = self._gid(self.rank, s)
             items = self._items(self.epoch, g)
             reads = plan.read_order(items, self.window, self.seed, self.epoch, g) if items else []
-            pos = self.positions.get(g, 0)
-            if pos < len(reads):
-                ref = self.refs[items[reads[pos][0]][1]]
-                out.setdefault(ref.url, ref)
-        return list(out.values())
+            lead: dict[str, ShardRef] = {}
+            for i, _ in reads[self.positions.get(g, 0) :]:
+                ref = self.refs[items[i][1]]
+                if ref.url not in lead:
+                    lead[ref.url] = ref
+                    if len(lead) == n:
+                        break
+            out.append(list(lead.values()))
+        return out
 
     def warm(self) -> None:
-        """Start downloading, now, the shard each of this rank's readers reads first from the current position
-        (those not asked for before): the readers start later and find it in the cache, or being downloaded (they
-        wait for that download; there is never a second). A cold epoch's first shards have nothing to overlap them
-        otherwise. The runner calls it as the loader is built on a fresh run (it then overlaps the model's build,
-        dynamo's import and the set-up), and after a restore on a resumed one (the position is known only then).
-        Skipped under a ``cache_limit`` too small to keep them beside the readers' own prefetch. A failed download
-        here is left to the reader to retry and report."""
-        refs = [r for r in self.first_refs() if r.url not in self._warmed]
-        if not refs or (self.cache_limit is not None and self.cache_limit < 8 * sum(r.bytes for r in refs)):
+        """Start downloading, now, what each of this rank's readers reads first from the current position: its
+        first shard and the ones its prefetch would ask for as it starts (``prefetch_shards``; 2 for auto), one
+        stream's in read order (the first shards first). The readers start later and find them in the cache, or
+        being downloaded (they wait for that download; there is never a second). A cold epoch's first shards have
+        nothing to overlap them otherwise, and a capped link would idle through the set-up. The runner calls it
+        as the loader is built on a fresh run (it then overlaps the model's build, dynamo's import and the
+        set-up), and after a restore on a resumed one (the position is known only then). Under a
+        ``cache_limit`` too small to keep them beside the readers' own prefetch, only the first shards, or none.
+        A failed download here is left to the reader to retry and report."""
+        ahead = 2 if self.prefetch_shards == "auto" else int(self.prefetch_shards)
+        for n in (1 + ahead, 1):
+            leads = [[r for r in refs if r.url not in self._warmed] for refs in self.lead_refs(n)]
+            size = sum(r.bytes for refs in leads for r in {x.url: x for x in refs}.values())
+            if self.cache_limit is None or self.cache_limit >= 8 * size:
+                break
+        else:
             return
-        self._warmed.update(r.url for r in refs)
+        leads = [refs for refs in leads if refs]
+        if not leads:
+            return
         if self._warm_cache is None:
             self._warm_cache = ShardCache(self.cache_dir, self.cache_limit, self.policy, self.verify, self.cache_policy)
-        for ref in refs:  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a partial file)
-            thread = threading.Thread(target=_into_cache, args=(self._warm_cache, ref), name="pitstop-first-shard")
+        for refs in leads:  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a part file)
+            refs = [r for r in refs if r.url not in self._warmed]  # (another stream's lead asked for it already)
+            self._warmed.update(r.url for r in refs)
+            thread = threading.Thread(target=_into_cache, args=(self._warm_cache, refs), name="pitstop-first-shards")
             thread.daemon = True
             thread.start()
             self._warm_threads.append(thread)

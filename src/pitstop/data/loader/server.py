@@ -23,6 +23,7 @@ No CUDA context may exist in the parent of a fork: the forked way is refused onc
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -154,6 +155,7 @@ def _fork(server: Any) -> None:
             code = 0
             try:
                 os.close(alive_w)
+                gc.freeze()  # (its heap is the trainer's: no worker's collections walk it, or dirty its pages)
                 for sig in NOTICES:  # (not the handler the trainer has now: submitit's requeue, say)
                     signal.signal(sig, signal.SIG_IGN)
                 forkserver.main(listener.fileno(), alive_r, [])
