@@ -54,7 +54,7 @@ class ImageShards(ShardedDataset):
         self.std = torch.tensor(list(std or [0.5] * self.channels)).view(-1, 1, 1)
         augment = dict(augment or {})
         self.pad, self.hflip = int(augment.get("pad", 0)), bool(augment.get("hflip", False))
-        self._mode, self._ext = "L" if self.channels == 1 else "RGB", None
+        self._mode = "L" if self.channels == 1 else "RGB"
         self.prepare_hint = f"python -m recipe.prepare data={name} data.root={root}"
 
     def decode(self, sample: dict, *, train: bool, seed: int) -> tuple[np.ndarray, int]:
@@ -64,7 +64,8 @@ class ImageShards(ShardedDataset):
         interface, ~4 us slower per call), the augmentation draws its offsets from ``seed`` itself (no RNG object
         per sample) and writes the shifted image into a zeroed array; :meth:`collate` makes the batch tensor
         once, so no per-sample tensors."""
-        ext = self._ext if self._ext in sample else self.image_member(sample)
+        first = self.image_keys[0]
+        ext = first if first in sample else self.image_member(sample)
         try:
             img = Image.open(io.BytesIO(sample[ext]), formats=_FORMATS.get(ext))  # (no probing of other formats)
         except UnidentifiedImageError:  # a member named for another format (PNG bytes in .jpg): PIL's probing
@@ -89,7 +90,6 @@ class ImageShards(ShardedDataset):
     def image_member(self, sample: dict) -> str:
         """The extension of the sample's image (the first of ``image_keys`` it has)."""
         ext = next((e for e in self.image_keys if e in sample), None)
-        self._ext = ext  # (the next sample has the same one, most likely)
         if ext is None:
             raise ValueError(
                 f"no image member {'/'.join(self.image_keys)} (has "

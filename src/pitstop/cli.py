@@ -57,7 +57,12 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
         print(code, file=sys.stderr)
         code = 1
     try:
-        threading._shutdown()  # type: ignore[attr-defined]  # (the interpreter's own first step at exit)
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # (the interpreter's own first step at exit)
+        except BaseException:  # noqa: BLE001 - Ctrl-C while a thread is joined: say so, still run the handlers
+            import traceback
+
+            traceback.print_exc()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -65,6 +70,12 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        try:  # (C stdio buffers: native libraries writing to a redirected stdout; the interpreter's exit flushes them)
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError):
+            pass
         os._exit(code or 0)
 
 

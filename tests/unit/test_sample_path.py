@@ -104,3 +104,23 @@ def test_small_batch_tensors_travel_inline_and_come_back_as_they_were():
     sparse, conj = torch.eye(3).to_sparse(), torch.ones(2, dtype=torch.complex64).conj()
     param = torch.nn.Parameter(torch.ones(2), requires_grad=False)
     assert all(to_transport(t) is t for t in (sparse, conj, param))
+
+
+def test_decode_takes_the_first_image_key_a_sample_has_and_its_pixels_as_pil_gives_them():
+    rng = np.random.default_rng(1)
+    grey, rgb = rng.integers(0, 256, size=(6, 5), dtype=np.uint8), rng.integers(0, 256, size=(6, 5, 3), dtype=np.uint8)
+    both = {"png": encoded(grey, "PNG"), "ppm": encoded(rgb, "PPM"), "cls": b"3"}
+    only_ppm = {"ppm": encoded(rgb, "PPM"), "cls": b"4"}
+    datasets = {k: ImageShards("unused", channels=1, image_size=None, image_keys=k) for k in ("png;ppm", "ppm;png")}
+    for keys, sample, want in (  # (one data set per key order, in turn: the first key wins whatever came before)
+        ("png;ppm", both, grey),
+        ("png;ppm", only_ppm, np.asarray(Image.fromarray(rgb).convert("L"))),
+        ("png;ppm", both, grey),
+        ("ppm;png", only_ppm, np.asarray(Image.fromarray(rgb).convert("L"))),
+        ("ppm;png", both, np.asarray(Image.fromarray(rgb).convert("L"))),
+    ):
+        x, _ = datasets[keys].decode(sample, train=False, seed=0)
+        assert x.shape == (1, 6, 5) and x.dtype == np.uint8 and np.array_equal(x[0], want)
+    ds = ImageShards("unused", channels=3, image_size=None, image_keys="ppm;png")
+    x, y = ds.decode(both, train=False, seed=0)
+    assert y == 3 and x.shape == (3, 6, 5) and np.array_equal(x, rgb.transpose(2, 0, 1))

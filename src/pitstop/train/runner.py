@@ -45,6 +45,7 @@ from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_
 from pitstop.train.step import Stepper
 
 log = logging.getLogger("pitstop")
+_SETUPS = 0  # runs set up in this process (Runner.setup: the first freezes the heap without a collection first)
 
 
 class Runner:
@@ -79,8 +80,13 @@ class Runner:
         # What exists now (torch's and every other module's objects, the config) lives as long as the process:
         # the cyclic collector leaves it out of its passes from here on, here and in the processes forked from
         # here. A full pass over a warm attempt's heap (a fork of a server that pre-imported torch._dynamo) took
-        # ~20% of the CPU in its data workers, and dirtied their copy-on-write pages. (Back in the collector's
-        # care when the run ends: a sweep's next job in this process may leave some of it as garbage.)
+        # ~20% of the CPU in its data workers, and dirtied their copy-on-write pages. Back in the collector's care
+        # when the run ends; a later run in this process (a sweep's next job) first collects what the last one left
+        # (a Runner is a cycle: its model, optimizer state and device memory would stay frozen through this run).
+        global _SETUPS
+        if _SETUPS:
+            gc.collect()
+        _SETUPS += 1
         gc.freeze()
         hold.callback(gc.unfreeze)
         if OmegaConf.select(cfg, "loader.num_workers", default=0):

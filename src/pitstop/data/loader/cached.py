@@ -191,6 +191,7 @@ class CachedLoader(ShardLoader):
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
         ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
         self._warmed: set[str] = set()  # (warm(): the shards it asked for, its cache and its downloads running)
+        self._warm_depth = MAX_DEPTH + 1  # (warm(): the shards per stream it chose at its first call, at most)
         self._warm_cache: ShardCache | None = None
         self._warm_threads: list[threading.Thread] = []
 
@@ -230,21 +231,24 @@ class CachedLoader(ShardLoader):
         ``cache_limit`` too small to keep them beside the readers' own prefetch, only the first shards, or none.
         A failed download here is left to the reader to retry and report."""
         ahead = 2 if self.prefetch_shards == "auto" else int(self.prefetch_shards)
-        for n in (1 + ahead, 1):
-            leads = [[r for r in refs if r.url not in self._warmed] for refs in self.lead_refs(n)]
-            size = sum(r.bytes for refs in leads for r in {x.url: x for x in refs}.values())
+        for n in [d for d in (1 + ahead, 1) if d <= self._warm_depth]:  # (never deeper than a call before chose)
+            leads = self.lead_refs(n)
+            size = sum({r.url: r.bytes for refs in leads for r in refs}.values())
             if self.cache_limit is None or self.cache_limit >= 8 * size:
                 break
         else:
+            self._warm_depth = 0
             return
-        leads = [refs for refs in leads if refs]
-        if not leads:
+        self._warm_depth = n
+        leads = [[r for r in refs if r.url not in self._warmed] for refs in leads]  # (not asked for before)
+        if not any(leads):
             return
         if self._warm_cache is None:
             self._warm_cache = ShardCache(self.cache_dir, self.cache_limit, self.policy, self.verify, self.cache_policy)
-        for refs in leads:  # (daemons: a job that ends meanwhile does not wait for them; the cache drops a part file)
-            refs = [r for r in refs if r.url not in self._warmed]  # (another stream's lead asked for it already)
-            self._warmed.update(r.url for r in refs)
+        self._warmed.update(r.url for refs in leads for r in refs)
+        for refs in filter(None, leads):  # (daemons: a job that ends meanwhile does not wait for them; the cache
+            # drops a part file. A shard in two streams' leads is downloaded by the first to get its lock; the other
+            # waits for it and finds it there, each stream keeping its own read order.)
             thread = threading.Thread(target=_into_cache, args=(self._warm_cache, refs), name="pitstop-first-shards")
             thread.daemon = True
             thread.start()
@@ -252,7 +256,7 @@ class CachedLoader(ShardLoader):
 
     def side_stats(self) -> dict[str, int]:
         """The counters of warm()'s downloads so far (in cache_misses, bytes_from_source; a reader that then finds
-        its first shard there counts a cache hit too)."""
+        one of its first shards there counts a cache hit too, and so does warm() where a reader got there first)."""
         if self._warm_cache is None:
             return {}
         self._warm_threads = [t for t in self._warm_threads if t.is_alive()]
