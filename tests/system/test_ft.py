@@ -255,7 +255,10 @@ def test_a_peer_killed_while_serving_a_heal_the_newcomer_restores_from_the_durab
     assert "fault injection: SIGKILL (while a peer heals from this group's state at step" in log0
     assert len(attempts(run, 0)) == len(attempts(run, 1)) == 2
     assert "the quorum or the heal failed; trying again" in log1 and "restored " in log1, log1[-3000:]
-    assert "healed from a live peer" in log0.split("while a peer heals")[-1]  # group 0's new attempt healed
+    # group 0's new attempt healed from group 1, or (back within ~0.1 s, in the same retry quorum as group 1, neither
+    # ahead) restored the same durable checkpoint beside it
+    after = log0.split("while a peer heals")[-1]
+    assert "healed from a live peer" in after or "restored " in after, after[-3000:]
     s0, s1 = group_summary(run, 0), group_summary(run, 1)
     assert s0["final_step"] == s1["final_step"] == 200 and s0["params_sha256"] == s1["params_sha256"]
     assert all(e.ok for e in audit(str(run)))
