@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from contextlib import ExitStack, closing
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,7 +45,26 @@ from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_
 from pitstop.train.step import Stepper
 
 log = logging.getLogger("pitstop")
-_SETUPS = 0  # runs set up in this process (Runner.setup: the first freezes the heap without a collection first)
+_SETUPS = 0  # runs set up in this process (the first freezes the heap without a collection first) ...
+_ACTIVE = 0  # ... and those not ended yet (the heap stays frozen until the last has ended)
+
+
+def _frozen() -> Callable[[], None]:
+    """Freeze the heap for a run that starts now (see ``Runner.setup``); returns what ends it for that run."""
+    global _SETUPS, _ACTIVE
+    if _ACTIVE == 0:
+        if _SETUPS:
+            gc.collect()
+        gc.freeze()
+    _SETUPS, _ACTIVE = _SETUPS + 1, _ACTIVE + 1
+
+    def end() -> None:
+        global _ACTIVE
+        _ACTIVE -= 1
+        if _ACTIVE == 0:
+            gc.unfreeze()
+
+    return end
 
 
 class Runner:
@@ -81,14 +100,10 @@ class Runner:
         # the cyclic collector leaves it out of its passes from here on, here and in the processes forked from
         # here. A full pass over a warm attempt's heap (a fork of a server that pre-imported torch._dynamo) took
         # ~20% of the CPU in its data workers, and dirtied their copy-on-write pages. Back in the collector's care
-        # when the run ends; a later run in this process (a sweep's next job) first collects what the last one left
-        # (a Runner is a cycle: its model, optimizer state and device memory would stay frozen through this run).
-        global _SETUPS
-        if _SETUPS:
-            gc.collect()
-        _SETUPS += 1
-        gc.freeze()
-        hold.callback(gc.unfreeze)
+        # when the last run of this process that is still going ends; a later run (a sweep's next job) first
+        # collects what the last left (a Runner is a cycle: its model, optimizer state and device memory would stay
+        # frozen through the next run).
+        hold.callback(_frozen())
         if OmegaConf.select(cfg, "loader.num_workers", default=0):
             # The data workers' fork server, forked now while this process has no threads of its own yet
             # (none may exist at a fork) and already has the components' modules: ready at once, no imports.

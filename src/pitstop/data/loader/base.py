@@ -349,7 +349,8 @@ class ShardLoader(ABC):
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
                     ahead = starter.submit(self._next_reader, self.epoch + 1, _current_device(self.pin_memory))
             if failure is None and starter is not None:  # the ended epoch's workers stop in the starter thread: joining
-                starter.submit(_release, it)  # their processes took ~30 ms of the loop's time at each epoch boundary
+                held, it = [it], None  # their processes took ~30 ms of the loop's time at each epoch boundary
+                starter.submit(held.clear)  # (the last reference: dropped there, whichever thread runs first)
             del it
             if failure is not None:  # (raised once the readers are released: their workers stop now, not when
                 del ahead  # the traceback that holds this frame is collected, which takes 5 s per worker)
@@ -376,11 +377,6 @@ class ShardLoader(ABC):
         """One pass over this rank's share (evaluation), every rank yielding as many ``(batch, counted)`` pairs
         (``evaluation.one_pass``)."""
         return evaluation.one_pass(self, max_batches, share)
-
-
-def _release(readers: Any) -> None:
-    """(In the starter thread) Nothing: the task holds the last reference to an ended epoch's readers, so they are
-    collected, and their workers stopped and joined, when the task is dropped, in that thread."""
 
 
 def _parts(value: Any) -> int:
