@@ -195,14 +195,6 @@ class CachedLoader(ShardLoader):
         self._warm_cache: ShardCache | None = None
         self._warm_threads: list[threading.Thread] = []
 
-    def first_refs(self) -> list[ShardRef]:
-        """The shard each of this rank's reader streams reads first from the current position (each once)."""
-        out: dict[str, ShardRef] = {}
-        for refs in self.lead_refs(1):
-            for ref in refs:
-                out.setdefault(ref.url, ref)
-        return list(out.values())
-
     def lead_refs(self, n: int) -> list[list[ShardRef]]:
         """Per reader stream of this rank, the first ``n`` shards it reads from the current position, in order."""
         out = []
