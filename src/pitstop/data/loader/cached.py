@@ -191,7 +191,7 @@ class CachedLoader(ShardLoader):
         self.stats.update({"cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "cache_bypass": 0})
         ShardCache(self.cache_dir, self.cache_limit, self.policy, verify, cache_policy)  # fail now if unusable
         self._warmed: set[str] = set()  # (warm(): the shards it asked for, its cache and its downloads running)
-        self._warm_depth = MAX_DEPTH + 1  # (warm(): the shards per stream it chose at its first call, at most)
+        self._warm_depth: float = math.inf  # (warm(): the shards per stream its first call chose, at most)
         self._warm_cache: ShardCache | None = None
         self._warm_threads: list[threading.Thread] = []
 
