@@ -233,6 +233,12 @@ def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     return sorted(victims)
 
 
+def _steps_at_two(train_log: str) -> int:
+    """How many steps rank 0 logged since its newest attempt began at world size 2 (0 if it did not)."""
+    at_two = train_log.rsplit("rank 0/", 1)
+    return at_two[1].count("] - step ") if len(at_two) == 2 and at_two[1].startswith("2 on") else 0
+
+
 def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_reads_every_sample_once(
     slurm, data_root, tmp_path
 ):
@@ -248,6 +254,7 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
         "strategy=ddp",
         "strategy.nproc_per_node=1",
         "strategy.nnodes=1:2",  # (after the script's strategy.nnodes=$SLURM_JOB_NUM_NODES: this one counts)
+        "strategy.last_call_seconds=15",  # (n2's agent may start seconds after n1's when the machine is busy)
         "trainer.max_restarts=3",
         "strategy.cpu_threads=1",
         "ckpt=async_dcp",
@@ -261,8 +268,10 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
     job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
     out = tmp_path / f"slurm-{job}.out"
     try:
-        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
-        while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 2):
+        # Two steps logged at world size 2. (An agent later than strategy.last_call_seconds finds the job formed
+        # without it, at world size 1, and is let in by a restart if the job is still going: [1, 2, 1].)
+        train_log, deadline = run_dir / "train.log", time.monotonic() + 120
+        while not (train_log.exists() and _steps_at_two(train_log.read_text(errors="replace")) >= 2):
             said = out.read_text() if out.exists() else "no output"
             assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
             time.sleep(0.1)
@@ -282,9 +291,9 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
         assert up.returncode == 0, up.stderr[-2000:]  # (n2's slurmd back for whatever runs next)
     headers = [r for p in sorted(run_dir.glob("samples.rank*.jsonl")) for r in read_jsonl(p) if "attempt" in r]
     worlds = [h["world_size"] for h in sorted((h for h in headers if h["rank"] == 0), key=lambda h: h["attempt"])]
-    assert worlds == [2, 1], worlds  # lost a node, went on without it
+    assert worlds in ([2, 1], [1, 2, 1]), worlds  # lost a node, went on without it
     s = summary(run_dir)
-    assert s["world_size"] == 1 and s["goodput"]["restarts"] == 1
+    assert s["world_size"] == 1 and s["goodput"]["restarts"] == len(worlds) - 1
     assert (
         "Restarts=0"
         in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
