@@ -98,7 +98,8 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
         for _ in range(5):  # five SIGKILLs of a group drawn at random, each while both train
             base = min(committed_step(run, 0), committed_step(run, 1))
             wait_for(lambda: min(committed_step(run, 0), committed_step(run, 1)) >= base + 25, p=p)
-            assert max(committed_step(run, 0), committed_step(run, 1)) < 330, "too close to the end to kill"
+            if max(committed_step(run, 0), committed_step(run, 1)) >= 330:  # too close to the end to kill
+                break  # (a busy machine: the healthy group ran far ahead while its peer restarted)
             k = rng.choice([0, 1])
             healthy = attempts(run, 1 - k)
             victim = attempts(run, k)
@@ -109,6 +110,7 @@ def test_a_peer_groups_kills_leave_the_healthy_group_alone_and_every_sample_is_r
             wait_for(lambda: committed_step(run, k) > at, p=p)  # healed and training again
             assert [a["pid"] for a in attempts(run, 1 - k)] == [a["pid"] for a in healthy]  # not restarted
         assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert sum(kills.values()) >= 3, kills
     for k in (0, 1):
         assert len(attempts(run, k)) == 1 + kills[k]  # only a killed group ever restarted
         text = (run / f"replica{k}" / "train.log").read_text()
@@ -208,7 +210,8 @@ def test_a_whole_job_killed_resumes_bitwise_from_the_durable_checkpoint(data_roo
     cmd = cli_cmd([*BOTH, f"run_dir={run}"], data_root, tmp_path)
     p = popen_cmd(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000040").is_dir() and committed_step(run, 1) >= 45, p=p)
+        # (step 41 committed: the sync save of 40 is done; 19 steps before the save of 60, under any load)
+        wait_for(lambda: (run / "checkpoints" / "step_00000040").is_dir() and committed_step(run, 1) >= 41, p=p)
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the launcher, its Lighthouse, both groups, their fork server
         p.wait()

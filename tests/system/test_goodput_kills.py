@@ -469,6 +469,7 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
 
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=1000", "trainer.max_restarts=2"]
+    args += ["trainer.max_steps=120"]  # (the notice comes at step 5 or later: 40 steps could end before it lands)
     proc = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until it trains (a step past 5 is in the ledger)
@@ -487,7 +488,7 @@ def test_sigterm_to_the_supervisor_is_a_notice_for_its_attempt(data_root, tmp_pa
     p = cli(args, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     s, doc = load(run_dir)
-    assert s["resumed_from"] == stopped and s["params_sha256"] == reference[40] and doc["totals"]["lost"] == 0.0
+    assert s["resumed_from"] == stopped and s["params_sha256"] == reference[120] and doc["totals"]["lost"] == 0.0
 
 
 @pytest.mark.slow
@@ -508,6 +509,7 @@ def test_a_notice_to_the_supervisor_and_its_attempt_stops_the_job_with_75_and_no
 
     run_dir = tmp_path / "run"
     args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_save", "ckpt.interval_steps=10", "trainer.max_restarts=2"]
+    args += ["trainer.max_steps=120"]  # (the notice comes at step 15 or later: 40 steps could end before it lands)
     with open(tmp_path / "job.log", "w") as out:
         p = popen_cmd(cli_cmd(args, data_root, tmp_path), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -531,5 +533,5 @@ def test_a_notice_to_the_supervisor_and_its_attempt_stops_the_job_with_75_and_no
     second = cli(args, data_root, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     s, doc = load(run_dir)
-    assert s["resumed_from"] == stopped[0]["step"] and s["params_sha256"] == reference[40]
+    assert s["resumed_from"] == stopped[0]["step"] and s["params_sha256"] == reference[120]
     assert doc["totals"]["lost"] == 0.0

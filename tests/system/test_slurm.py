@@ -182,7 +182,7 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
     job = sbatch(env, tmp_path, [], ["strategy=ddp", "strategy.nproc_per_node=1", *TWO_RANKS], data_root)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
-    while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 60):
+    while not (metrics.exists() and sum(1 for r in read_jsonl(metrics) if "loss" in r) >= 40):  # 80 steps to go
         assert time.monotonic() < deadline, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
@@ -204,7 +204,7 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     train_log = (run_dir / "train.log").read_text()
     saved = [int(ln.split(" at step ")[1].split(":")[0]) for ln in train_log.splitlines() if ": saved it" in ln]
     resumed = [int(ln.rsplit("resumed from step ", 1)[1]) for ln in train_log.splitlines() if "resumed from step" in ln]
-    assert len(saved) == 1 and saved[0] >= 60 and resumed == saved, train_log[-3000:]  # saved on the notice: 0 lost
+    assert len(saved) == 1 and saved[0] >= 40 and resumed == saved, train_log[-3000:]  # saved on the notice: 0 lost
     ledger = json.loads((run_dir / "goodput.json").read_text())["attempts"]
     assert [a["status"] for a in ledger] == ["preempted", "finished"], ledger
     s = summary(run_dir)
@@ -233,10 +233,10 @@ def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     return sorted(victims)
 
 
-def _steps_at_two(train_log: str) -> int:
-    """How many steps rank 0 logged since its newest attempt began at world size 2 (0 if it did not)."""
-    at_two = train_log.rsplit("rank 0/", 1)
-    return at_two[1].count("] - step ") if len(at_two) == 2 and at_two[1].startswith("2 on") else 0
+def _at_two(metrics: Path) -> bool:
+    """Whether the job's newest throughput row (every trainer.log_every_steps) was logged at world size 2."""
+    rows = [r for r in read_jsonl(metrics) if "samples_per_s_per_device" in r] if metrics.exists() else []
+    return bool(rows) and round(rows[-1]["samples_per_s"] / rows[-1]["samples_per_s_per_device"]) == 2
 
 
 def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_reads_every_sample_once(
@@ -268,10 +268,10 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
     job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
     out = tmp_path / f"slurm-{job}.out"
     try:
-        # Two steps logged at world size 2. (An agent later than strategy.last_call_seconds finds the job formed
-        # without it, at world size 1, and is let in by a restart if the job is still going: [1, 2, 1].)
-        train_log, deadline = run_dir / "train.log", time.monotonic() + 120
-        while not (train_log.exists() and _steps_at_two(train_log.read_text(errors="replace")) >= 2):
+        # Steps logged at world size 2 (step 5 of ~48). (An agent later than strategy.last_call_seconds finds the
+        # job formed without it, at world size 1, and is let in by a restart if the job is still going: [1, 2, 1].)
+        deadline = time.monotonic() + 120
+        while not _at_two(run_dir / "metrics.jsonl"):
             said = out.read_text() if out.exists() else "no output"
             assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
             time.sleep(0.1)
