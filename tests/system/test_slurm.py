@@ -233,10 +233,13 @@ def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     return sorted(victims)
 
 
-def _at_two(metrics: Path) -> bool:
-    """Whether the job's newest throughput row (every trainer.log_every_steps) was logged at world size 2."""
-    rows = [r for r in read_jsonl(metrics) if "samples_per_s_per_device" in r] if metrics.exists() else []
-    return bool(rows) and round(rows[-1]["samples_per_s"] / rows[-1]["samples_per_s_per_device"]) == 2
+def _at_two(run_dir: Path) -> bool:
+    """Whether rank 0's newest attempt on disk ran at world size 2. Its sample log reaches the disk when a save
+    starts (what a resume would not redo), its header with it: this attempt has then saved at least once."""
+    path = run_dir / "samples.rank0.jsonl"
+    text = path.read_text() if path.exists() else ""
+    heads = [json.loads(ln) for ln in text[: text.rfind("\n") + 1].splitlines() if ln.startswith('{"attempt"')]
+    return bool(heads) and heads[-1]["world_size"] == 2
 
 
 def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_reads_every_sample_once(
@@ -268,10 +271,11 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
     job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
     out = tmp_path / f"slurm-{job}.out"
     try:
-        # Steps logged at world size 2 (step 5 of ~48). (An agent later than strategy.last_call_seconds finds the
-        # job formed without it, at world size 1, and is let in by a restart if the job is still going: [1, 2, 1].)
+        # A save started at world size 2 (step 5 of ~48; a kill before it would leave no trace of that attempt in
+        # the sample logs: its steps are redone). An agent later than strategy.last_call_seconds finds the job formed
+        # without it, at world size 1, and is let in by a restart if the job is still going: [1, 2, 1].
         deadline = time.monotonic() + 120
-        while not _at_two(run_dir / "metrics.jsonl"):
+        while not _at_two(run_dir):
             said = out.read_text() if out.exists() else "no output"
             assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
             time.sleep(0.1)
