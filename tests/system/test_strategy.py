@@ -273,4 +273,4 @@ def test_fsdp_saves_through_a_checkpoint_process_from_shared_host_buffers(data_r
     assert s["checkpoint"]["saves"] == 8 and s["checkpoint"]["failures"] == 0
     log = (run_dir / "train.log").read_text()
     written_by_thread = log.count("is written from a thread")
-    assert written_by_thread < 8 * 2, "no save went through the checkpoint process"
+    assert written_by_thread < 8, "no save went through the checkpoint process"  # (train.log: rank 0's 8 saves)
