@@ -32,8 +32,16 @@ def find_checkpoint(path: str) -> str:
 
 
 def model_state(ckpt: str) -> dict[str, torch.Tensor]:
+    """The model's tensors, once every file of ``ckpt`` matches its checksum (a corrupt or crafted checkpoint is
+    refused in one line: nothing in it is unpickled but through a restricted unpickler)."""
+    from pitstop.ckpt import integrity
+
+    integrity.verify(ckpt)
     if os.path.isfile(os.path.join(ckpt, SAVE_MARKER)):
-        return dict(torch.load(os.path.join(ckpt, STATE_FILE), map_location="cpu", weights_only=True)["model"])
+        from pitstop.ckpt.formats import safe_torch_load
+
+        where = os.path.join(ckpt, STATE_FILE)
+        return dict(safe_torch_load(where, where, map_location="cpu")["model"])
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

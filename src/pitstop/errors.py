@@ -19,3 +19,8 @@ class CheckpointError(PitstopError):
 
 class FingerprintMismatch(CheckpointError):
     """The checkpoint was written by a run with another data set, seed, model or batch size."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint's bytes are not what its writer recorded (a checksum or length differs, a file or the checksum
+    manifest is missing), or its metadata would construct something other than plain checkpoint state."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import final_losses as losses, train
-from pitstop.errors import FingerprintMismatch
+from pitstop.errors import CheckpointError, FingerprintMismatch
 from pitstop.resilience.preempt import Preempted
 
 # 30 steps of 16 with 2 data workers: the notice at step 17 is mid-epoch (1438 training samples: ~90 steps an
@@ -75,6 +75,61 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(make_cfg):
         f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])  # truncated, the marker still there
     s = train(make_cfg("ckpt=sync_dcp", "ckpt.interval_steps=4", "ckpt.keep_last_k=0", "trainer.max_steps=14"))
     assert s["resumed_from"] == 8 and s["final_step"] == 14
+
+
+@pytest.mark.parametrize("backend", ["sync_save", "sync_dcp", "async_dcp"])
+def test_a_flipped_byte_in_the_newest_checkpoint_is_named_skipped_and_the_run_ends_exactly(
+    backend, make_cfg, uninterrupted, caplog
+):
+    """A bad disk or a bad copy: one byte of the newest checkpoint's biggest file changed, its commit marker intact."""
+    from pitstop.ckpt import layout
+
+    args = [*RUN, f"ckpt={backend}", "ckpt.interval_steps=5", "ckpt.keep_last_k=0", "fault=preempt", "fault.step=17"]
+    cfg = make_cfg(*args)
+    with pytest.raises(Preempted):
+        train(cfg)
+    newest = Path(layout.step_dir(cfg.ckpt.dir, 17))
+    biggest = max((p for p in newest.iterdir()), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    biggest.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+        s = train(cfg)
+    line = next(r.getMessage() for r in caplog.records if "is corrupt, not loaded" in r.getMessage())
+    assert f"{biggest.name}: expected crc32c=" in line and "falling back to step_00000015" in line
+    assert s["resumed_from"] == 15 and s["final_step"] == 30
+    assert s["params_sha256"] == uninterrupted[0] and losses(cfg.run_dir) == uninterrupted[1]
+
+
+def test_a_crafted_metadata_runs_nothing_skipped_under_auto_and_refused_by_name(make_cfg, tmp_path, caplog):
+    """Someone who can write the checkpoint dir (a shared bucket) plants a pickle that runs code, with checksums that
+    match: ``ckpt.load=auto`` skips it as corrupt in one line, ``ckpt.load=PATH`` refuses it (exit 2 in the CLI)."""
+    import os
+    import pickle
+
+    from pitstop.ckpt import integrity, layout
+
+    proof = tmp_path / "ran"
+
+    class Runs:
+        def __reduce__(self):
+            return (os.system, (f"touch {proof}",))
+
+    args = ["ckpt=sync_dcp", "ckpt.interval_steps=4", "ckpt.keep_last_k=0"]
+    cfg = make_cfg(*args)
+    train(cfg)  # saves at 4, 8, 12
+    newest = Path(layout.step_dir(cfg.ckpt.dir, 12))
+    (newest / ".metadata").write_bytes(pickle.dumps(Runs()))
+    files = integrity.read_manifest(str(newest))
+    files[".metadata"] = integrity.entry(*integrity.file_checksum(str(newest / ".metadata")))
+    (newest / integrity.MANIFEST).write_bytes(integrity.manifest_bytes(files))
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg(*args, "trainer.max_steps=16", f"ckpt.load={newest}"))
+    assert "refused" in str(e.value) and "\n" not in str(e.value) and not proof.exists()
+    with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+        s = train(make_cfg(*args, "trainer.max_steps=14"))
+    assert s["resumed_from"] == 8 and not proof.exists()
+    assert "step_00000012 is corrupt, not loaded (CorruptCheckpoint: refused" in caplog.text
 
 
 def test_retention_keeps_the_newest_k_complete_checkpoints(make_cfg):

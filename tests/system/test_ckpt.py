@@ -290,7 +290,8 @@ def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tm
     assert p.returncode == 0, p.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
     assert "skipping partial checkpoint" in log and "step_00000036" in log
-    assert "failed to load" in log and "falling back to step_00000024" in log
+    assert "step_00000032 is corrupt, not loaded" in log and "is truncated" in log
+    assert "falling back to step_00000024" in log
     s = summary(run_dir)
     assert s["resumed_from"] == 24
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]

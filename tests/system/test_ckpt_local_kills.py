@@ -107,7 +107,7 @@ def test_a_local_tier_that_is_gone_or_corrupt_falls_back(data_root, tmp_path, re
     p = cli([*args[:-2], "fault=crash_at_step", "fault.step=36"], data_root, tmp_path)
     assert p.returncode != 0  # (killed again, once per run dir and step)
     log = (run_dir / "train.log").read_text()
-    assert "step_00000033 failed to load" in log and "(step 30, local tier)" in log
+    assert "step_00000033 is corrupt, not loaded" in log and "is truncated" in log and "(step 30, local tier)" in log
     subprocess.run(["rm", "-rf", str(shm)], check=True)  # another machine: no local tier at all
     p = cli(args, data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Any
+import pickle
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pitstop import fsurl
+from pitstop.ckpt import integrity
 from pitstop.ckpt.layout import DCP_MARKER, SAVE_MARKER, is_file
 from pitstop.ckpt.rawdcp import RawFileSystemReader, RawFsspecReader
 from pitstop.ckpt.storage import fsync_dir, open_write
+from pitstop.errors import CorruptCheckpoint
 
 STATE_FILE = "state.pt"
 TRAIN_PREFIX = "train.rank"
@@ -27,8 +30,20 @@ def encode_json(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
 
 
-def decode_json(t: torch.Tensor) -> Any:
-    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+def decode_json(t: torch.Tensor, key: str = "train state") -> Any:
+    try:
+        return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{key} is not the JSON pitstop wrote ({type(e).__name__})") from None
+
+
+def safe_torch_load(source: Any, what: str, **kw: Any) -> Any:
+    """``torch.load(weights_only=True)``: torch's restricted unpickler; what it refuses is named as a refused file."""
+    try:
+        return torch.load(source, weights_only=True, **kw)
+    except pickle.UnpicklingError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CorruptCheckpoint(f"refused {what}: {first} (nothing in it was run)") from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -36,7 +51,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(..., weights_only=True)``: a checkpoint can never run code when it is loaded."""
 
     def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = safe_torch_load(value, f"the checkpoint item {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -45,17 +60,38 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
-    """Read any pitstop checkpoint into ``(model_sd, optim_sd, {"train.rankR": train state} of every saved rank)``."""
+class Summed:
+    """A writable file that checksums what passes through it: ``torch.save`` writes its archive in order, so the
+    manifest gets the file's checksum without reading it back."""
+
+    def __init__(self, raw: Any):
+        self.raw, self.running = raw, integrity.Running()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.running.update(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict[str, dict], Callable[[], tuple]]:
+    """Read any pitstop checkpoint: ``({"train.rankR": train state} of every saved rank, tensors)``, where
+    ``tensors()`` reads ``(model_sd, optim_sd)``; the train states come first, so a changed config (the fingerprint
+    they hold) is told before tensors of another shape fail to load."""
     if is_file(fsurl.join(path, DCP_MARKER)):
         return _read_dcp(path, model, optimizer, group)
     if is_file(fsurl.join(path, SAVE_MARKER)):
         if fsurl.is_url(path):
             fs, p = fsurl.filesystem(fsurl.join(path, STATE_FILE))
-            sd = torch.load(io.BytesIO(fs.cat_file(p)), map_location="cpu", weights_only=True)
+            sd = safe_torch_load(io.BytesIO(fs.cat_file(p)), fsurl.join(path, STATE_FILE), map_location="cpu")
         else:
-            sd = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
-        return sd["model"], sd["optim"], {k: decode_json(v) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
+            where = os.path.join(path, STATE_FILE)
+            sd = safe_torch_load(where, where, map_location="cpu", mmap=True)
+        trains = {k: decode_json(v, k) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
+        return trains, lambda: (sd["model"], sd["optim"])
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
@@ -68,25 +104,35 @@ def dcp_reader(path: str) -> FileSystemReader:
 
 def to_torch_save(path: str, out: str) -> None:
     """The whole of a DCP checkpoint (either format) as one ``torch.save`` file, as torch's
-    ``format_utils.dcp_to_torch_save`` does for its own format."""
+    ``format_utils.dcp_to_torch_save`` does for its own format; verified against its checksums first, and read
+    without running code (its non-tensor items as :class:`SafeLoadPlanner` reads them)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    class SafeEmptyPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+        pass
+
+    integrity.verify(path)
     sd: dict = {}
-    _load_state_dict(sd, storage_reader=dcp_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(sd, storage_reader=dcp_reader(path), planner=SafeEmptyPlanner(), no_dist=True)
     torch.save(sd, out)
 
 
-def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict, dict, dict[str, dict]]:
-    reader = dcp_reader(path)
-    meta = reader.read_metadata().state_dict_metadata
-    # Load in place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
-    sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    trains = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
-    sd.update({k: torch.empty(meta[k].size, dtype=torch.uint8) for k in trains})
-    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    return sd["model"], sd["optim"], {k: decode_json(sd[k]) for k in trains}
+def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict[str, dict], Callable[[], tuple]]:
+    meta = dcp_reader(path).read_metadata().state_dict_metadata
+    keys = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
+    small: dict[str, Any] = {k: torch.empty(meta[k].size, dtype=torch.uint8) for k in keys}
+    if small:
+        dcp.load(small, storage_reader=dcp_reader(path), planner=SafeLoadPlanner(), process_group=group)
+
+    def tensors() -> tuple[dict, dict]:
+        # In place into tensors shaped like this run's (sharded) state: DCP reshards N -> M ranks.
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, storage_reader=dcp_reader(path), planner=SafeLoadPlanner(), process_group=group)
+        return sd["model"], sd["optim"]
+
+    return {k: decode_json(small[k], k) for k in keys}, tensors
 
 
 def write_torch_save(
@@ -107,25 +153,26 @@ def write_torch_save(
     os.makedirs(path, exist_ok=True)
     tmp, final = os.path.join(path, STATE_FILE + ".tmp"), os.path.join(path, STATE_FILE)
     with open_write(tmp, throttle_mbps) as f:
-        torch.save(app_state, f)
+        summed = Summed(f)
+        torch.save(app_state, summed)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(path)
-    marker_tmp = os.path.join(path, SAVE_MARKER + ".tmp")
-    with open(marker_tmp, "w") as f:
-        json.dump({"step": step, "format": "torch.save", "world_size": world_size}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(marker_tmp, os.path.join(path, SAVE_MARKER))
-    fsync_dir(path)
+    integrity.write_manifest(path, {STATE_FILE: summed.running.entry()})  # (durable before the marker)
+    integrity.write_durable(path, SAVE_MARKER, marker(step, world_size))
 
 
 def _upload_torch_save(app_state: dict, path: str, world_size: int, step: int) -> None:
     """To an object store: ``state.pt`` is one upload (whole or absent), then the marker; no rename needed."""
     fs, p = fsurl.filesystem(path)
     with fs.open(f"{p}/{STATE_FILE}", "wb") as f:
-        torch.save(app_state, f)
-    fs.pipe_file(
-        f"{p}/{SAVE_MARKER}", json.dumps({"step": step, "format": "torch.save", "world_size": world_size}).encode()
-    )
+        summed = Summed(f)
+        torch.save(app_state, summed)
+    integrity.write_manifest(path, {STATE_FILE: summed.running.entry()})
+    integrity.write_durable(path, SAVE_MARKER, marker(step, world_size))
+
+
+def marker(step: int, world_size: int) -> bytes:
+    """The ``COMMITTED`` marker's contents, sealed (:func:`pitstop.ckpt.integrity.seal`)."""
+    return integrity.seal({"step": step, "format": "torch.save", "world_size": world_size})

@@ -39,6 +39,12 @@ def step_of(path: str) -> int:
     return int(str(path).rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX) :])
 
 
+def is_step_dir(path: str) -> bool:
+    """``path`` is named like a checkpoint dir (``step_00000500``)."""
+    name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    return name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit()
+
+
 def is_file(path: str) -> bool:
     if fsurl.is_url(path):
         fs, p = fsurl.filesystem(path)

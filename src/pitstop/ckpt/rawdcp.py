@@ -20,23 +20,29 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import pickle
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pitstop.ckpt import integrity
 from pitstop.ckpt.staging import PAGE  # (O_DIRECT alignment of memory, file offsets and lengths)
+from pitstop.ckpt.unpickle import load_metadata
+from pitstop.errors import CorruptCheckpoint
 
 RAW = "pitstop.raw/1"
 DIRECT_CHUNK = 256 << 20  # bytes per O_DIRECT write call
 FORMATS = ("raw", "torch_save")
+METADATA = ".metadata"  # DCP's metadata file: the commit marker
+CHECKSUM_FQN = "pitstop.checksum/"  # a write result that carries a file's checksum to the coordinator, not an item
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -64,13 +70,14 @@ class _RawWrites:
         path = self.fs.concat_path(self.path, name)
         items = [(item, planner.resolve_data(item)) for item in plan.items]
         results: list[WriteResult] = []
+        running = integrity.Running()  # the file's checksum, as its bytes go out (in order)
         offset = 0
         if type(self.fs) is FileSystem:  # local and unthrottled
             regions, rest = page_regions(items)
             if regions:
-                offset = write_direct(str(path), name, regions, results)
+                offset = write_direct(str(path), name, regions, results, running)
                 if offset is None:  # O_DIRECT refused here: all of it buffered
-                    offset, rest, results = 0, items, []
+                    offset, rest, results, running = 0, items, [], integrity.Running()
         else:
             rest = items
         with self.fs.create_stream(path, "r+b" if offset else "wb") as stream:
@@ -83,11 +90,13 @@ class _RawWrites:
                     view, descriptors = tensor_bytes(data), [RAW]
                 if len(view):
                     stream.write(view)
+                    running.update(view)
                 results.append(_result(item, name, offset, len(view), descriptors))
                 offset += len(view)
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
+        results.append(checksum_result(name, running.entry()))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -136,9 +145,10 @@ def page_regions(items: list) -> tuple[list, list]:
     return regions, rest
 
 
-def write_direct(path: str, name: str, regions: list, results: list) -> int | None:
-    """Write each region's span with ``O_DIRECT`` back to back from offset 0, append the tensors' results,
-    and return the end offset; None where the file system refuses ``O_DIRECT`` (nothing written)."""
+def write_direct(path: str, name: str, regions: list, results: list, running: Any) -> int | None:
+    """Write each region's span with ``O_DIRECT`` back to back from offset 0, append the tensors' results, add
+    the bytes to the ``running`` checksum, and return the end offset; None where the file system refuses
+    ``O_DIRECT`` (nothing written)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
     except OSError as e:
@@ -158,6 +168,7 @@ def write_direct(path: str, name: str, regions: list, results: list) -> int | No
                     if e.errno == errno.EINVAL and offset + done == 0:
                         return None
                     raise
+            running.update(view)
             first = storage.data_ptr() + start
             for item, t in members:
                 results.append(_result(item, name, offset + t.data_ptr() - first, _nbytes(t), [RAW]))
@@ -167,17 +178,99 @@ def write_direct(path: str, name: str, regions: list, results: list) -> int | No
         os.close(fd)
 
 
-class RawFileSystemWriter(_RawWrites, FileSystemWriter):
+def checksum_result(name: str, entry: dict) -> WriteResult:
+    """The checksum of file ``name``, as a write result: DCP gathers every rank's results to the coordinator, whose
+    ``finish`` takes these out into the manifest (:mod:`pitstop.ckpt.integrity`) before writing ``.metadata``."""
+    return WriteResult(
+        index=MetadataIndex(fqn=CHECKSUM_FQN + name), size_in_bytes=0, storage_data={"file": name, **entry}
+    )
+
+
+class _Manifest:
+    """``finish`` for every pitstop DCP writer: the checksum manifest (every rank's files and the metadata's own
+    bytes) is made durable first, then ``.metadata``, the commit marker, as DCP's own ``finish`` writes it (temp
+    name, fsync, rename)."""
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: dict[str, dict] = {}
+        storage: dict = {}
+        for wr_list in results:
+            for wr in wr_list:
+                if wr.index.fqn.startswith(CHECKSUM_FQN):
+                    files[wr.storage_data["file"]] = {k: v for k, v in wr.storage_data.items() if k != "file"}
+                else:
+                    storage[wr.index] = wr.storage_data
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        blob = pickle.dumps(metadata)
+        files[METADATA] = integrity.entry(len(blob), integrity.crc(blob))
+        self._put(integrity.MANIFEST, integrity.manifest_bytes(files))
+        self._put(METADATA, blob)
+
+    def _put(self, name: str, data: bytes) -> None:
+        tmp = self.fs.concat_path(self.path, name + ".tmp")
+        with self.fs.create_stream(tmp, "wb") as f:
+            f.write(data)
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
+        final = self.fs.concat_path(self.path, name)
+        if self.fs.exists(final):
+            self.fs.rm_file(final)
+        self.fs.rename(tmp, final)
+        if self.sync_files and isinstance(self.fs, FileSystem):
+            from pitstop.ckpt.storage import fsync_dir
+
+            fsync_dir(str(self.path))
+
+
+class _ReadBackChecksums:
+    """``write_data`` for DCP's own (torch.save-item) writers: their files are checksummed once written, by reading
+    them back in the writer's thread or process (page-cache hot on a local disk)."""
+
+    def write_data(self, plan, planner) -> Future:
+        results = list(super().write_data(plan, planner).wait())
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                nbytes, value = integrity.stream_checksum(stream)
+            results.append(checksum_result(name, integrity.entry(nbytes, value)))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+
+class RawFileSystemWriter(_Manifest, _RawWrites, FileSystemWriter):
     pass
 
 
-class RawFsspecWriter(_RawWrites, FsspecWriter):
+class RawFsspecWriter(_Manifest, _RawWrites, FsspecWriter):
+    pass
+
+
+class TorchSaveFileSystemWriter(_Manifest, _ReadBackChecksums, FileSystemWriter):
+    pass
+
+
+class TorchSaveFsspecWriter(_Manifest, _ReadBackChecksums, FsspecWriter):
     pass
 
 
 class _RawReads:
     """``read_data`` that reads raw items itself (one read per item, straight into a tensor of the stored
     chunk's dtype and shape) and hands every other item to DCP's reader."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``read_metadata``, through the restricted unpickler (:mod:`pitstop.ckpt.unpickle`)."""
+        path = self.fs.concat_path(self.path, METADATA)
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = load_metadata(f, str(path))
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -223,7 +316,7 @@ class _RawReads:
         stream.seek(info.offset)
         got = stream.readinto(buf)
         if got != info.length:
-            raise OSError(
+            raise CorruptCheckpoint(
                 f"{index.fqn}: the checkpoint file {info.relative_path} ends after {got} of "
                 f"{info.length} bytes at offset {info.offset}: it is truncated"
             )

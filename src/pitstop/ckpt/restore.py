@@ -2,12 +2,15 @@
 
 Rank 0 lists the candidates (newest complete first; with the local tier on, the newest of either tier, a tie
 going to the local one) and every rank gets the same list.  Every rank takes the same checkpoint, or none:
-one that fails to load on any rank (corrupt, truncated) is skipped for the next older one, unless it was
-asked for by name.  A changed config (the fingerprint) is never skipped: it stops the run.
+one whose bytes are damaged on any rank (a checksum, a truncated or missing file, a refused pickle) is skipped
+for the next older one, unless it was asked for by name; a transient read error is retried and then fails the
+attempt (never a silent fallback that redoes work); any other error is raised as the bug it is.  A changed
+config (the fingerprint) is never skipped: it stops the run.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -15,7 +18,7 @@ from typing import Any, Callable
 
 from pitstop.ckpt import dcp, layout
 from pitstop.ckpt.contract import Target, one_line
-from pitstop.errors import CheckpointError, FingerprintMismatch
+from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -39,6 +42,51 @@ def candidates(strategy: Any, root: str, local_root: str | None, spec: Any) -> l
     return choice
 
 
+RETRIES = 3  # tries of a checkpoint whose read failed for a transient reason (a reset, a timeout, a 5xx)
+BACKOFF = 1.0  # seconds before the second try; doubles each time
+
+
+def classify(error: BaseException) -> str:
+    """Why a checkpoint did not load: ``integrity`` (its bytes are not what was written: a checksum, a missing or
+    truncated file, a refused pickle; another checkpoint may load), ``transient`` (the store did not answer or
+    broke off: the same checkpoint may load in a moment), or ``bug`` (anything else: no fallback may hide it).
+    DCP wraps each rank's exception: the worst of them decides."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        kinds = {classify(c) if isinstance(c, BaseException) else "bug" for c in causes}
+        return next(k for k in ("bug", "transient", "integrity") if k in kinds)
+    if isinstance(error, (CorruptCheckpoint, FileNotFoundError)):
+        return "integrity"
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return "transient"
+    if isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS:
+        return "transient"
+    module = type(error).__module__.split(".")[0]
+    if module in ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "s3fs", "fsspec"):
+        name = type(error).__name__
+        if any(w in name for w in ("Connect", "Timeout", "Endpoint", "Disconnect", "Payload", "Throttl", "Read")):
+            return "transient"
+    if isinstance(error, OSError) and not isinstance(error, PermissionError) and error.errno is None:
+        return "transient"  # (fsspec's stores report a failed request as a bare OSError)
+    return "bug"
+
+
+TRANSIENT_ERRNOS = {
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EPIPE,
+}
+
+
 def first_loadable(
     strategy: Any,
     choice: list[str],
@@ -47,24 +95,48 @@ def first_loadable(
     root: str,
     local_root: str | None,
     step: Callable[[], int],
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int | None:
-    """Load the first of ``choice`` that loads on every rank; its step, or None when there was none."""
+    """Load the first of ``choice`` that loads on every rank; its step, or None when there was none.
+
+    Every rank takes the same decision: a checkpoint whose bytes are damaged on any rank is skipped for the next
+    older one (named in one line; unless it was asked for by name); one whose read failed for a transient reason
+    is read again (:data:`RETRIES` tries, with backoff), and then the attempt fails in one line, for the launcher's
+    restart to try again; any other error is raised as it is."""
     for i, path in enumerate(choice):
         t0 = time.perf_counter()
-        error: BaseException | None = None
-        try:
-            load(path)
-        except FingerprintMismatch:
-            raise
-        except dcp.ERRORS as e:  # corrupt/truncated: fall back to an older one
-            error = e
-        if strategy.any(error is not None):  # every rank takes the same checkpoint, or none
-            reason = one_line(error) if error is not None else "failed to load on another rank"
+        for attempt in range(1, RETRIES + 1):
+            error: BaseException | None = None
+            try:
+                load(path)
+            except FingerprintMismatch:
+                raise
+            except dcp.ERRORS as e:
+                error = e
+            kind = classify(error) if error is not None else None
+            if strategy.any(kind == "bug"):
+                if error is not None and kind == "bug":
+                    raise error
+                raise CheckpointError(f"checkpoint {path} failed to load on another rank (its log says why)")
+            if not strategy.any(kind == "transient"):
+                break
+            reason = one_line(error) if kind == "transient" else "a transient read error on another rank"
+            if attempt == RETRIES:
+                raise CheckpointError(
+                    f"cannot read checkpoint {path}: {reason} (a transient I/O error, {RETRIES} tries); the "
+                    f"checkpoint is intact as far as pitstop knows: the next attempt (the launcher's restart, or the "
+                    f"same command) reads it again"
+                ) from error
+            delay = BACKOFF * 2 ** (attempt - 1)
+            log.warning("checkpoint %s: read failed (%s); trying again in %.0f s", path, reason, delay)
+            sleep(delay)
+        if strategy.any(error is not None):  # (integrity, on some rank)
+            reason = one_line(error) if error is not None else "corrupt on another rank"
             if explicit:
                 raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from error
             older = choice[i + 1] if i + 1 < len(choice) else None
             log.warning(
-                "checkpoint %s failed to load (%s); %s",
+                "checkpoint %s is corrupt, not loaded (%s); %s",
                 path,
                 reason,
                 f"falling back to {os.path.basename(older)}" if older else "no older complete checkpoint",
@@ -84,19 +156,21 @@ def first_loadable(
 def load_into(
     path: str,
     target: Target,
-    read: tuple[dict, dict, dict[str, dict]],
+    read: tuple[dict[str, dict], Callable[[], tuple]],
     rank: int,
     world_size: int,
     model_only: bool,
 ) -> None:
-    """``read``: the model and optimizer state dicts and every rank's train state read from ``path``."""
-    model_sd, optim_sd, trains = read
+    """``read``: every rank's train state read from ``path``, and what reads its model and optimizer state dicts
+    (once the fingerprint is checked)."""
+    trains, tensors = read
     # This rank's own state; a rank that did not exist when it was saved starts from rank 0's.
     train = trains.get(f"train.rank{rank}", trains.get("train.rank0"))
     saved_fp = train["fingerprint"] if train is not None else None
     if saved_fp is not None and not model_only:
         check_fingerprint(path, saved_fp, target.state.fingerprint())
     full = layout.is_full_state(path)
+    model_sd, optim_sd = tensors()
     if model_only:
         dcp.load(target, model_sd, optim_sd, full, model_only=True)
         log.info("loaded model weights only from %s (ckpt.load_model_only=true)", path)

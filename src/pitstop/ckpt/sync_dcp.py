@@ -6,12 +6,17 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from pitstop import fsurl
 from pitstop.ckpt.contract import Pending, SaveRecord
 from pitstop.ckpt.manager import CheckpointManager
-from pitstop.ckpt.rawdcp import FORMATS, RawFileSystemWriter, RawFsspecWriter
+from pitstop.ckpt.rawdcp import (
+    FORMATS,
+    RawFileSystemWriter,
+    RawFsspecWriter,
+    TorchSaveFileSystemWriter,
+    TorchSaveFsspecWriter,
+)
 from pitstop.ckpt.storage import ThrottledFileSystem
 from pitstop.errors import ConfigError
 
@@ -26,12 +31,13 @@ def check_format(fmt: str) -> str:
 
 
 def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.FileSystemWriter:
-    """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save."""
+    """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save;
+    either way a checksum manifest goes before the commit marker (:mod:`pitstop.ckpt.integrity`)."""
     if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
-        return (RawFsspecWriter if fmt == "raw" else FsspecWriter)(
+        return (RawFsspecWriter if fmt == "raw" else TorchSaveFsspecWriter)(
             path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True, **fsurl.options_for(path)
         )
-    writer = (RawFileSystemWriter if fmt == "raw" else dcp.FileSystemWriter)(
+    writer = (RawFileSystemWriter if fmt == "raw" else TorchSaveFileSystemWriter)(
         path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
     )
     if throttle_mbps:
