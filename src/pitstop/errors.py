@@ -1,5 +1,16 @@
 """Errors that pitstop reports as one clear line (what is at fault, what to do)."""
 
+import sys
+from typing import NoReturn
+
+
+def stop_command(message: str) -> NoReturn:
+    """End the command with ``error: <message>`` and exit status 2 from inside a Hydra callback: Hydra turns any
+    exception a callback raises into a warning and goes on (writing the run dir), but lets ``SystemExit`` through."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(2)
+
 
 class PitstopError(Exception):
     """Base class: the entry points print ``error: <message>`` and exit with status 2."""

@@ -109,23 +109,22 @@ def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monke
         rendezvous(make_cfg("strategy=ddp"), "/shared/runs/exp1", 1)
 
 
-def test_a_slurm_sweep_that_cannot_reach_slurm_is_refused_in_one_line_before_submitting(monkeypatch, tmp_path):
+def test_a_slurm_sweep_that_cannot_reach_slurm_is_refused_in_one_line_before_submitting(monkeypatch, tmp_path, capsys):
     # hydra/launcher=slurm's callback (conf/train.yaml), before the first sbatch: no sbatch on PATH, or a sinfo that
     # fails (a stand-in script here; the real one retries for 60 s on a bad SLURM_CONF, so the check gives up at 10 s)
     from omegaconf import OmegaConf
 
-    from pitstop.errors import ConfigError
     from pitstop.launch.slurm import SlurmReachable
 
     sweep = lambda launcher: OmegaConf.create({"hydra": {"launcher": {"_target_": launcher}}})  # noqa: E731
     slurm = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     monkeypatch.setenv("PATH", str(tmp_path))
     SlurmReachable().on_multirun_start(sweep("hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(SystemExit) as e:  # (Hydra turns any other exception of a callback into a warning)
         SlurmReachable().on_multirun_start(sweep(slurm))
-    assert str(e.value) == (
-        "hydra/launcher=slurm: SLURM is not reachable from here (no sbatch on PATH): run the sweep where SLURM's "
-        "commands are (a login node), or use hydra/launcher=submitit_local on this machine"
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: hydra/launcher=slurm: SLURM is not reachable from here (no sbatch on PATH): run the sweep where "
+        "SLURM's commands are (a login node), or use hydra/launcher=submitit_local on this machine\n"
     )
     for name, body in (
         ("sbatch", "exit 0"),
@@ -134,9 +133,9 @@ def test_a_slurm_sweep_that_cannot_reach_slurm_is_refused_in_one_line_before_sub
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(SystemExit) as e:
         SlurmReachable().on_multirun_start(sweep(slurm))
-    assert str(e.value) == (
-        "hydra/launcher=slurm: SLURM is not reachable from here: sinfo says 'sinfo: error: Unable to contact slurm "
-        "controller': is slurmctld up, and SLURM_CONF right?"
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: hydra/launcher=slurm: SLURM is not reachable from here: sinfo says 'sinfo: error: Unable to contact "
+        "slurm controller': is slurmctld up, and SLURM_CONF right?\n"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pytest
 
 from conftest import cli
@@ -99,6 +100,18 @@ def test_slurm_launcher_config_composes(data_root, tmp_path):
     p = cli(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "debug=tiny", "--cfg=hydra"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "SlurmLauncher" in p.stdout and "partition: gpu" in p.stdout and "gpus_per_node: 8" in p.stdout
+
+
+@pytest.mark.slow
+def test_a_slurm_sweep_without_sbatch_stops_in_one_line_before_writing(data_root, tmp_path):
+    # (the check is a Hydra callback: raised as an exception, Hydra would only warn and go on to submit)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "PATH": str(empty)}
+    p = cli(["-m", "hydra/launcher=slurm", "trainer.max_steps=1"], data_root, tmp_path, env=env, cold=True)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("error: hydra/launcher=slurm: SLURM is not reachable from here")
+    assert not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.slow

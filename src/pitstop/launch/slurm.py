@@ -13,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, stop_command
 
 WHERE = "hydra/launcher=slurm: SLURM is not reachable from here"
 
@@ -47,4 +47,7 @@ class SlurmReachable(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith(".SlurmLauncher"):
-            check_reachable()
+            try:
+                check_reachable()
+            except ConfigError as e:  # (raised, Hydra would warn and submit anyway)
+                stop_command(str(e))

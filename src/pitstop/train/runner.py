@@ -27,7 +27,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.ckpt.contract import SaveResult, Target, save_errors
-from pitstop.config import flatten, validate
+from pitstop.config import flatten, secrets, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
 from pitstop.errors import ConfigError, FingerprintMismatch
@@ -241,7 +241,7 @@ class Runner:
             self.metrics_file.write({"event": "resume", "step": self.step})
         if self.strategy.is_main:
             tags = summary.run_tags(self.cfg, self.strategy.name, self.ckpt.name, self.loader.kind)
-            self.logger.start(self.run_dir, flatten(self.cfg), tags=tags)
+            self.logger.start(self.run_dir, secrets.redact(flatten(self.cfg)), tags=tags)
 
     def fit(self) -> None:
         ledger, meter, watch = self.ledger, self.meter, self.watchdog

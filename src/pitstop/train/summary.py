@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+from pitstop.config import secrets
 from pitstop.goodput.ledger import table
 from pitstop.telemetry.metrics import write_json_atomic
 
@@ -50,7 +51,8 @@ def run_tags(cfg: Any, strategy: str, ckpt: str, loader: str) -> dict[str, str]:
     tags = {"strategy": strategy, "ckpt": ckpt, "loader": loader}
     sweep = cfg.get("sweep")
     if sweep:
-        tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": str(sweep.overrides)})
+        overrides = secrets.mask(str(sweep.overrides))
+        tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": overrides})
     return tags
 
 
