@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import final_losses as losses, train
+from conftest import final_losses as losses, read_jsonl, train
 from pitstop.errors import CheckpointError, FingerprintMismatch
 from pitstop.resilience.preempt import Preempted
 
@@ -139,3 +139,43 @@ def test_retention_keeps_the_newest_k_complete_checkpoints(make_cfg):
     train(cfg)  # saves at 2, 4, ..., 12
     left = sorted(layout.step_of(str(p)) for p in Path(cfg.ckpt.dir).iterdir() if layout.is_complete(str(p)))
     assert left == [10, 12]
+
+
+def test_a_retention_delete_that_fails_is_told_and_counted_and_leaves_no_loadable_remnant(make_cfg, caplog):
+    """An old checkpoint that cannot be deleted (an immutable file here; a read-only mount or a store that refuses a
+    delete elsewhere): the run goes on, says so in one line and counts it in summary.json; its commit marker went
+    first, so what stays is partial and never loaded."""
+    import subprocess
+
+    from pitstop.ckpt import layout
+
+    args = ["ckpt=sync_save", "ckpt.interval_steps=2", "ckpt.keep_last_k=2"]
+    train(make_cfg(*args, "trainer.max_steps=4"))  # saves at 2, 4
+    stuck = Path(layout.step_dir(make_cfg(*args).ckpt.dir, 2)) / "state.pt"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+            s = train(make_cfg(*args, "trainer.max_steps=8"))  # saves 6, 8: step 2 is purged
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert s["checkpoint"]["purge_failures"] >= 1
+    rows = read_jsonl(Path(make_cfg(*args).run_dir) / "metrics.jsonl")
+    assert sum(r.get("ckpt_purge_failed", 0) for r in rows) == s["checkpoint"]["purge_failures"]
+    assert "checkpoint retention failed: OSError: could not remove" in caplog.text and "step_00000002" in caplog.text
+    assert not layout.is_complete(str(stuck.parent)) and stuck.exists()
+    assert [p for p in layout.candidates(str(stuck.parent.parent), "auto")] == [
+        layout.step_dir(str(stuck.parent.parent), step) for step in (8, 6)
+    ]
+
+
+def test_a_damaged_goodput_json_is_kept_aside_and_named(make_cfg, caplog):
+    cfg = make_cfg("ckpt=sync_save", "ckpt.interval_steps=6")
+    train(cfg)
+    doc = Path(cfg.run_dir) / "goodput.json"
+    doc.write_text('{"attempts": [{"status": "fin')  # torn by a full disk, say
+    with caplog.at_level("WARNING", logger="pitstop.goodput"):
+        train(make_cfg("ckpt=sync_save", "ckpt.interval_steps=6", "trainer.max_steps=14"))
+    aside = Path(str(doc) + ".corrupt")
+    assert aside.read_text() == '{"attempts": [{"status": "fin'
+    assert f"{doc} is unreadable (JSONDecodeError" in caplog.text and f"kept aside as {aside}" in caplog.text

@@ -75,9 +75,18 @@ def _names(root: str) -> list[str]:
 
 
 def remove(path: str) -> None:
-    """Remove a checkpoint dir (or what is left of one); nothing if it is not there."""
+    """Remove a checkpoint dir (or what is left of one); nothing if it is not there.  The commit markers go first, so
+    a removal cut short leaves a partial dir that no restore loads; OSError naming what is left if any of it stays
+    (a read-only mount, a permission, a store that refused a delete)."""
+    for marker in (DCP_MARKER, SAVE_MARKER):
+        _remove_file(fsurl.join(path, marker))
     if not fsurl.is_url(path):
-        shutil.rmtree(path, ignore_errors=True)
+        failed: list[str] = []
+        shutil.rmtree(path, onerror=lambda _f, p, e: None if issubclass(e[0], FileNotFoundError) else failed.append(p))
+        if failed or os.path.exists(path):
+            raise OSError(
+                f"could not remove {path}: {len(failed) or 'some'} entr{'y' if len(failed) == 1 else 'ies'} left"
+            )
         return
     fs, p = fsurl.filesystem(path)
     try:
@@ -85,6 +94,24 @@ def remove(path: str) -> None:
     except FileNotFoundError:
         pass
     fs.invalidate_cache(p)
+    try:
+        left = fs.find(p)  # (s3fs's bulk delete reports objects it could not delete without raising)
+    except FileNotFoundError:
+        left = []
+    if left:
+        raise OSError(f"could not remove {path}: {len(left)} object(s) left")
+
+
+def _remove_file(path: str) -> None:
+    try:
+        if fsurl.is_url(path):
+            fs, p = fsurl.filesystem(path)
+            fs.rm_file(p)
+            fs.invalidate_cache(p)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
@@ -116,7 +143,10 @@ def candidates(root: str, spec: Any) -> list[str]:
     for _, path, complete in found:
         if not complete:
             log.warning("skipping partial checkpoint %s (no commit marker); removing it", path)
-            remove(path)
+            try:
+                remove(path)
+            except OSError as e:
+                log.warning("the partial checkpoint stays (never loaded): %s", e)
     return [path for _, path, complete in reversed(found) if complete]
 
 

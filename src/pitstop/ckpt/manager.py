@@ -96,6 +96,8 @@ class CheckpointManager(Checkpointer):
         self._done: list[SaveRecord] = []  # finished in the background, not yet reported
         self._lock = threading.Lock()
         self._purger: ThreadPoolExecutor | None = None
+        self.purge_failures = 0  # retention deletes that failed (logged; summary.json, metrics)
+        self._purge_failed: list[str] = []  # their one-line reasons, not yet reported
         self._closed = False
         self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
         self.last_started = self.last_durable = self.last_committed = None
@@ -221,10 +223,15 @@ class CheckpointManager(Checkpointer):
             tier=tier.name,
             throttle_mbps=self.throttle_mbps if tier is self.durable else None,
         )
+        leftover: str | None = None
         if self.rank == 0:
-            layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
-        self.strategy.barrier()
+            try:
+                layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
+            except OSError as e:
+                leftover = one_line(e)
         try:
+            if self.strategy.any(leftover is not None):  # (every rank writes, or none does)
+                raise CheckpointError(f"a leftover of step {step} is in the way: {leftover or 'see rank 0'}")
             pending = self._write(self._app_state(target), record)
         except dcp.ERRORS as e:  # handled per on_error
             self._failed(record, e)
@@ -316,11 +323,23 @@ class CheckpointManager(Checkpointer):
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
                 tier = self._tier(record)
-                self._purger.submit(layout.purge, tier.root, tier.keep_last_k)
+                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k)
                 if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
-                    self._purger.submit(layout.purge_up_to, self.local.root, record.step)
+                    self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)
         with self._lock:
             self._done.append(record)
+
+    def _purge(self, purge: Callable[..., None], *args: Any) -> None:
+        """Retention, in the purger's thread: a delete that fails is said in one line and counted (never silent:
+        on a store, a retention that quietly stopped working would grow the bucket without bound)."""
+        try:
+            purge(*args)
+        except Exception as e:  # noqa: BLE001 - any failure: the checkpoints stay, the run goes on, it is told
+            reason = one_line(e)
+            log.warning("checkpoint retention failed: %s; the checkpoint stays on disk (ckpt.keep_last_k)", reason)
+            with self._lock:
+                self.purge_failures += 1
+                self._purge_failed.append(reason)
 
     def _failed(self, record: SaveRecord, error: BaseException) -> None:
         record.error = one_line(error)
@@ -334,7 +353,10 @@ class CheckpointManager(Checkpointer):
             "; the durable tier is unaffected" if local else "",
         )
         if not layout.is_complete(record.path) and (self.rank == 0 or local):
-            layout.remove(record.path)  # (a local tier may be per node: every rank cleans)
+            try:
+                layout.remove(record.path)  # (a local tier may be per node: every rank cleans)
+            except OSError as e:
+                log.warning("the failed checkpoint's files stay (no commit marker: never loaded): %s", one_line(e))
         with self._lock:
             self._done.append(record)
         if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run
@@ -343,6 +365,9 @@ class CheckpointManager(Checkpointer):
     def _report_finished(self) -> None:
         with self._lock:
             done, self._done = self._done, []
+            purge_failed, self._purge_failed = self._purge_failed, []
+        if purge_failed:
+            self.report({"ckpt_purge_failed": float(len(purge_failed))}, self.last_started or 0)
         for rec in done:
             self.records.append(rec)
             metrics = {"ckpt_block_seconds": rec.block_seconds, "ckpt_failed": float(rec.error is not None)}
@@ -361,18 +386,22 @@ class CheckpointManager(Checkpointer):
         try:
             self.wait()
         finally:
-            self._report_finished()
-            if self._purger is not None:
+            if self._purger is not None:  # (before the last report: its failures are counted too)
                 self._purger.shutdown(wait=True)
                 self._purger = None
+            self._report_finished()
             self._shutdown()
         durable = [r for r in self.records if r.tier == "durable"]
         last = durable[-1] if durable else None
         if self.local is not None and last is not None and last.last and last.error is None and self.rank == 0:
-            shutil.rmtree(self.local.root, ignore_errors=True)  # the run is complete: free the tmpfs
+            shutil.rmtree(self.local.root, onerror=self._left_in_local)  # the run is complete: free the tmpfs
         if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
             # The final save failed (or failures must fail the run): never report success.
             raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
+
+    def _left_in_local(self, _func: Any, path: str, exc: Any) -> None:
+        if not issubclass(exc[0], FileNotFoundError):
+            log.warning("the local tier could not be freed: %s stays (%s)", path, exc[1])
 
     def _shutdown(self) -> None:
         """Release per-run backend resources (also after a failure)."""
@@ -393,7 +422,7 @@ class CheckpointManager(Checkpointer):
                 "bytes_last": ok[-1].bytes if ok else 0,
             }
 
-        out = {"backend": self.name, **figures("durable")}
+        out = {"backend": self.name, **figures("durable"), "purge_failures": self.purge_failures}
         if self.local is not None:
             out.update({f"local_{k}": v for k, v in figures("local").items()})
             out["local_dir"] = self.local.root

@@ -199,6 +199,7 @@ class HostStager(AsyncStager):
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-stage")
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._future: Future | None = None
+        self._preparing = False  # the future is prepare()'s (no save's future reports its failure)
         self.allocations = 0
 
     def describe(self) -> str:
@@ -227,14 +228,14 @@ class HostStager(AsyncStager):
         slots: list = []
         staged = {k: (_skeleton(v, (k,), slots) if k in STAGED else v) for k, v in state_dict.items()}
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        self._future = self._pool.submit(self._stage, leaves, sources, slots, staged, ready)
+        self._future, self._preparing = self._pool.submit(self._stage, leaves, sources, slots, staged, ready), False
         return self._future
 
     def prepare(self, state_dict: dict) -> None:
         """Allocate the host buffers for this state's layout now, in the background (a later :meth:`stage`
         waits for it), so that the first save does not pay for allocating and faulting in the state's size."""
         if self._pool is not None and self.layout is None:
-            self._future = self._pool.submit(self._layout_for, staged_leaves(state_dict))
+            self._future, self._preparing = self._pool.submit(self._layout_for, staged_leaves(state_dict)), True
 
     def _stage(self, leaves: list, sources: dict, slots: list, staged: dict, ready: Any) -> dict:
         layout = self._layout_for(leaves)
@@ -264,8 +265,12 @@ class HostStager(AsyncStager):
         if self._future is not None:
             try:
                 self._future.result()
-            except Exception:  # reported through the save's own future
-                pass
+            except Exception as e:  # noqa: BLE001 - a save's own future reports its failure; a prepare's is told here
+                if self._preparing:
+                    self._preparing = False
+                    log.warning(
+                        "staging: the host buffers could not be prepared ahead (%s); the next save tries again", e
+                    )
 
     def close(self) -> None:
         if self._pool is not None:

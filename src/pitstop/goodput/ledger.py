@@ -36,6 +36,7 @@ In-process ``-m`` sweeps: jobs after the first in one process import nothing; ea
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -161,9 +162,20 @@ class GoodputLog:
                 return list(json.load(f).get("attempts", []))
         except FileNotFoundError:
             return []
-        except (OSError, ValueError):  # unreadable: start a fresh account rather than fail the run
+        except (OSError, ValueError) as e:  # unreadable: start a fresh account rather than fail the run, and say so
             if self.enabled:
-                os.replace(self.path, self.path + ".corrupt")
+                aside = self.path + ".corrupt"
+                if os.path.exists(aside):  # (an earlier one kept aside stays too)
+                    aside = f"{aside}.{int(time.time())}"
+                os.replace(self.path, aside)
+                logging.getLogger("pitstop.goodput").warning(
+                    "%s is unreadable (%s: %s): kept aside as %s; the goodput account and the failure history that "
+                    "ckpt.interval=auto uses start again from this attempt",
+                    self.path,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:120] if str(e) else "",
+                    aside,
+                )
             return []
 
     # ---- observed failures (for ckpt.interval=auto) ---------------------------------------------------

@@ -172,6 +172,18 @@ class Watchdog:
 
     # ---- the watcher's side ---------------------------------------------------------------------------
     def _watch(self) -> None:
+        try:
+            self._watch_phases()
+        except Exception as e:  # noqa: BLE001 - a watchdog that died must say so, and must not kill a healthy run later
+            faulthandler.cancel_dump_traceback_later()
+            log.error(
+                "the hang watchdog stopped (%s: %s): hangs on rank %d are no longer detected in this attempt",
+                type(e).__name__,
+                e,
+                self.rank,
+            )
+
+    def _watch_phases(self) -> None:
         while True:
             self._arm()  # this thread must come round again before the backstop fires
             if self._stop.wait(min(1.0, self.min_seconds / 4)):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from contextlib import ExitStack, closing
 from typing import Any, Callable
@@ -104,6 +105,7 @@ class Runner:
         # collects what the last left (a Runner is a cycle: its model, optimizer state and device memory would stay
         # frozen through the next run).
         hold.callback(_frozen())
+        _log_thread_failures()
         if OmegaConf.select(cfg, "loader.num_workers", default=0):
             # The data workers' fork server, forked now while this process has no threads of its own yet
             # (none may exist at a fork) and already has the components' modules: ready at once, no imports.
@@ -387,3 +389,28 @@ class Runner:
 
     def params_sha256(self) -> str:
         return model_sha256(self.model)
+
+
+def _log_thread_failures() -> None:
+    """An exception that ends a background thread (a writer, the purger, a prefetch, a timer) reaches the run's
+    log, not only stderr; a failure that loses data also reaches the exit status through the future that carries
+    it (a save's, a read's)."""
+    if getattr(threading.excepthook, "_pitstop", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is not SystemExit:
+            name = args.thread.name if args.thread is not None else "?"
+            log.error(
+                "background thread %s failed: %s: %s",
+                name,
+                args.exc_type.__name__,
+                args.exc_value,
+                exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+            )
+        else:
+            previous(args)
+
+    hook._pitstop = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
