@@ -22,7 +22,8 @@ time from the save until it is durable minus the same number of steps without sa
 steps); ``first`` is the first save's blocking time; ``durable`` is seconds until the save is committed.
 The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same
 run.  Then: the same on a
-200 MB/s throttled target (ResNet-50), steps/s with a save after every step (steady state: the first saves
+200 MB/s throttled target (ResNet-50), what checksums cost (each row with and without them, alternating, and
+what verification reads per second), steps/s with a save after every step (steady state: the first saves
 are not timed), and RSS over many saves.  ``BENCH_DIR=/dev/shm`` puts every checkpoint on tmpfs, which takes
 the disk out of the figures.
 """
@@ -297,6 +298,59 @@ def table(model: str, rows: list[str], extra: list[str], repeats: int, tmp: str,
     gc.collect()
 
 
+def checksum_costs(model: str, repeats: int, tmp: str) -> None:
+    """What checksums cost: each row saved with and without them (``pitstop.ckpt.integrity.ENABLED``, read as each
+    save's writer is made and carried into a checkpoint process), the two alternating on the same runner; then
+    what verifying a written checkpoint reads per second on one core (the files just written: the page cache is
+    warm, so this is the checksum's own cost plus a read from memory, not a disk's)."""
+    from pitstop.ckpt import integrity
+
+    rows = ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)"]
+    runners = {row: make_runner(model, row, os.path.join(tmp, f"sum-{i}")) for i, row in enumerate(rows)}
+    results: dict[tuple[str, bool], list] = {(row, on): [] for row in rows for on in (True, False)}
+    try:
+        for r in runners.values():
+            measure_save(r)  # (the first save allocates buffers, may wait for a checkpoint process: not timed)
+        for rep in range(repeats):
+            for row, r in runners.items():
+                for on in (True, False) if rep % 2 == 0 else (False, True):
+                    integrity.ENABLED = on
+                    results[(row, on)].append(measure_save(r))
+    finally:
+        integrity.ENABLED = True
+    print(
+        f"\n## {model}: checksums on vs off, local disk + fsync ({repeats} saves each, alternating); block: the loop's "
+        f"blocking time per save; durable: seconds until committed",
+        flush=True,
+    )
+    print(f"{'row':<28}{'block on':>10}{'off':>9}{'on/off':>8}{'durable on':>12}{'off':>9}{'on/off':>8}")
+    for row in rows:
+        b_on, b_off = (median([x["block"] for x in results[(row, on)]]) for on in (True, False))
+        d_on, d_off = (median([x["durable"] for x in results[(row, on)]]) for on in (True, False))
+        print(
+            f"{row:<28}{b_on * 1e3:>8.1f}ms{b_off * 1e3:>7.1f}ms{b_on / max(b_off, 1e-9):>7.3f}x"
+            f"{d_on:>11.3f}s{d_off:>8.3f}s{d_on / max(d_off, 1e-9):>7.3f}x",
+            flush=True,
+        )
+    for r in runners.values():
+        r.ckpt.close()
+    for row, r in runners.items():  # its newest save was made with checksums (the last repeat ends on)
+        r.ckpt.maybe_save(r.target, r.step + 1, force=True)
+        r.ckpt.wait()
+        path = r.ckpt.records[-1].path if r.ckpt.records else None
+        if path is None or not os.path.exists(os.path.join(path, integrity.MANIFEST)):
+            continue
+        t0 = time.perf_counter()
+        nbytes = integrity.verify(path)
+        seconds = time.perf_counter() - t0
+        print(
+            f"verify {row:<21}{nbytes / 1e6:>8.0f} MB in {seconds:.3f} s: {nbytes / seconds / 1e9:.2f} GB/s, one core"
+        )
+        r.close()
+    runners.clear()
+    gc.collect()
+
+
 def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
     print(
         f"\n## {model}: steps/s with a save after every step ({steps} steps, after {EVERY_WARM} saves that are "
@@ -373,14 +427,14 @@ def main() -> None:
     ap.add_argument("--throttle-mbps", type=float, default=200.0)
     ap.add_argument("--rss-saves", type=int, default=50)
     ap.add_argument("--steps", type=int, default=6, help="steps for the save-every-step runs")
-    ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss")
+    ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss,checksums")
     ap.add_argument("--rss-only", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--models", default=None, help="only the models whose label contains one of these (comma list)")
     args = ap.parse_args()
     ensure_data()
     if args.rss_only:
         return rss_over_saves(*args.rss_only, args.rss_saves)
-    parts = set((args.only or "tables,throttled,every,rss").split(","))
+    parts = set((args.only or "tables,throttled,every,rss,checksums").split(","))
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
     print("# bench/ckpt.py: what a save costs the loop (medians; rows alternate within each repeat)", flush=True)
     resnet = next(iter(MODELS))
@@ -391,6 +445,8 @@ def main() -> None:
     if "throttled" in parts:
         rows = ["sync_save", "sync_dcp", "async_dcp (thread)", "async_dcp_pinned (process)", "peer: torchtitan pinned"]
         table(resnet, rows, [f"ckpt.throttle_mbps={args.throttle_mbps}"], args.repeats, tmp, throttled=True)
+    if "checksums" in parts:
+        checksum_costs(resnet, max(args.repeats, 4), tmp)
     if "every" in parts:
         every_step(resnet, list(ROWS), args.steps, tmp)
     if "rss" in parts:

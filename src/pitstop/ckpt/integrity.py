@@ -34,6 +34,10 @@ STATE_FILE = "state.pt"  # (pitstop.ckpt.formats')
 FORMAT = "pitstop.checksums/1"
 ALGORITHM = "crc32c"
 READ_CHUNK = 8 << 20  # bytes read per call while verifying
+# Writers record checksums while this is True (read when a save's writer is made, and carried with it into a
+# checkpoint process).  Only bench/ckpt.py turns it off, to measure what checksums cost side by side: a checkpoint
+# written without them has no manifest, and a restore refuses it as corrupt.
+ENABLED = True
 
 
 def crc(data: Any, value: int = 0) -> int:

@@ -70,14 +70,15 @@ class _RawWrites:
         path = self.fs.concat_path(self.path, name)
         items = [(item, planner.resolve_data(item)) for item in plan.items]
         results: list[WriteResult] = []
-        running = integrity.Running()  # the file's checksum, as its bytes go out (in order)
+        on = getattr(self, "checksums", True)
+        running = integrity.Running() if on else None  # the file's checksum, as its bytes go out (in order)
         offset = 0
         if type(self.fs) is FileSystem:  # local and unthrottled
             regions, rest = page_regions(items)
             if regions:
                 offset = write_direct(str(path), name, regions, results, running)
                 if offset is None:  # O_DIRECT refused here: all of it buffered
-                    offset, rest, results, running = 0, items, [], integrity.Running()
+                    offset, rest, results, running = 0, items, [], integrity.Running() if on else None
         else:
             rest = items
         with self.fs.create_stream(path, "r+b" if offset else "wb") as stream:
@@ -90,13 +91,15 @@ class _RawWrites:
                     view, descriptors = tensor_bytes(data), [RAW]
                 if len(view):
                     stream.write(view)
-                    running.update(view)
+                    if running is not None:
+                        running.update(view)
                 results.append(_result(item, name, offset, len(view), descriptors))
                 offset += len(view)
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
-        results.append(checksum_result(name, running.entry()))
+        if getattr(self, "checksums", True):
+            results.append(checksum_result(name, running.entry()))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -168,7 +171,8 @@ def write_direct(path: str, name: str, regions: list, results: list, running: An
                     if e.errno == errno.EINVAL and offset + done == 0:
                         return None
                     raise
-            running.update(view)
+            if running is not None:
+                running.update(view)
             first = storage.data_ptr() + start
             for item, t in members:
                 results.append(_result(item, name, offset + t.data_ptr() - first, _nbytes(t), [RAW]))
@@ -192,6 +196,8 @@ class _Manifest:
     name, fsync, rename)."""
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if not getattr(self, "checksums", True):  # (bench/ckpt.py's rows without checksums: DCP's own finish)
+            return super().finish(metadata, results)
         files: dict[str, dict] = {}
         storage: dict = {}
         for wr_list in results:
@@ -231,7 +237,9 @@ class _ReadBackChecksums:
 
     def write_data(self, plan, planner) -> Future:
         results = list(super().write_data(plan, planner).wait())
-        for name in sorted({r.storage_data.relative_path for r in results}):
+        for name in (
+            [] if not getattr(self, "checksums", True) else sorted({r.storage_data.relative_path for r in results})
+        ):
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 nbytes, value = integrity.stream_checksum(stream)
             results.append(checksum_result(name, integrity.entry(nbytes, value)))

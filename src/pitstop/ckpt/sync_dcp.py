@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from pitstop import fsurl
+from pitstop.ckpt import integrity
 from pitstop.ckpt.contract import Pending, SaveRecord
 from pitstop.ckpt.manager import CheckpointManager
 from pitstop.ckpt.rawdcp import (
@@ -34,14 +35,16 @@ def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.
     """A DCP writer for ``path``: one file per rank; ``fmt`` raw (see :mod:`pitstop.ckpt.rawdcp`) or torch_save;
     either way a checksum manifest goes before the commit marker (:mod:`pitstop.ckpt.integrity`)."""
     if fsurl.is_url(path):  # an object store: each file is one upload, whole or absent (nothing to fsync)
-        return (RawFsspecWriter if fmt == "raw" else TorchSaveFsspecWriter)(
+        writer = (RawFsspecWriter if fmt == "raw" else TorchSaveFsspecWriter)(
             path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True, **fsurl.options_for(path)
         )
-    writer = (RawFileSystemWriter if fmt == "raw" else TorchSaveFileSystemWriter)(
-        path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
-    )
-    if throttle_mbps:
-        writer.fs = ThrottledFileSystem(throttle_mbps)
+    else:
+        writer = (RawFileSystemWriter if fmt == "raw" else TorchSaveFileSystemWriter)(
+            path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+        )
+        if throttle_mbps:
+            writer.fs = ThrottledFileSystem(throttle_mbps)
+    writer.checksums = integrity.ENABLED
     return writer
 
 
