@@ -39,6 +39,17 @@ def test_a_stalled_step_in_process_raises_hung_names_the_phase_and_records_it(ma
     assert attempts(cfg.run_dir)[-1]["status"] == "hung"
 
 
+def test_a_stalled_evaluation_raises_hung_naming_the_phase(make_cfg):
+    """The fault x phase matrix, stall x evaluation (debug=tiny evaluates every 6 steps, 2 batches): the second
+    evaluation stalls (the first one measured how long an evaluation takes)."""
+    cfg = make_cfg("trainer.max_steps=18", "fault=stall", "fault.step=12", "fault.rank=0", "fault.phase=eval",
+                   "trainer.hang.min_seconds=2", "ckpt=sync_save", "ckpt.interval_steps=3")  # fmt: skip
+    with pytest.raises(Hung) as err:
+        train(cfg)
+    assert str(err.value).startswith("hang: rank 0 made no progress in phase 'eval'") and "\n" not in str(err.value)
+    assert attempts(cfg.run_dir)[-1]["status"] == "hung" and attempts(cfg.run_dir)[-1]["step"] == 12
+
+
 def test_hang_detection_off_is_off(make_cfg):
     cfg = make_cfg(
         "trainer.max_steps=4",

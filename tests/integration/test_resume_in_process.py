@@ -52,6 +52,21 @@ def test_a_preempted_run_resumes_in_process_to_the_uninterrupted_parameters(back
     assert losses(cfg.run_dir) == ref_losses  # every step, those after the resume included
 
 
+def test_a_notice_during_an_evaluation_is_taken_after_it_and_the_resume_is_exact(make_cfg, uninterrupted, caplog):
+    """The fault x phase matrix, preemption x evaluation: the notice comes after the evaluation's first batch (RUN
+    evaluates at step 15); the evaluation finishes, step 15 is saved, and the same config resumes exactly."""
+    cfg = make_cfg(*RUN, "ckpt=async_dcp", "ckpt.interval_steps=10", "fault=preempt", "fault.step=15",
+                   "fault.phase=eval")  # fmt: skip
+    with caplog.at_level("WARNING"), pytest.raises(Preempted):
+        train(cfg)
+    assert "preemption notice (SIGTERM) in the evaluation after step 15" in caplog.text
+    doc = json.loads((Path(cfg.run_dir) / "goodput.json").read_text())
+    assert doc["attempts"][-1]["status"] == "preempted" and doc["attempts"][-1]["step"] == 15
+    s = train(cfg)
+    assert s["resumed_from"] == 15 and s["params_sha256"] == uninterrupted[0]
+    assert losses(cfg.run_dir) == uninterrupted[1]
+
+
 def test_a_changed_seed_is_refused_at_resume_and_leaves_the_checkpoints(make_cfg):
     cfg = make_cfg("ckpt=sync_save", "ckpt.interval_steps=6")
     train(cfg)

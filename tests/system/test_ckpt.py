@@ -267,6 +267,33 @@ def test_sigkill_mid_write_leaves_a_run_that_resumes_exactly(backend, data_root,
 
 
 @pytest.mark.slow
+def test_sigkill_in_an_evaluation_then_in_a_restore_and_the_same_command_resumes_bitwise(
+    data_root, tmp_path, reference
+):
+    """The fault x phase matrix, SIGKILL x evaluation and SIGKILL x restore: killed after the first batch of the
+    evaluation at step 20, then killed again as the next command's restore starts reading the newest checkpoint (its
+    files verified); the same command then resumes from it and ends with the uninterrupted run's parameters."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"run_dir={run_dir}", "ckpt=sync_dcp", "ckpt.interval_steps=8", "ckpt.keep_last_k=0"]
+    first = cli([*args, "fault=crash_at_step", "fault.step=20", "fault.phase=eval"], data_root, tmp_path)
+    assert first.returncode == -signal.SIGKILL
+    log = (run_dir / "train.log").read_text()
+    assert "fault injection: SIGKILL (in the evaluation after step 20)" in log
+    again = [*args, "fault=crash_at_step", "fault.step=8", "fault.phase=restore"]
+    second = cli(again, data_root, tmp_path)
+    assert second.returncode == -signal.SIGKILL
+    assert (
+        "fault injection: SIGKILL (in the restore of a checkpoint of step 8 or later)"
+        in (run_dir / "train.log").read_text()
+    )
+    third = cli(again, data_root, tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["resumed_from"] == 16
+    assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+
+
+@pytest.mark.slow
 def test_partial_skipped_and_corrupt_newest_falls_back_to_previous(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
     args = [

@@ -261,3 +261,50 @@ def test_a_damaged_checkpoint_falls_back_in_one_line_and_a_bug_is_raised(caplog)
         first(["/c/step_2", "/c/step_1"], {"/c/step_2": [KeyError("model.w")]})
     with pytest.raises(CheckpointError):  # asked for by name: no fallback
         first(["/c/step_2"], {"/c/step_2": [CorruptCheckpoint("x")]}, explicit=True)
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL at that point of a save: what is on disk stays as it is (the page cache survives a
+    killed process; only a power loss could lose more, which fsync and the marker-last order are there for)."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_stopped_at_any_point_of_its_commit_is_partial_and_skipped_or_complete_and_verifies(
+    kind, tmp_path, monkeypatch
+):
+    from pitstop.ckpt import layout
+
+    real_fsync, calls = os.fsync, [0]
+
+    def counting(fd):
+        calls[0] += 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    write(kind, tmp_path / "count" / "step_00000003")
+    points = calls[0]  # every fsync of a save: its data, the manifest, the marker, their dirs
+    assert points >= 3
+    outcomes = set()
+    for k in range(1, points + 1):
+        root = tmp_path / f"at{k}"
+        seen = [0]
+
+        def stop_at_k(fd, k=k):
+            seen[0] += 1
+            if seen[0] == k:
+                raise Killed
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", stop_at_k)
+        with pytest.raises(BaseException) as e:  # (DCP wraps what a rank raised in its CheckpointException)
+            write(kind, root / "step_00000003")
+        assert e.type is Killed or "Killed" in str(e.value)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        path = str(root / "step_00000003")
+        if layout.is_complete(path):
+            integrity.verify(path)  # a complete checkpoint is whole: its manifest was durable before its marker
+            outcomes.add("complete")
+        else:
+            assert layout.candidates(str(root), "auto") == [] and not os.path.exists(path)  # skipped and removed
+            outcomes.add("partial")
+    assert outcomes == {"partial", "complete"}  # (the last point: the dir fsync after the marker's rename)

@@ -68,6 +68,11 @@ class Checkpointer(ABC):
     last_started: int | None = None  # the step of the newest save started (in flight or done)
     last_durable: int | None = None  # the step of the newest save to the durable tier (ckpt.dir) started
     last_committed: int | None = None  # the step of the newest save to the durable tier that completed
+    load_callbacks: tuple[Callable[[str], None], ...] = ()
+
+    def on_load(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(path)`` as a restore starts reading a checkpoint it verified (fault injection)."""
+        self.load_callbacks = (*self.load_callbacks, callback)
 
     @abstractmethod
     def setup(

@@ -174,6 +174,8 @@ class CheckpointManager(Checkpointer):
 
     def _load(self, path: str, target: Target) -> None:
         self._verify(path)
+        for callback in self.load_callbacks:
+            callback(path)
         read = self._read(path, target)
         fallback.load_into(path, target, read, self.rank, self.world_size, self.load_model_only)
 

@@ -43,6 +43,8 @@ class FaultContext:
     start_wall: float  # when this process started (time.time())
     checkpointer: Any  # pitstop.ckpt.contract.Checkpointer: its root and the step of the newest save started
     grad_accum_steps: int = 1  # micro-batches per step
+    # registers a call made (with the checkpoint's path) as a restore starts reading a checkpoint it verified
+    on_restore: Callable[[Callable[[str], None]], None] | None = None
     # strategy=ft: registers a call made (with the step) when this process starts sending its state to a healing
     # peer; None under other strategies
     on_heal_served: Callable[[Callable[[int], None]], None] | None = None
@@ -65,6 +67,9 @@ class Fault(ABC):
     def after_micro_batch(self, step: int, micro_batch: int) -> None:
         """Called inside step ``step`` after the backward of micro-batch ``micro_batch`` (1-based) when that is
         not the step's last (``trainer.grad_accum_steps`` > 1): a kill in the middle of an accumulation window."""
+
+    def during_eval(self, step: int, batch: int) -> None:
+        """Called inside the evaluation after step ``step``, after its ``batch``-th batch (1-based) was computed."""
 
     @abstractmethod
     def close(self) -> None:
@@ -92,23 +97,36 @@ class NoFault(Fault):
         pass
 
 
+PHASES = ("step", "eval", "restore")
+
+
 class CrashAtStep(NoFault):
     """SIGKILL this process at the end of step ``step`` (after that step's save, if any, was started).
 
     With an async checkpoint backend this lands while the save is staging or being written in the
     background; with a sync backend, between saves.  ``micro_batch=K`` (with ``trainer.grad_accum_steps`` >
     K): inside step ``step`` instead, after its K-th micro-batch's backward (gradients half accumulated).
+    ``phase``: where it fires: ``step`` (the end of step ``step``), ``eval`` (inside the first evaluation at or
+    after step ``step``, after its first batch), ``restore`` (as the first restore of a checkpoint of step
+    ``step`` or later starts reading it, once its files are verified).
     """
 
     name = "crash_at_step"
 
-    def __init__(self, step: int, rank: int = 0, micro_batch: int | None = None, replica: Any = None):
+    def __init__(
+        self, step: int, rank: int = 0, micro_batch: int | None = None, replica: Any = None, phase: str = "step"
+    ):
         self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
         self.micro_batch = None if micro_batch is None else checks.integer("fault.micro_batch", micro_batch)
+        if phase not in PHASES:
+            raise ConfigError(f"fault.phase={phase!r}: use one of {', '.join(PHASES)}")
+        if phase != "step" and self.micro_batch is not None:
+            raise ConfigError(f"fault.micro_batch is a point inside a step: it needs fault.phase=step, not {phase}")
+        self.phase = phase
 
-    def bind(self, ctx: FaultContext) -> None:
-        super().bind(ctx)
+    def _bind_step(self, ctx: FaultContext) -> None:
+        NoFault.bind(self, ctx)
         if self.step > ctx.total_steps:
             raise ConfigError(
                 f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
@@ -122,7 +140,8 @@ class CrashAtStep(NoFault):
 
     def after_step(self, step: int) -> None:
         if (
-            self.micro_batch is None
+            self.phase == "step"
+            and self.micro_batch is None
             and step == self.step
             and self.ctx.rank == self.rank
             and _first_time(self.ctx.run_dir, self.key())
@@ -138,11 +157,37 @@ class CrashAtStep(NoFault):
         ):
             self.fire()
 
+    def during_eval(self, step: int, batch: int) -> None:
+        if self.phase == "eval" and step >= self.step and self.ctx.rank == self.rank:
+            if _first_time(self.ctx.run_dir, self.key()):
+                self.fire()
+
+    def _restoring(self, path: str) -> None:
+        from pitstop.ckpt.layout import step_of
+
+        if step_of(path) >= self.step and _first_time(self.ctx.run_dir, self.key()):
+            self.fire()
+
+    def bind(self, ctx: FaultContext) -> None:
+        self._bind_step(ctx)
+        if self.phase == "restore" and ctx.rank == self.rank:
+            if ctx.on_restore is None:
+                raise ConfigError("fault.phase=restore fires in a checkpoint's restore: it needs a ckpt backend")
+            ctx.on_restore(self._restoring)
+
     def key(self) -> str:
-        return f"{self.name}@{self.step}" + (f".{self.micro_batch}" if self.micro_batch is not None else "")
+        where = f".{self.micro_batch}" if self.micro_batch is not None else ""
+        return f"{self.name}@{self.step}{where}" + (f"/{self.phase}" if self.phase != "step" else "")
+
+    def where(self) -> str:
+        if self.phase == "eval":
+            return f"in the evaluation after step {self.step}"
+        if self.phase == "restore":
+            return f"in the restore of a checkpoint of step {self.step} or later"
+        return f"at step {self.step}" + (f", after micro-batch {self.micro_batch}" if self.micro_batch else "")
 
     def fire(self) -> None:
-        _kill(f"at step {self.step}" + (f", after micro-batch {self.micro_batch}" if self.micro_batch else ""))
+        _kill(self.where())
 
 
 class StallAtStep(CrashAtStep):
@@ -159,10 +204,10 @@ class StallAtStep(CrashAtStep):
 
     def fire(self) -> None:
         log.warning(
-            "fault injection: rank %d stalls for %.0f s at step %d%s",
+            "fault injection: rank %d stalls for %.0f s %s%s",
             self.rank,
             self.seconds,
-            self.step,
+            self.where(),
             " holding the GIL" if self.hold_gil else "",
         )
         if self.hold_gil:  # libc sleep() through ctypes.PyDLL: a native call that keeps the GIL
@@ -187,7 +232,7 @@ class PreemptAtStep(CrashAtStep):
         self.signal = parse_signals([signal])[0]
 
     def fire(self) -> None:
-        log.warning("fault injection: preemption notice (%s) at step %d", self.signal.name, self.step)
+        log.warning("fault injection: preemption notice (%s) %s", self.signal.name, self.where())
         os.kill(os.getpid(), self.signal)
 
 

@@ -355,7 +355,8 @@ class Runner:
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
             out = steps.evaluate(self.model, self.task, self.eval_loader, self.cfg.trainer.eval_max_batches,
-                                 self.strategy, self.precision, self.stepper.device_batch)  # fmt: skip
+                                 self.strategy, self.precision, self.stepper.device_batch,
+                                 on_batch=lambda i: self.fault.during_eval(self.step, i))  # fmt: skip
         if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
             self.ledger.move("eval", "compile", self.compile_clock.take())
         self.last_eval = out

@@ -5,7 +5,7 @@ re-planned to decay over the steps left; and after which steps the loop evaluate
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from pitstop.errors import ConfigError
 from pitstop.train.lr import planned_steps, replan
@@ -99,10 +99,20 @@ class EvalSchedule:
 
 
 def evaluate(model: Any, task: Any, loader: Any, max_batches: int | None, strategy: Any, precision: Any,
-             to_device: Any) -> dict[str, float]:  # fmt: skip
+             to_device: Any, on_batch: Callable[[int], None] | None = None) -> dict[str, float]:  # fmt: skip
     """One pass over the evaluation split (at most ``max_batches``): the task's metrics, reduced over ranks.
-    Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see ``iterate_once``."""
+    Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see ``iterate_once``.
+    ``on_batch(i)``: called as the i-th batch (1-based) is handed on, after the one before it was computed."""
     passes = loader.iterate_once(max_batches, share=strategy.broadcast_object)
     batches = ((to_device(b), counted) for b, counted in passes)
+    if on_batch is not None:
+        batches = _told(batches, on_batch)
     with precision.autocast():
         return task.evaluate(model, batches, strategy.all_reduce_sum, strategy.device)
+
+
+def _told(items: Any, on_item: Callable[[int], None]) -> Any:
+    for i, item in enumerate(items, 1):
+        if i > 1:
+            on_item(i - 1)
+        yield item
