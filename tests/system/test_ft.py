@@ -420,3 +420,70 @@ def test_the_writer_group_killed_during_a_durable_save_the_job_goes_on_and_a_res
     assert not partial.exists() and "skipping partial checkpoint" in again.stderr + again.stdout
     s = group_summary(run, 0)
     assert s["resumed_from"] == 100 and s["params_sha256"] == s0["params_sha256"]
+
+
+def listening(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
+    """The TCP sockets each process of ``pids`` listens on: (address, port), from /proc/net/tcp{,6} joined with the
+    socket inodes of its open files."""
+    import ipaddress
+
+    listen: dict[str, tuple[str, int]] = {}  # inode -> (address, port)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A":  # LISTEN
+                    continue
+                hexaddr, port = cols[1].split(":")
+                raw = b"".join(bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, len(hexaddr), 8))
+                listen[cols[9]] = (str(ipaddress.ip_address(raw)), int(port, 16))
+    out: dict[int, list[tuple[str, int]]] = {}
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # (gone meanwhile)
+            continue
+        inodes = [link[len("socket:[") : -1] for link in links if link.startswith("socket:[")]
+        out[pid] = [listen[i] for i in inodes if i in listen]
+    return out
+
+
+def test_a_job_on_one_machine_listens_on_loopback_alone_and_heals_over_the_secret_guarded_transport(
+    data_root, tmp_path
+):
+    # Group 1 crashes at step 15, restarts and heals from group 0 over pitstop's heal transport (raw bytes, HMAC'd
+    # with the job's secret, no pickle). While both train after the heal, every TCP socket that any process of the
+    # job listens on (the Lighthouse in the launcher; each group's manager server, store, heal server, Gloo) is on
+    # loopback. The job's secret, made by the launcher, is in no file of the run.
+    import ipaddress
+
+    run = tmp_path / "run"
+    args = [*FT, "fault=crash_at_step", "fault.step=15", "fault.replica=1", "trainer.max_steps=400",
+            "trainer.eval_every_steps=null", "ckpt.interval_steps=200", f"run_dir={run}"]  # fmt: skip
+    with background_job(args, data_root, tmp_path) as p:
+        wait_for(lambda: len(attempts(run, 1)) == 2 and committed_step(run, 1) > 16, p=p)
+        trainers = {attempts(run, k)[-1]["pid"] for k in (0, 1)}
+        job, seen = {p.pid}, None
+        while seen != job:  # the launcher and its descendants
+            seen = set(job)
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in job:
+                    with contextlib.suppress(OSError):
+                        if parent(int(entry)) in job:
+                            job.add(int(entry))
+        sockets = listening(job)
+        alive = committed_step(run, 0) < 400 and committed_step(run, 1) < 400
+        with open(f"/proc/{attempts(run, 1)[-1]['pid']}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert alive and trainers <= set(sockets), (trainers, sockets)  # (sampled while both groups trained)
+    assert len(sockets[p.pid]) >= 1 and all(len(sockets[t]) >= 3 for t in trainers), sockets
+    wide = {pid: [(a, port) for a, port in s if not ipaddress.ip_address(a).is_loopback] for pid, s in sockets.items()}
+    assert not any(wide.values()), f"listening beyond loopback (pid: address, port): {wide}"
+    assert "healed from a live peer" in (run / "replica1" / "train.log").read_text()
+    s0, s1 = group_summary(run, 0), group_summary(run, 1)
+    assert s0["final_step"] == s1["final_step"] == 400 and s0["params_sha256"] == s1["params_sha256"]
+    secret = env[b"PITSTOP_FT_SECRET"]
+    assert len(secret) == 64  # (the launcher's, 32 random bytes in hex) ... and written nowhere
+    files = [f for f in run.rglob("*") if f.is_file()] + [tmp_path / "job.log"]
+    assert files and not [str(f) for f in files if secret in f.read_bytes()]

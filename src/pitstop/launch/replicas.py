@@ -10,12 +10,25 @@ running torch's elastic agent (as ``strategy=ddp`` does): when one of its ranks 
 ranks, and only those. The durable checkpoints are the job's (``ckpt.dir``, shared): the group at
 place 0 of each step's quorum writes them, so if every group dies the same command resumes from the newest.
 ``RUN_DIR/summary.json`` is the job's: each group's summary, restarts per group.
+
+A restarted group heals from a live peer's state over pitstop's heal transport
+(:mod:`pitstop.strategy.heal_transport`), which serves it only to, and accepts it only from, a process holding the
+job's secret, ``PITSTOP_FT_SECRET``: when this launcher starts the Lighthouse it makes one
+(``secrets.token_hex(32)``, unless the environment has one) before it starts any group, and the groups inherit it. A
+job on several machines (``strategy.lighthouse`` given) needs the same value exported on every machine, e.g.
+``export PITSTOP_FT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`` once, passed on by the
+scheduler; a group without one stops in one line. It is never written to the config, the run dir, the logs or a
+tracker. When this launcher starts the Lighthouse the whole job is on this machine, and every socket of it listens
+on loopback: the Lighthouse, each group's manager server, store and heal transport, and Gloo
+(``GLOO_SOCKET_IFNAME=lo`` unless set); with ``strategy.lighthouse`` given they listen on every interface (the
+group's store excepted: its ranks share a machine), and the secret guards the heal's state.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -37,20 +50,46 @@ def replica_dir(run_dir: str, k: int) -> str:
     return os.path.join(run_dir, f"replica{k}")
 
 
-def start_lighthouse(strategy: Any) -> Any:
-    """A torchft Lighthouse in this process (its server runs in threads of its own)."""
+def job_secret() -> None:
+    """The job's secret in this process's environment (kept if there is one), for the groups it starts."""
+    from pitstop.strategy.ft_keys import SECRET_ENV
+
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+
+
+class LocalLighthouse:
+    """A torchft Lighthouse on loopback, and the address its groups reach it by (``http://127.0.0.1:PORT``;
+    torchft's own ``address()`` names the host, which a server on loopback does not answer on)."""
+
+    def __init__(self, server: Any):
+        self._server = server
+        self._port = int(server.address().rstrip("/").rsplit(":", 1)[1])
+
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+def start_lighthouse(strategy: Any) -> LocalLighthouse:
+    """A torchft Lighthouse in this process, on loopback (its server runs in threads of its own): the process that
+    starts it starts the whole job on this machine, so it holds the job's secret too (:func:`job_secret`)."""
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as e:
         from pitstop.errors import ConfigError
 
         raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
-    return LighthouseServer(
-        bind="[::]:0",
-        min_replicas=int(strategy.min_replicas),
-        join_timeout_ms=100,  # a quorum forms this long after the first group asks (the others join later)
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=int(strategy.heartbeat_ms),
+    job_secret()
+    return LocalLighthouse(
+        LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=int(strategy.min_replicas),
+            join_timeout_ms=100,  # a quorum forms this long after the first group asks (the others join later)
+            quorum_tick_ms=20,
+            heartbeat_timeout_ms=int(strategy.heartbeat_ms),
+        )
     )
 
 
@@ -82,9 +121,14 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     check_config(cfg)
     check_room(cfg)  # (no torch on a machine without GPUs: a refused job starts nothing)
     ranks = int(cfg.strategy.nproc_per_node)
+    strategy = cfg.strategy
+    if not strategy.lighthouse:  # the whole job on this machine (a Lighthouse elsewhere: the secret is the user's)
+        # (before any process of the job starts: the warm server's attempts and the groups' agents inherit both)
+        job_secret()
+        if os.path.isdir("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # Gloo's pairs listen on loopback alone
     # (groups of one rank: attempts of the warm server, started now; several: each group's agent has its own)
     ctx = start_warm(cfg) if ranks == 1 else mp.get_context("spawn")
-    strategy = cfg.strategy
     groups = int(strategy.replicas)
     os.makedirs(run_dir, exist_ok=True)
     lighthouse = start_lighthouse(strategy) if not strategy.lighthouse else None

@@ -17,23 +17,33 @@ A peer's death costs a healthy group the step in flight and a pause of about the
 (``strategy.heartbeat_ms``); the dead group's launcher restarts it alone and it heals from a peer's live state
 (model, optimizer, step, data position, RNGs) over torchft's checkpoint transport: no checkpoint file is read.
 A group of several ranks restarts all of them (its own elastic agent), and each heals from the same rank of a peer.
+
+A heal's state travels over :class:`~pitstop.strategy.heal_transport.RawHTTPTransport` (raw tensor bytes and a JSON
+manifest, authenticated by the job's secret ``PITSTOP_FT_SECRET``; torchft's default transport unpickles what it
+receives). When the whole job is on this machine (its Lighthouse on loopback), every socket a group listens on is
+bound to loopback: torchft's manager server, the group's store, the heal transport (Gloo's, through
+``GLOO_SOCKET_IFNAME=lo``, which the launcher sets).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import secrets
+import socket
+import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.strategy.base import Strategy
-from pitstop.strategy.ft_keys import check_keys
+from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
 from pitstop.train.batch import local_shard
@@ -222,38 +232,61 @@ class FT(Strategy):
                 "strategy=ft: this process is no replica group (strategy.replica_id and strategy.lighthouse are "
                 "unset): start the job with python -m recipe.train strategy=ft, which starts the groups"
             )
+        # (the one PITSTOP_* variable read below launch/: a secret must not travel in the config, and LaunchFacts
+        # does not carry it yet; pitstop's launcher sets it for the processes it starts. A job of one group has no
+        # peer to heal from or to serve: a secret of its own, known to nobody else, does.)
+        secret = os.environ.get(SECRET_ENV, "") or (secrets.token_hex(32) if self.replicas == 1 else "")
+        if not secret:
+            raise ConfigError(
+                f"strategy=ft: {SECRET_ENV} is not set (the job's secret: a heal's state is served only to a group "
+                f"that has it); the launcher makes one; for several machines export the same value on each"
+            )
         try:
             from torch.distributed import TCPStore
             from torchft import Manager, ProcessGroupGloo
         except ImportError as e:
             raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None
+        from pitstop.strategy.heal_transport import RawHTTPTransport
+
         timeout = timedelta(seconds=self.timeout)
         self._started_ms = int(time.time() * 1000)
+        # one machine (the Lighthouse on loopback): every socket below listens on loopback alone
+        local = on_loopback(lighthouse_url(str(self.lighthouse)))
         # the group's store for torchft (its manager's address, its replica id): hosted by the group's rank 0 on a
-        # free port, made known to the others over the group's process group (no key of an earlier attempt)
+        # free port of loopback (the group's ranks share a machine), made known to the others over the group's
+        # process group (no key of an earlier attempt). (TCPStore's own server listens on every interface whatever
+        # its host: it is handed a socket listening on loopback, which it owns from then on.)
         if self.rank == 0:
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            listening = socket.create_server(("127.0.0.1", 0), backlog=socket.SOMAXCONN)
+            self._store = TCPStore("127.0.0.1", listening.getsockname()[1], is_master=True, wait_for_workers=False,
+                                   master_listen_fd=listening.fileno())  # fmt: skip
+            listening.detach()
         port = self.inner.broadcast_object(self._store.port if self.rank == 0 else None)
+        transport = RawHTTPTransport(secret, timeout, bind_host="127.0.0.1" if local else "::")
         try:
-            self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout),
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=self.min_replicas,
-                use_async_quorum=False,  # the step's data share depends on the quorum: known before the fetch
-                timeout=timeout,
-                quorum_timeout=timedelta(seconds=self.quorum_timeout),
-                connect_timeout=timeout,
-                rank=self.rank,
-                world_size=self.world_size,
-                store_addr="127.0.0.1",
-                store_port=int(port),
-                lighthouse_addr=lighthouse_url(str(self.lighthouse)),
-                replica_id=f"replica{self.replica_id}:{self._code}:{self._started_ms}",  # torchft adds :{uuid}
-                heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
-                init_sync=False,  # every group starts from the same seeded parameters
-            )
+            with _manager_server_on("127.0.0.1" if local else None):
+                self.manager = Manager(
+                    pg=ProcessGroupGloo(timeout=timeout),
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=self.min_replicas,
+                    use_async_quorum=False,  # the step's data share depends on the quorum: known before the fetch
+                    timeout=timeout,
+                    quorum_timeout=timedelta(seconds=self.quorum_timeout),
+                    connect_timeout=timeout,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    store_addr="127.0.0.1",
+                    store_port=int(port),
+                    lighthouse_addr=lighthouse_url(str(self.lighthouse)),
+                    replica_id=f"replica{self.replica_id}:{self._code}:{self._started_ms}",  # torchft adds :{uuid}
+                    heartbeat_interval=timedelta(milliseconds=max(10, self.heartbeat_ms // 5)),
+                    init_sync=False,  # every group starts from the same seeded parameters
+                    checkpoint_transport=transport,
+                    **({"hostname": "127.0.0.1"} if local else {}),  # (what its peers reach its manager by)
+                )
         except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError for an unreachable Lighthouse
+            transport.shutdown(wait=False)
             raise ConfigError(
                 f"strategy.lighthouse={self.lighthouse} cannot be reached within strategy.timeout={self.timeout:g}s "
                 f"({str(e).splitlines()[0][:200]}): start the job's Lighthouse or fix the address"
@@ -427,6 +460,32 @@ class FT(Strategy):
             finally:
                 self.manager = None
         self.inner.teardown()
+
+
+_MANAGER_SERVER = threading.Lock()
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str | None) -> Iterator[None]:
+    """While torchft's ``Manager`` is built: its manager server (rank 0's) listens on ``host`` (None: where torchft
+    puts it, ``[::]``, every interface); torchft takes no address for it, only a port."""
+    if host is None:
+        yield
+        return
+    import torchft.manager
+
+    with _MANAGER_SERVER:  # (groups built in threads of one process, as in the tests: one at a time)
+        original = torchft.manager.ManagerServer
+
+        def on_host(*args: Any, **kw: Any) -> Any:
+            kw["bind"] = f"{host}:{str(kw['bind']).rsplit(':', 1)[1]}"
+            return original(*args, **kw)
+
+        torchft.manager.ManagerServer = on_host
+        try:
+            yield
+        finally:
+            torchft.manager.ManagerServer = original
 
 
 class HealFailed(PitstopError):

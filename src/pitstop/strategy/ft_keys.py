@@ -1,9 +1,28 @@
-"""``strategy=ft``'s keys, checked without torch: the launcher refuses a bad value before it starts anything."""
+"""``strategy=ft``'s keys, checked without torch: the launcher refuses a bad value before it starts anything. And
+two facts the launcher and the groups share: the name of the job's secret, and whether the job is on one machine."""
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pitstop.config.checks import is_integer
 from pitstop.errors import ConfigError
+
+# The job's secret (hex): a heal's state is served only to, and accepted only from, a process that has it. The
+# launcher that starts the Lighthouse makes one; a job on several machines exports the same value on each. It never
+# goes into the config, the run dir, the logs or a tracker.
+SECRET_ENV = "PITSTOP_FT_SECRET"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def on_loopback(lighthouse: str) -> bool:
+    """True when the Lighthouse is reached over loopback (``127.0.0.1``, ``::1``, ``localhost``): then every group
+    of the job runs on this machine, and each listens on loopback alone."""
+    url = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+    try:
+        return urlsplit(url).hostname in LOOPBACK
+    except ValueError:
+        return False
 
 
 def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts) -> None:
