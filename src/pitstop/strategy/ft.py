@@ -109,6 +109,8 @@ class FT(Strategy):
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
         self.discarded = 0  # steps of this attempt whose commit failed
+        self._in_a_row = 0  # of them since the last committed step
+        self._last_commit: float | None = None  # when the last step committed (or the first began)
         self._heal_served: list[Callable[[int], None]] = []  # called as a heal from this process starts
         self.participants, self.place = 1, 0
         self._model: nn.Module | None = None
@@ -391,6 +393,8 @@ class FT(Strategy):
         return self._model
 
     def begin_step(self) -> None:
+        if self._last_commit is None:
+            self._last_commit = time.monotonic()
         if not self._ready:
             self._quorum()
         self._ready = False
@@ -426,18 +430,35 @@ class FT(Strategy):
                 t.copy_(flat[at : at + n].view_as(t))
                 at += n
 
+    def give_up_seconds(self) -> float:
+        """How long a group goes on discarding steps before it ends: five times the longest one wait for peers can
+        take (a peer that restarts comes back well within it; one gone for good, with ``strategy.min_replicas``
+        groups needed, would otherwise be waited for forever, each discarded step looking like progress)."""
+        return 5 * self.peer_wait_seconds()
+
     def commit(self) -> bool:
         ok = bool(self.manager.should_commit())
-        if not ok:
-            with torch.no_grad():
-                for b, saved in zip(self._model.buffers(), self._buffers):
-                    b.copy_(saved)
-            self.discarded += 1
-            why = self.manager.errored()
-            log.warning(
-                "step discarded (a peer group failed during it)%s", f": {str(why).splitlines()[0][:200]}" if why else ""
+        if ok:
+            self._in_a_row, self._last_commit = 0, time.monotonic()
+            return True
+        with torch.no_grad():
+            for b, saved in zip(self._model.buffers(), self._buffers):
+                b.copy_(saved)
+        self.discarded += 1
+        self._in_a_row += 1
+        why = self.manager.errored()
+        log.warning(
+            "step discarded (a peer group failed during it)%s", f": {str(why).splitlines()[0][:200]}" if why else ""
+        )
+        waited = time.monotonic() - (self._last_commit or time.monotonic())
+        if self.inner.any(waited > self.give_up_seconds()):  # (every rank of the group ends, or none)
+            raise PeersGone(
+                f"strategy=ft: replica group {self.replica_id} committed no step for {waited:.0f} s ({self._in_a_row} "
+                f"discarded in a row; strategy.min_replicas={self.min_replicas}, {self.participants} group(s) in the "
+                f"last quorum): a peer group is gone for good; ending here (the same command resumes from the newest "
+                f"checkpoint once enough groups can meet)"
             )
-        return ok
+        return False
 
     def saves_checkpoints(self) -> bool:
         """One group writes the durable checkpoints: the first of the step's quorum (another takes over when
@@ -486,6 +507,11 @@ def _manager_server_on(host: str | None) -> Iterator[None]:
             yield
         finally:
             torchft.manager.ManagerServer = original
+
+
+class PeersGone(PitstopError):
+    """Too few replica groups for a step to commit, for longer than a restarting peer could take: the group ends
+    (exit status 2, not restarted: the same wait would follow)."""
 
 
 class HealFailed(PitstopError):
