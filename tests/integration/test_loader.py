@@ -138,6 +138,21 @@ def test_corrupt_image_names_shard_and_key_or_is_skipped_and_counted(data_root, 
     assert loader.stats["skipped_corrupt"] == 1 and key not in keys and len(keys) == 1437
 
 
+def test_a_corrupt_image_in_the_evaluation_split_stops_the_evaluation_in_one_line(data_root, tmp_path, make_cfg):
+    """The fault x phase matrix, read error x evaluation: a bad image in a validation shard, found by the first
+    evaluation (debug=tiny evaluates at step 6), names the shard and the sample and says what to do."""
+    from conftest import train
+
+    root = copy_digits(data_root, tmp_path)
+    val = sorted(root.glob("val-*.tar"))[0]
+    key = corrupt_one_image(val)
+    reindex(root)
+    with pytest.raises(DataError) as err:
+        train(make_cfg(f"data.root={root}", "trainer.max_steps=6", "ckpt=none"))
+    msg = str(err.value)
+    assert val.name in msg and repr(key) in msg and "\n" not in msg and "skip_corrupt" in msg
+
+
 def test_truncated_shard_names_shard_and_offset(data_root, tmp_path):
     root = copy_digits(data_root, tmp_path)
     shard = root / "train-000001.tar"

@@ -67,6 +67,21 @@ def test_a_notice_during_an_evaluation_is_taken_after_it_and_the_resume_is_exact
     assert losses(cfg.run_dir) == uninterrupted[1]
 
 
+def test_a_notice_while_the_save_of_its_step_is_written_waits_for_it_and_the_resume_is_exact(
+    make_cfg, uninterrupted, caplog
+):
+    """The fault x phase matrix, preemption x staging/write: the notice comes right after the save of step 20 started
+    in the background (throttled to 1 MB/s: still writing); that save is the one kept, not a second one."""
+    cfg = make_cfg(*RUN, "ckpt=async_dcp", "ckpt.interval_steps=10", "ckpt.throttle_mbps=1", "fault=preempt",
+                   "fault.step=20")  # fmt: skip
+    with caplog.at_level("WARNING"), pytest.raises(Preempted):
+        train(cfg)
+    assert "preempted (" in caplog.text and "at step 20: the save of this step is already under way" in caplog.text
+    s = train(cfg)
+    assert s["resumed_from"] == 20 and s["params_sha256"] == uninterrupted[0]
+    assert losses(cfg.run_dir) == uninterrupted[1]
+
+
 def test_a_changed_seed_is_refused_at_resume_and_leaves_the_checkpoints(make_cfg):
     cfg = make_cfg("ckpt=sync_save", "ckpt.interval_steps=6")
     train(cfg)
@@ -194,3 +209,30 @@ def test_a_damaged_goodput_json_is_kept_aside_and_named(make_cfg, caplog):
     aside = Path(str(doc) + ".corrupt")
     assert aside.read_text() == '{"attempts": [{"status": "fin'
     assert f"{doc} is unreadable (JSONDecodeError" in caplog.text and f"kept aside as {aside}" in caplog.text
+
+
+def test_a_full_disk_at_the_commit_marker_never_commits_and_keeps_the_others(make_cfg, monkeypatch, caplog):
+    """The fault x phase matrix, full disk x commit (the real full tmpfs, mid-write, is system/test_ckpt.py's): the
+    disk fills up as sync_save writes step 20's COMMITTED marker; that save fails in one line and its files go,
+    the run goes on (ckpt.on_error=warn) and the checkpoints before and after it are whole."""
+    import errno
+
+    from pitstop.ckpt import integrity, layout
+
+    durable = integrity.write_durable
+
+    def full_at_20(path, name, data):
+        if name == "COMMITTED" and path.endswith("step_00000020"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        durable(path, name, data)
+
+    monkeypatch.setattr(integrity, "write_durable", full_at_20)
+    cfg = make_cfg(*RUN, "ckpt=sync_save", "ckpt.interval_steps=10", "ckpt.keep_last_k=0", "ckpt.on_error=warn")
+    with caplog.at_level("ERROR", logger="pitstop.ckpt"):
+        s = train(cfg)
+    assert s["checkpoint"]["failures"] == 1 and s["final_step"] == 30
+    assert "checkpoint at step 20 failed: OSError: [Errno 28] No space left on device" in caplog.text
+    assert not Path(layout.step_dir(cfg.ckpt.dir, 20)).exists()
+    assert layout.candidates(cfg.ckpt.dir, "auto") == [layout.step_dir(cfg.ckpt.dir, n) for n in (30, 10)]
+    for n in (10, 30):
+        integrity.verify(layout.step_dir(cfg.ckpt.dir, n))

@@ -37,6 +37,12 @@ def check_account(doc: dict) -> None:
     assert math.isclose(sum(t[b] for b in JOB_BUCKETS), t["total"], abs_tol=0.01)
     assert all(t[b] >= 0 for b in JOB_BUCKETS)
     assert math.isclose(doc["goodput"], t["productive"] / t["total"], abs_tol=1e-3)
+    # The ledger adds up to the wall clock within 1%: each attempt's own span (its program start to its last
+    # record) and, between automatic restarts, the gap; overlapping buckets (a second counted twice) would exceed it
+    a = doc["attempts"]
+    span = sum(x["end"] - x["start"] for x in a if x.get("end"))
+    span += sum(max(0.0, x["start"] - p["end"]) for p, x in zip(a, a[1:]) if x.get("auto_restart") and p.get("end"))
+    assert abs(t["total"] - span) <= 0.01 * span + 0.01 * len(a), (t["total"], span)
 
 
 @pytest.fixture(scope="module")
