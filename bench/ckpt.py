@@ -332,20 +332,19 @@ def checksum_costs(model: str, repeats: int, tmp: str) -> None:
             f"{d_on:>11.3f}s{d_off:>8.3f}s{d_on / max(d_off, 1e-9):>7.3f}x",
             flush=True,
         )
-    for r in runners.values():
-        r.ckpt.close()
-    for row, r in runners.items():  # its newest save was made with checksums (the last repeat ends on)
-        r.ckpt.maybe_save(r.target, r.step + 1, force=True)
+    for row, r in runners.items():  # one more save, with checksums, to verify
+        step(r)
+        save(r)
         r.ckpt.wait()
-        path = r.ckpt.records[-1].path if r.ckpt.records else None
-        if path is None or not os.path.exists(os.path.join(path, integrity.MANIFEST)):
-            continue
+        r.ckpt._report_finished()
+        path = r.ckpt.records[-1].path
         t0 = time.perf_counter()
         nbytes = integrity.verify(path)
         seconds = time.perf_counter() - t0
         print(
             f"verify {row:<21}{nbytes / 1e6:>8.0f} MB in {seconds:.3f} s: {nbytes / seconds / 1e9:.2f} GB/s, one core"
         )
+        r.ckpt.close()
         r.close()
     runners.clear()
     gc.collect()
