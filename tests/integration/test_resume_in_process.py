@@ -82,6 +82,23 @@ def test_a_notice_while_the_save_of_its_step_is_written_waits_for_it_and_the_res
     assert losses(cfg.run_dir) == uninterrupted[1]
 
 
+def test_a_notice_during_a_restore_is_taken_at_the_next_step_and_the_resume_is_exact(make_cfg, uninterrupted, caplog):
+    """The fault x phase matrix, preemption x restore: the notice comes as the restore of step 17 reads it; the run
+    takes one step, saves it and stops; the same config then resumes from that step exactly."""
+    base = [*RUN, "ckpt=async_dcp", "ckpt.interval_steps=10", "fault=preempt"]
+    with pytest.raises(Preempted):
+        train(make_cfg(*base, "fault.step=17"))
+    cfg = make_cfg(*base, "fault.step=10", "fault.phase=restore")  # (another fault: it fires once too)
+    with caplog.at_level("WARNING"), pytest.raises(Preempted):
+        train(cfg)
+    assert "preemption notice (SIGTERM) in the restore of a checkpoint of step 10 or later" in caplog.text
+    doc = json.loads((Path(cfg.run_dir) / "goodput.json").read_text())
+    assert doc["attempts"][-1]["resumed_from"] == 17 and doc["attempts"][-1]["step"] == 18
+    s = train(cfg)
+    assert s["resumed_from"] == 18 and s["params_sha256"] == uninterrupted[0]
+    assert losses(cfg.run_dir) == uninterrupted[1]
+
+
 def test_a_changed_seed_is_refused_at_resume_and_leaves_the_checkpoints(make_cfg):
     cfg = make_cfg("ckpt=sync_save", "ckpt.interval_steps=6")
     train(cfg)
