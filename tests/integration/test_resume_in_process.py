@@ -238,10 +238,10 @@ def test_a_full_disk_at_the_commit_marker_never_commits_and_keeps_the_others(mak
 
     durable = integrity.write_durable
 
-    def full_at_20(path, name, data):
+    def full_at_20(path, name, data, **kw):
         if name == "COMMITTED" and path.endswith("step_00000020"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        durable(path, name, data)
+        durable(path, name, data, **kw)
 
     monkeypatch.setattr(integrity, "write_durable", full_at_20)
     cfg = make_cfg(*RUN, "ckpt=sync_save", "ckpt.interval_steps=10", "ckpt.keep_last_k=0", "ckpt.on_error=warn")

@@ -63,7 +63,9 @@ def test_the_manifest_is_durable_before_the_commit_marker(tmp_path, monkeypatch)
     monkeypatch.setattr(_Manifest, "_put", lambda self, name, data: (order.append(name), put(self, name, data)))
     write("raw", tmp_path / "dcp")
     durable = integrity.write_durable
-    monkeypatch.setattr(integrity, "write_durable", lambda p, name, data: (order.append(name), durable(p, name, data)))
+    monkeypatch.setattr(
+        integrity, "write_durable", lambda p, name, data, **kw: (order.append(name), durable(p, name, data, **kw))
+    )
     write("sync_save", tmp_path / "one")
     assert order == [integrity.MANIFEST, ".metadata", integrity.MANIFEST, "COMMITTED"]
 

@@ -98,11 +98,13 @@ def manifest_bytes(files: dict[str, dict]) -> bytes:
 
 
 def write_manifest(path: str, files: dict[str, dict]) -> None:
-    """Make the manifest durable in checkpoint dir ``path`` (temp name, fsync, rename; one upload on a store)."""
-    write_durable(path, MANIFEST, manifest_bytes(files))
+    """Make the manifest durable in checkpoint dir ``path`` (temp name, fsync, rename; one upload on a store). Its
+    directory entry is made durable with the commit marker's: the marker is renamed after it, and the file system
+    journals the two renames in that order."""
+    write_durable(path, MANIFEST, manifest_bytes(files), sync_dir=False)
 
 
-def write_durable(path: str, name: str, data: bytes) -> None:
+def write_durable(path: str, name: str, data: bytes, sync_dir: bool = True) -> None:
     """File ``name`` of checkpoint dir ``path``, whole or absent: temp name, fsync, rename, fsync of the dir (one
     upload on an object store, where an object appears whole when its upload completes)."""
     if fsurl.is_url(path):
@@ -117,7 +119,8 @@ def write_durable(path: str, name: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, name))
-    fsync_dir(path)
+    if sync_dir:
+        fsync_dir(path)
 
 
 def read_manifest(path: str) -> dict[str, dict]:
