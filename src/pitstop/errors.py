@@ -35,3 +35,8 @@ class FingerprintMismatch(CheckpointError):
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint's bytes are not what its writer recorded (a checksum or length differs, a file or the checksum
     manifest is missing), or its metadata would construct something other than plain checkpoint state."""
+
+
+class Interrupt(PitstopError):
+    """Raised into the main thread from outside what it is doing (the hang watchdog): wherever it lands (inside a
+    save's write, a wait for staging, a restore's read) it is never that operation's failure, and passes through."""

@@ -58,3 +58,73 @@ def test_hang_detection_off_is_off(make_cfg):
         "trainer.hang.first_seconds=0.001",
     )
     assert train(cfg)["final_step"] == 4
+
+
+# ---- the fault x phase matrix: a stall in each checkpoint phase, and in a restore --------------------------------
+# (a stall that no fault option aims at is injected by holding the function that does that phase's work: the host
+# copy, the write, the commit marker; the stall is bounded so that the run's clean-up can end)
+
+
+def stall_once(monkeypatch, owner, name: str, when, seconds: float = 8.0) -> list:
+    """Make ``owner.name`` sleep ``seconds`` the first time ``when(*args)`` holds; returns the calls' record."""
+    real = getattr(owner, name)
+    stalled: list = []
+
+    def held(*args, **kw):
+        if not stalled and when(*args, **kw):
+            stalled.append(time.monotonic())
+            time.sleep(seconds)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, held)
+    return stalled
+
+
+def hung_in(cfg, phase: str) -> str:
+    t0 = time.monotonic()
+    with pytest.raises(Hung) as err:
+        train(cfg)
+    msg = str(err.value)
+    assert msg.startswith(f"hang: rank 0 made no progress in phase '{phase}'") and "\n" not in msg, msg
+    assert time.monotonic() - t0 < 60 and attempts(cfg.run_dir)[-1]["status"] == "hung"
+    return msg
+
+
+def test_a_stalled_host_copy_is_a_hang_of_the_step_that_waits_for_it(make_cfg, monkeypatch):
+    from pitstop.ckpt.staging import HostStager
+
+    stalled = stall_once(monkeypatch, HostStager, "_stage", lambda *a, **k: True)
+    cfg = make_cfg("trainer.max_steps=30", "ckpt=async_dcp", "ckpt.interval_steps=8", "trainer.hang.min_seconds=2")
+    hung_in(cfg, "step")  # (the loop waits for the copy before the optimizer step: inside the step)
+    assert stalled
+
+
+def test_a_stalled_write_and_a_stalled_commit_are_hangs_of_the_checkpoint_phase(make_cfg, monkeypatch):
+    from pitstop.ckpt import formats, integrity
+
+    base = ["trainer.max_steps=30", "ckpt=sync_save", "ckpt.interval_steps=4", "trainer.hang.min_seconds=2"]
+    saves: list = []
+
+    def third_save_begins(summed, data) -> bool:  # (the first two saves measured how long a save takes)
+        if summed.running.nbytes == 0:
+            saves.append(summed)
+            return len(saves) == 3
+        return False
+
+    writes = stall_once(monkeypatch, formats.Summed, "write", third_save_begins)
+    hung_in(make_cfg(*base), "checkpoint")
+    assert writes
+    monkeypatch.undo()
+    at_12 = lambda path, name, data, **kw: name == "COMMITTED" and path.endswith("step_00000012")  # noqa: E731
+    commits = stall_once(monkeypatch, integrity, "write_durable", at_12)
+    hung_in(make_cfg(*base), "checkpoint")
+    assert commits
+
+
+def test_a_stalled_restore_is_a_hang_of_the_restore(make_cfg):
+    cfg = make_cfg("trainer.max_steps=12", "ckpt=sync_save", "ckpt.interval_steps=4")
+    train(cfg)
+    again = make_cfg("trainer.max_steps=16", "ckpt=sync_save", "ckpt.interval_steps=4", "fault=stall",
+                     "fault.step=4", "fault.rank=0", "fault.phase=restore", "fault.seconds=8",
+                     "trainer.hang.first_seconds=4", "trainer.hang.min_seconds=2")  # fmt: skip
+    hung_in(again, "restore")  # (a restore runs once per attempt: its limit is trainer.hang.first_seconds)

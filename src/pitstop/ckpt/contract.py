@@ -135,6 +135,21 @@ class Pending:
     staging: Future | None = None
 
 
+def interrupt_in(error: BaseException) -> BaseException | None:
+    """The :class:`~pitstop.errors.Interrupt` (a hang) that ``error`` is or wraps (DCP wraps each rank's exception in
+    its own), to be raised as itself: a hang inside a save or a restore is a hang, not their failure."""
+    from pitstop.errors import Interrupt
+
+    if isinstance(error, Interrupt):
+        return error
+    failures = getattr(error, "failures", None)
+    for f in failures.values() if isinstance(failures, dict) else ():
+        inner = f[0] if isinstance(f, tuple) else f
+        if isinstance(inner, Interrupt):
+            return inner
+    return None
+
+
 def one_line(error: BaseException) -> str:
     """A one-line description of a save/load failure (DCP wraps per-rank tracebacks; keep the cause)."""
     failures = getattr(error, "failures", None)

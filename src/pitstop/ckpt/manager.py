@@ -20,7 +20,7 @@ from typing import Any, Callable
 from pitstop import fsurl
 from pitstop.ckpt import dcp, integrity, layout, orphans
 from pitstop.ckpt import restore as fallback
-from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, one_line
+from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, interrupt_in, one_line
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
@@ -236,6 +236,7 @@ class CheckpointManager(Checkpointer):
                 raise CheckpointError(f"a leftover of step {step} is in the way: {leftover or 'see rank 0'}")
             pending = self._write(self._app_state(target), record)
         except dcp.ERRORS as e:  # handled per on_error
+            self._reraise_interrupt(e)
             self._failed(record, e)
         else:
             if pending is None:
@@ -291,6 +292,7 @@ class CheckpointManager(Checkpointer):
         try:
             p.staging.result()
         except dcp.ERRORS as e:  # the upload future carries the same failure
+            self._reraise_interrupt(e)
             log.debug("staging failed: %s", e)
         p.staging = None
         waited = time.perf_counter() - t0
@@ -307,6 +309,7 @@ class CheckpointManager(Checkpointer):
         try:
             p.upload.result()
         except dcp.ERRORS as e:  # handled per on_error
+            self._reraise_interrupt(e)
             self._failed(p.record, e)
         else:
             self._committed(p.record)
@@ -315,6 +318,13 @@ class CheckpointManager(Checkpointer):
     def poll(self) -> None:
         if self.pending is not None and self.pending.upload.done():
             self.wait()
+
+    @staticmethod
+    def _reraise_interrupt(error: BaseException) -> None:
+        """A hang raised into the main thread while it waited here is the hang, not this save's failure."""
+        interrupt = interrupt_in(error)
+        if interrupt is not None:
+            raise interrupt
 
     def _committed(self, record: SaveRecord) -> None:
         """A save became durable: account for it and purge old checkpoints (rank 0, in the background)."""

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from pitstop.ckpt import dcp, layout
-from pitstop.ckpt.contract import Target, one_line
+from pitstop.ckpt.contract import Target, interrupt_in, one_line
 from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
 log = logging.getLogger("pitstop.ckpt")
@@ -112,6 +112,8 @@ def first_loadable(
             except FingerprintMismatch:
                 raise
             except dcp.ERRORS as e:
+                if interrupt_in(e) is not None:  # (a hang in the restore is the hang)
+                    raise interrupt_in(e) from None
                 error = e
             kind = classify(error) if error is not None else None
             if strategy.any(kind == "bug"):

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from pitstop.config import checks
-from pitstop.errors import PitstopError
+from pitstop.errors import Interrupt, PitstopError
 
 log = logging.getLogger("pitstop.resilience.watchdog")
 
@@ -52,7 +52,7 @@ HUNG_EXIT = 124  # like timeout(1): the attempt made no progress within its limi
 WAKE = signal.SIGURG
 
 
-class Hung(PitstopError):
+class Hung(Interrupt):
     """A phase ran past its limit (raised in the main thread of an in-process run)."""
 
 
