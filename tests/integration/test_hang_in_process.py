@@ -93,8 +93,19 @@ def hung_in(cfg, phase: str) -> str:
 def test_a_stalled_host_copy_is_a_hang_of_the_step_that_waits_for_it(make_cfg, monkeypatch):
     from pitstop.ckpt.staging import HostStager
 
-    stalled = stall_once(monkeypatch, HostStager, "_stage", lambda *a, **k: True)
     cfg = make_cfg("trainer.max_steps=30", "ckpt=async_dcp", "ckpt.interval_steps=8", "trainer.hang.min_seconds=2")
+    hang_file = Path(cfg.run_dir) / "hang.rank0.txt"
+    real, stalled = HostStager._stage, []
+
+    def held(*args, **kw):  # (the copy's thread: held until the hang is declared, so the run's clean-up ends at once)
+        if not stalled:
+            stalled.append(time.monotonic())
+            deadline = time.monotonic() + 30
+            while not hang_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(HostStager, "_stage", held)
     hung_in(cfg, "step")  # (the loop waits for the copy before the optimizer step: inside the step)
     assert stalled
 
