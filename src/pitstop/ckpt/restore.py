@@ -112,8 +112,9 @@ def first_loadable(
             except FingerprintMismatch:
                 raise
             except dcp.ERRORS as e:
-                if interrupt_in(e) is not None:  # (a hang in the restore is the hang)
-                    raise interrupt_in(e) from None
+                interrupt = interrupt_in(e)
+                if interrupt is not None:  # (a hang in the restore is the hang)
+                    raise interrupt from None
                 error = e
             kind = classify(error) if error is not None else None
             if strategy.any(kind == "bug"):

@@ -21,6 +21,7 @@ with ``SystemExit(2)`` after its line instead.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Iterator
 
@@ -158,7 +159,13 @@ class SecretsGuard(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             jobs = _sweep_jobs(config)
-        except Exception:  # noqa: BLE001 - Hydra's internals moved: the sweep's own values are checked below
+        except Exception as e:  # noqa: BLE001 - Hydra's internals moved: the sweep's own values are checked below
+            logging.getLogger("pitstop.config").warning(
+                "secrets: the sweep's jobs could not be composed here (%s: %s); only the sweep's own values are "
+                "checked, not the presets a job would choose",
+                type(e).__name__,
+                e,
+            )
             jobs = []
         for job in jobs:  # (first: a job names the key itself, the sweep's overrides only quote it)
             _with_hydra_config(job)
