@@ -112,6 +112,8 @@ def test_fault_none_and_crash_config(make_cfg, default_run):
         train(make_cfg("fault=crash_at_step", "fault.step=-3"))
     with pytest.raises(ConfigError, match=r"fault.step=1000 is after the last step \(12\)"):
         train(make_cfg("fault=crash_at_step", "fault.step=1000"))
+    with pytest.raises(ConfigError, match=r"fault.phase=heal fires as a replica group .*: it needs strategy=ft"):
+        train(make_cfg("fault=stall", "fault.rank=0", "fault.step=3", "fault.phase=heal"))
 
 
 def test_trainer_epochs(make_cfg):

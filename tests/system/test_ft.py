@@ -267,6 +267,49 @@ def test_a_peer_killed_while_serving_a_heal_the_newcomer_restores_from_the_durab
     assert all(e.ok for e in audit(str(run)))
 
 
+@pytest.mark.parametrize("fault", ["crash_at_step", "preempt", "stall"])
+def test_a_fault_as_a_group_applies_the_state_a_peer_sent(fault, data_root, tmp_path):
+    # group 1 SIGKILLed once both trained 30 steps; its restart heals from group 0, and the fault fires as it applies
+    # group 0's state (fault.phase=heal, the receiving side of a heal). SIGKILL: the half-applied state dies with the
+    # process and the next attempt heals again. A notice: read at the step boundary after the heal, so the group
+    # saves and leaves (75) and group 0 finishes alone. A stall: the group's own watchdog ends the stalled join and
+    # the next attempt heals again. Group 0 never restarts; every sample is read once.
+    run = tmp_path / "run"
+    aimed = [f"fault={fault}", "fault.phase=heal", "fault.step=30", "fault.replica=1", "fault.rank=0",
+             "trainer.hang.min_seconds=3"]  # fmt: skip
+    args = [*FT, *aimed, "trainer.max_steps=200", "trainer.eval_every_steps=null", "ckpt.interval_steps=40",
+            f"run_dir={run}"]  # fmt: skip
+    with background_job(args, data_root, tmp_path) as p:
+        signal_once_both_trained(run, p, 1, signal.SIGKILL, 30)
+        assert p.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    log1 = (run / "replica1" / "train.log").read_text()
+    assert [a["status"] for a in attempts(run, 0)] == ["finished"]  # never restarted
+    statuses = [a["status"] for a in attempts(run, 1)]
+    if fault == "crash_at_step":
+        assert "fault injection: SIGKILL (in a heal from a live peer at step 30 or later)" in log1, log1[-3000:]
+        assert len(statuses) == 3 and statuses[-1] == "finished", statuses
+        assert "healed from a live peer" in log1.split("fault injection: SIGKILL")[-1], log1[-3000:]
+    elif fault == "preempt":
+        assert "fault injection: preemption notice (SIGTERM) in a heal from a live peer" in log1, log1[-3000:]
+        assert len(statuses) == 2 and statuses[-1] == "preempted", statuses
+        left = attempts(run, 1)[-1]["step"]
+        # (group 0 writes the durable checkpoints: group 1 leaves without a save of its own)
+        assert f"preempted (SIGTERM) after step {left}; run the same command again" in log1, log1[-3000:]
+    else:
+        assert "stalls for 3600 s in a heal from a live peer" in log1, log1[-3000:]
+        assert len(statuses) == 3 and statuses[-2:] == ["hung", "finished"], statuses
+        # (within max(strategy.timeout, trainer.hang.min_seconds), not the 900 s of a restore's first read)
+        assert "no progress in phase 'heal'" in log1, log1[-3000:]
+        assert "healed from a live peer" in log1.split("hang:")[-1], log1[-3000:]
+    s0 = group_summary(run, 0)
+    assert s0["final_step"] == 200
+    if fault != "preempt":
+        assert group_summary(run, 1)["final_step"] == 200
+        assert group_summary(run, 1)["params_sha256"] == s0["params_sha256"]
+    epochs = audit(str(run))
+    assert epochs and all(e.ok for e in epochs) and all(e.missing == 0 for e in epochs[:-1]), epochs
+
+
 def test_a_stalled_group_is_ended_by_its_own_watchdog_and_the_healthy_group_never_restarts(data_root, tmp_path):
     # group 1 stops responding at step 40 (its torchft heartbeats go on): the healthy group waits in the "peers"
     # phase, whose limit torchft's own timeouts bound, so its watchdog leaves it alone; the stalled group's ends it

@@ -97,12 +97,30 @@ JOB = [
 
 
 @pytest.fixture(scope="module")
-def reference(data_root, tmp_path_factory) -> str:
-    """The parameters after JOB, uninterrupted, from local shards with local checkpoints."""
+def reference_run(data_root, tmp_path_factory) -> Path:
+    """JOB, uninterrupted, from local shards with local checkpoints (steps 10, 20, 30): its run dir."""
     tmp = tmp_path_factory.mktemp("reference")
     p = cli([*JOB, "ckpt=sync_save", f"run_dir={tmp / 'run'}"], data_root, tmp)
     assert p.returncode == 0, p.stderr[-3000:]
-    return summary(tmp / "run")["params_sha256"]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> str:
+    """The parameters after JOB, uninterrupted."""
+    return summary(reference_run)["params_sha256"]
+
+
+def same_tensors(a: dict, b: dict, where: str = "") -> None:
+    """Two saved states hold the same tensors, bit for bit (the train state's JSON aside)."""
+    import torch
+
+    assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
+    for k in a:
+        if isinstance(a[k], dict):
+            same_tensors(a[k], b[k], f"{where}/{k}")
+        elif isinstance(a[k], torch.Tensor) and not k.startswith("train."):
+            assert torch.equal(a[k], b[k]), f"{where}/{k}"
 
 
 def assert_no_secret(run_dir: Path) -> None:
@@ -184,6 +202,64 @@ def test_checkpoints_on_s3_killed_and_resumed_are_exact(ckpt, s3, reference, dat
     assert steps == ["step_00000020", "step_00000030"], steps  # retention (keep 2); the partial one is gone
     assert all(s3.exists(f"{root}/{d}/{marker}") for d in steps)
     assert_no_secret(run_dir)
+
+
+def test_object_store_errors_while_checkpoints_are_written_and_committed(s3, reference_run, data_root, tmp_path):
+    """Object-store errors in the write and the commit of checkpoints on S3 (two slowstores in front of the S3 API,
+    for the checkpoint dir only). The outer one cuts every 3rd upload off half-way (no answer) and answers every
+    5th request 503: those are retried and every save is whole. The inner one refuses every try of step 20's
+    commit marker: that save alone fails, in one log line, and is never loaded. Killed at step 23, the same
+    command resumes from step 10 and ends with the uninterrupted run's parameters, every sample once.
+    The resume's reads go through 503s and responses cut short. Every checkpoint left holds exactly its step's
+    state: tensor for tensor, the uninterrupted run's synchronous save of that step.
+    (ckpt=sync_save: its save of step 20 has failed, after the store's retries, before the kill; an async save
+    could still be retrying at step 23.)"""
+    from pitstop.testing.slowstore import SlowStore
+
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    root, run_dir = f"{BUCKET}/runs/flaky", tmp_path / "run"
+    marker = f"/{root}/step_00000020/COMMITTED"
+    with (
+        SlowStore(
+            "", fail_every=1, fault_glob=marker, fault_methods="PUT", upstream=os.environ["AWS_ENDPOINT_URL"]
+        ) as commit,
+        SlowStore("", fail_every=5, drop_upload_every=3, fault_glob=f"/{root}/*", upstream=commit.url) as flaky,
+    ):
+        job = [
+            *JOB,
+            "ckpt=sync_save",
+            "ckpt.on_error=warn",
+            f"ckpt.dir=s3://{root}",
+            f"data.root=s3://{BUCKET}/digits",
+            f"run_dir={run_dir}",
+            f"+loader.storage_options.client_kwargs.endpoint_url={os.environ['AWS_ENDPOINT_URL']}",
+            f"+ckpt.storage_options.client_kwargs.endpoint_url={flaky.url}",
+        ]
+        crashed = run_cmd(cli_cmd([*job, "fault=crash_at_step", "fault.step=23"], data_root, tmp_path), 240, env)
+        assert crashed.returncode != 0
+        injected = flaky.stats()["injected"]
+        assert injected["dropped_uploads"] > 0 and injected["failed"] > 0, injected
+        assert commit.stats()["injected"]["failed"] > 1, commit.stats()  # refused on every try
+        log = (run_dir / "train.log").read_text()
+        failed = [line for line in log.splitlines() if "checkpoint at step 20 failed" in line]
+        assert len(failed) == 1 and "COMMITTED" in failed[0] and "Traceback" not in log, log[-3000:]
+        s3.invalidate_cache()
+        assert s3.exists(f"{root}/step_00000010/COMMITTED") and not s3.exists(f"{root}/step_00000020/COMMITTED")
+        commit.fail_every = 0  # the store is well again: the resumed run's save of step 20 commits
+        flaky.truncate_every = 4  # and its reads are cut short now and then
+        p = run_cmd(cli_cmd(job, data_root, tmp_path), 240, env)
+        assert flaky.stats()["injected"]["truncated"] > 0, flaky.stats()["injected"]
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["resumed_from"] == 10 and s["params_sha256"] == summary(reference_run)["params_sha256"]
+    assert [a.repeated for a in audit(str(run_dir))] == [0]
+    s3.invalidate_cache()
+    from pitstop.ckpt.formats import safe_torch_load
+
+    for k in (10, 20, 30):
+        with s3.open(f"{root}/step_{k:08d}/state.pt", "rb") as f:
+            saved = safe_torch_load(f, "test")
+        same_tensors(saved, safe_torch_load(reference_run / "checkpoints" / f"step_{k:08d}" / "state.pt", "ref"))
 
 
 def test_a_checkpoint_dir_on_s3_that_cannot_be_written_is_a_one_line_error(s3, data_root, tmp_path):

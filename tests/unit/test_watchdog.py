@@ -38,3 +38,15 @@ def test_a_wait_that_something_else_bounds_gets_at_least_its_bound():
     with w.phase("peers"):
         time.sleep(0.01)
     assert w.limit("peers") == 80 and w.limit("step") == 50  # only that phase
+
+
+def test_a_phase_that_something_else_bounds_is_not_given_the_first_allowance():
+    # applying the state a peer sent (replica groups' heal): received within strategy.timeout, it has no imports or
+    # compilation to wait for: its first run's limit is that bound (at least min_seconds), not first_seconds
+    w = Watchdog(factor=10, min_seconds=2, first_seconds=900)
+    with w.phase("heal", first=10):
+        assert w.limit("heal") == 10 and w.limit("restore") == 900
+    assert Watchdog(min_seconds=60, first_seconds=900).limit("heal") == 900  # (not told: the first allowance)
+    w60 = Watchdog(min_seconds=60, first_seconds=900)
+    with w60.phase("heal", first=10):
+        assert w60.limit("heal") == 60  # never below the floor of every phase

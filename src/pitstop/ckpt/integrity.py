@@ -106,7 +106,18 @@ def write_manifest(path: str, files: dict[str, dict]) -> None:
 
 def write_durable(path: str, name: str, data: bytes, sync_dir: bool = True) -> None:
     """File ``name`` of checkpoint dir ``path``, whole or absent: temp name, fsync, rename, fsync of the dir (one
-    upload on an object store, where an object appears whole when its upload completes)."""
+    upload on an object store, where an object appears whole when its upload completes).  An OSError names the
+    file (a save that failed at its commit marker says so)."""
+    try:
+        _write_durable(path, name, data, sync_dir)
+    except OSError as e:
+        where = fsurl.join(path, name)
+        if e.errno is None:
+            raise OSError(f"writing {where}: {e}") from e
+        raise OSError(e.errno, f"writing {where}: {e.strerror or e}") from e
+
+
+def _write_durable(path: str, name: str, data: bytes, sync_dir: bool) -> None:
     if fsurl.is_url(path):
         fs, p = fsurl.filesystem(fsurl.join(path, name))
         fs.pipe_file(p, data)

@@ -156,20 +156,20 @@ class AtStep(NoFault):
 @dataclass
 class Crash(AtStep):
     micro_batch: Optional[int] = MISSING
-    phase: str = MISSING  # step | eval | restore
+    phase: str = MISSING  # step | eval | restore | heal
 
 
 @dataclass
 class Preempt(AtStep):
     signal: str = MISSING
-    phase: str = MISSING  # step | eval | restore
+    phase: str = MISSING  # step | eval | restore | heal
 
 
 @dataclass
 class Stall(AtStep):
     seconds: float = MISSING
     hold_gil: bool = MISSING
-    phase: str = MISSING  # step | eval | restore
+    phase: str = MISSING  # step | eval | restore | heal
 
 
 @dataclass

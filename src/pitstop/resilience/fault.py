@@ -48,6 +48,8 @@ class FaultContext:
     # strategy=ft: registers a call made (with the step) when this process starts sending its state to a healing
     # peer; None under other strategies
     on_heal_served: Callable[[Callable[[int], None]], None] | None = None
+    # strategy=ft: registers a call made (with the step) as this process starts applying the state a peer sent it
+    on_heal: Callable[[Callable[[int], None]], None] | None = None
 
 
 class Fault(ABC):
@@ -97,7 +99,7 @@ class NoFault(Fault):
         pass
 
 
-PHASES = ("step", "eval", "restore")
+PHASES = ("step", "eval", "restore", "heal")
 
 
 class CrashAtStep(NoFault):
@@ -108,7 +110,8 @@ class CrashAtStep(NoFault):
     K): inside step ``step`` instead, after its K-th micro-batch's backward (gradients half accumulated).
     ``phase``: where it fires: ``step`` (the end of step ``step``), ``eval`` (inside the first evaluation at or
     after step ``step``, after its first batch), ``restore`` (as the first restore of a checkpoint of step
-    ``step`` or later starts reading it, once its files are verified).
+    ``step`` or later starts reading it, once its files are verified), ``heal`` (``strategy=ft``: as this process
+    starts applying the state a live peer sent it, in the first heal at step ``step`` or later).
     """
 
     name = "crash_at_step"
@@ -168,12 +171,22 @@ class CrashAtStep(NoFault):
         if step_of(path) >= self.step and _first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
+    def _healing(self, step: int) -> None:
+        if step >= self.step and _first_time(self.ctx.run_dir, self.key()):
+            self.fire()
+
     def bind(self, ctx: FaultContext) -> None:
         self._bind_step(ctx)
         if self.phase == "restore" and ctx.rank == self.rank:
             if ctx.on_restore is None:
                 raise ConfigError("fault.phase=restore fires in a checkpoint's restore: it needs a ckpt backend")
             ctx.on_restore(self._restoring)
+        if self.phase == "heal" and ctx.rank == self.rank:
+            if ctx.on_heal is None:
+                raise ConfigError(
+                    "fault.phase=heal fires as a replica group applies the state a live peer sent: it needs strategy=ft"
+                )
+            ctx.on_heal(self._healing)
 
     def key(self) -> str:
         where = f".{self.micro_batch}" if self.micro_batch is not None else ""
@@ -184,6 +197,8 @@ class CrashAtStep(NoFault):
             return f"in the evaluation after step {self.step}"
         if self.phase == "restore":
             return f"in the restore of a checkpoint of step {self.step} or later"
+        if self.phase == "heal":
+            return f"in a heal from a live peer at step {self.step} or later"
         return f"at step {self.step}" + (f", after micro-batch {self.micro_batch}" if self.micro_batch else "")
 
     def fire(self) -> None:

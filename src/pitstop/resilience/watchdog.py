@@ -83,6 +83,7 @@ class Watchdog:
         self.grace = float(grace)
         self.longest: dict[str, float] = {}
         self.floors: dict[str, float] = {}  # a phase's limit is never below this (see at_least)
+        self.firsts: dict[str, float] = {}  # an unmeasured phase's limit, where not first_seconds (see phase)
         self._current: tuple[str, float, bool, bool] | None = None  # (phase, since, timed, healable)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,11 +106,15 @@ class Watchdog:
         return self.close
 
     @contextmanager
-    def phase(self, name: str, timed: bool = True, heal: bool = False) -> Iterator[None]:
+    def phase(self, name: str, timed: bool = True, heal: bool = False, first: float | None = None) -> Iterator[None]:
         """Watch ``name`` while inside; a phase inside another pauses it (the outer one's clock restarts
         when it returns).  ``timed=False``: the phase is a loop whose iterations :meth:`beat` times.
         ``heal=True`` (the ``data`` phase): its stall raises ``DataStall`` in the main thread first, and is a
-        hang only if the main thread is still in it after another limit's worth of time."""
+        hang only if the main thread is still in it after another limit's worth of time.  ``first``: the limit
+        before the phase was ever measured, instead of ``first_seconds`` (meant for imports and compilation),
+        for a phase that something else bounds (applying a peer's state, received within a timeout)."""
+        if first is not None:
+            self.firsts[name] = max(float(first), self.min_seconds)
         outer = self._current
         self._current = (name, time.monotonic(), timed, heal)
         try:
@@ -147,7 +152,7 @@ class Watchdog:
 
     def limit(self, name: str) -> float:
         if name not in self.longest:
-            return max(self.first_seconds, self.floors.get(name, 0.0))
+            return max(self.firsts.get(name, self.first_seconds), self.floors.get(name, 0.0))
         return max(self.min_seconds, self.factor * self.longest[name], self.floors.get(name, 0.0))
 
     def backstop_seconds(self) -> float:

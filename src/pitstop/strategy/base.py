@@ -91,8 +91,9 @@ class Strategy(ABC):
         keys). Ranks compare theirs after setup (``pitstop.strategy.nodes.check_nodes``); replica groups,
         which meet only at the Lighthouse, compare theirs in each quorum (ft). Nothing to do here."""
 
-    def attach(self, state: Any, load: Any) -> None:
-        """What a heal from a peer would send (``state()``) and apply (``load``): nothing to attach here."""
+    def attach(self, state: Any, load: Any, watch: Any) -> None:
+        """What a heal from a peer would send (``state()``) and apply (``load``, inside ``watch(phase, limit)``,
+        the hang watchdog's phase): nothing to attach here."""
 
     def peer_wait_seconds(self) -> float:
         """The longest one wait for peer replica groups (a quorum, a heal, the all-reduce, the commit) can take

@@ -28,6 +28,7 @@ bound to loopback: torchft's manager server, the group's store, the heal transpo
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 import hashlib
 import logging
 import os
@@ -41,7 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.errors import ConfigError, Interrupt, PitstopError
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ddp import DDP
@@ -112,6 +113,7 @@ class FT(Strategy):
         self._in_a_row = 0  # of them since the last committed step
         self._last_commit: float | None = None  # when the last step committed (or the first began)
         self._heal_served: list[Callable[[int], None]] = []  # called as a heal from this process starts
+        self._heal_applied: list[Callable[[int], None]] = []  # called as this process applies a peer's state
         self.participants, self.place = 1, 0
         self._model: nn.Module | None = None
         self._buffers: list[torch.Tensor] = []
@@ -303,12 +305,24 @@ class FT(Strategy):
             "s" if self.world_size > 1 else "", self.lighthouse,
         )  # fmt: skip
 
-    def attach(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
-        """What a heal sends and receives: the run's whole live state (``state()``), applied with ``load``."""
+    def attach(
+        self,
+        state: Callable[[], dict],
+        load: Callable[[dict], None],
+        watch: Callable[[str, float], AbstractContextManager],
+    ) -> None:
+        """What a heal sends and receives: the run's whole live state (``state()``), applied with ``load`` in the
+        watchdog's ``heal`` phase (``watch``): applying a state takes less than receiving it, which
+        ``strategy.timeout`` bounds, so a stall there is this process's hang, not a restore's first long read."""
 
         def loaded(sd: dict) -> None:
             try:
-                load(sd)
+                with watch("heal", self.timeout):
+                    for call in self._heal_applied:
+                        call(self.manager.current_step())
+                    load(sd)
+            except Interrupt:  # (the watchdog's hang, raised in here: not a state this process cannot take)
+                raise
             except Exception as e:  # noqa: BLE001 - a state this process cannot take is no transient failure
                 raise HealFailed(
                     f"replica group {self.replica_id} cannot load the state a peer sent ({type(e).__name__}: "
@@ -327,6 +341,10 @@ class FT(Strategy):
     def on_heal_served(self, call: Callable[[int], None]) -> None:
         """``call(step)`` as this process starts sending its state to a healing peer (``fault=during_heal``)."""
         self._heal_served.append(call)
+
+    def on_heal(self, call: Callable[[int], None]) -> None:
+        """``call(step)`` as this process starts applying the state a live peer sent it (``fault.phase=heal``)."""
+        self._heal_applied.append(call)
 
     def join(self) -> bool:
         """The first quorum of this attempt; True if the group healed from a live peer in it (its state is that
@@ -363,7 +381,7 @@ class FT(Strategy):
         self._healed, self._asked_heal = False, False
         try:
             self.manager.start_quorum()
-        except (ConfigError, HealFailed):
+        except (ConfigError, HealFailed, Interrupt):
             raise
         except Exception as e:  # noqa: BLE001 - e.g. no quorum within strategy.quorum_timeout (a stalled peer
             # still sends heartbeats): this step is discarded and the next one asks again; the process goes on

@@ -9,11 +9,13 @@ per second (1 MB = 1e6 bytes) per connection, like a request to an object store;
 connections together (a machine's network link: they share it, first come first served).  A ``Range:
 bytes=A-B`` request gets that range (206), as from an object store (``--no-ranges``: the whole file, 200).
 ``--fail-every N`` answers every Nth request with HTTP 503; ``--truncate-every N`` cuts every Nth response in
-half (the connection closes early, as a flaky network does); ``--stall-after N`` stops answering after N
-requests (a hung backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests
-after those); ``--fault-glob '*.tar'`` limits these to matching paths.  ``GET /__stats`` returns JSON counters
-(requests, ranged requests and bytes per path), which tests use to check how often each shard was downloaded.
-Threaded: one thread per connection.
+half (the connection closes early, as a flaky network does); ``--drop-upload-every N`` (with ``--upstream``)
+reads half of every Nth request that has a body (a PUT of an object or a part) and closes the connection
+without an answer (an upload cut off mid-way); ``--stall-after N`` stops answering after N requests (a hung
+backend: each later request waits ``--stall-seconds``; ``--stall-count K``: only the K requests after those).
+``--fault-glob '*.tar'`` limits these to matching paths, ``--fault-methods PUT`` to those methods.
+``GET /__stats`` returns JSON counters (requests, ranged requests and bytes per path; the faults injected),
+which tests use to check how often each shard was downloaded.  Threaded: one thread per connection.
 
 ``--upstream URL`` serves no directory: every request (any method, headers and body as sent) is passed to
 another HTTP server, an S3 API server for instance (``AWS_ENDPOINT_URL`` then points at the slowstore), and
@@ -57,6 +59,8 @@ class SlowStore(ThreadingHTTPServer):
         upstream: str | None = None,
         link_mbps: float | None = None,
         ranges: bool = True,
+        drop_upload_every: int = 0,
+        fault_methods: str = "",
     ):
         super().__init__((host, port), _Handler)
         self.root = os.path.abspath(root) if root else ""
@@ -68,11 +72,14 @@ class SlowStore(ThreadingHTTPServer):
             float(stall_seconds),
             int(stall_count),
         )
+        self.drop_upload_every = int(drop_upload_every)
+        self.fault_methods = {m.strip().upper() for m in fault_methods.split(",") if m.strip()}  # empty: every one
         self.ranges = bool(ranges)  # False: a Range header is ignored (the whole file, 200), as some servers do
         self.link_rate = link_mbps * 1e6 if link_mbps else None
         self.link_free = 0.0  # (monotonic) when the link has sent every block handed to it so far
         self.lock = threading.Lock()
-        self.requests = self.faultable = 0
+        self.requests = self.faultable = self.uploads = 0
+        self.injected = {"failed": 0, "truncated": 0, "dropped_uploads": 0}
         self.per_path: dict[str, dict[str, int]] = {}
 
     @property
@@ -89,9 +96,17 @@ class SlowStore(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
 
+    def faults(self, method: str, path: str) -> bool:
+        """Whether a request may get an injected fault (``fault_glob``, ``fault_methods``)."""
+        return fnmatch.fnmatch(path, self.fault_glob) and (not self.fault_methods or method in self.fault_methods)
+
     def stats(self) -> dict:
         with self.lock:
-            return {"requests": self.requests, "paths": json.loads(json.dumps(self.per_path))}
+            return {
+                "requests": self.requests,
+                "paths": json.loads(json.dumps(self.per_path)),
+                "injected": dict(self.injected),
+            }
 
     def __enter__(self) -> "SlowStore":
         return self.start()
@@ -144,7 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server
         with srv.lock:
             srv.requests += 1
-            faultable = fnmatch.fnmatch(path, srv.fault_glob)
+            faultable = srv.faults(self.command, path)
             srv.faultable += faultable
             n = srv.faultable if faultable else 0
             entry = srv.per_path.setdefault(path, {"requests": 0, "bytes": 0, "ranged": 0})
@@ -161,6 +176,8 @@ class _Handler(BaseHTTPRequestHandler):
             # the store stops answering (a hung backend), for good or for stall_count requests
             time.sleep(srv.stall_seconds)
         if n and srv.fail_every and n % srv.fail_every == 0:
+            with srv.lock:
+                srv.injected["failed"] += 1
             self._send(503, b"slowstore: injected failure\n", "text/plain")
             return None
         return n, entry
@@ -169,6 +186,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Send ``size`` bytes of ``body`` (a file) at most at the store's rate; cut short on a truncate fault."""
         srv = self.server
         send = size // 2 if n and srv.truncate_every and n % srv.truncate_every == 0 else size
+        if send < size:
+            with srv.lock:
+                srv.injected["truncated"] += 1
         self.send_response(code)
         for k, v in headers:
             self.send_header(k, v)
@@ -201,9 +221,20 @@ class _Handler(BaseHTTPRequestHandler):
         """Pass this request to the upstream server; its answer comes back through latency, rate and faults."""
         import io
 
-        up = self.server.upstream
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        admitted = self._admit(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path))
+        srv, up = self.server, self.server.upstream
+        path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+        length = int(self.headers.get("Content-Length") or 0)
+        if length and srv.drop_upload_every and srv.faults(self.command, path):
+            with srv.lock:
+                srv.uploads += 1
+                drop = srv.uploads % srv.drop_upload_every == 0
+                srv.injected["dropped_uploads"] += drop
+            if drop:  # half the body arrives, then the connection is gone: no answer at all
+                self.rfile.read(length // 2)
+                self.close_connection = True
+                return
+        body = self.rfile.read(length)
+        admitted = self._admit(path)
         if admitted is None:
             return
         conn = http.client.HTTPConnection(up.hostname, up.port or 80, timeout=300)
@@ -267,10 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-ranges", action="store_true", help="ignore Range headers (answer 200, the whole file)")
     p.add_argument("--fail-every", type=int, default=0, help="answer every Nth request with HTTP 503")
     p.add_argument("--truncate-every", type=int, default=0, help="cut every Nth response short")
+    p.add_argument("--drop-upload-every", type=int, default=0, help="(--upstream) cut every Nth upload off mid-way")
     p.add_argument("--stall-after", type=int, default=0, help="stop answering after N requests")
     p.add_argument("--stall-seconds", type=float, default=3600.0, help="how long a stalled request waits")
     p.add_argument("--stall-count", type=int, default=0, help="stall only this many requests (0 = all after N)")
     p.add_argument("--fault-glob", default="*", help="faults only for paths matching this (e.g. '*.tar')")
+    p.add_argument("--fault-methods", default="", help="faults only for these methods (e.g. PUT,POST; default: all)")
     a = p.parse_args(argv)
     if bool(a.dir) == bool(a.upstream):
         p.error("give a directory to serve or --upstream URL, not both")
@@ -292,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
             a.upstream,
             a.link_mbps or None,
             not a.no_ranges,
+            a.drop_upload_every,
+            a.fault_methods,
         )
     except OSError as e:
         p.error(f"cannot listen on {a.host}:{a.port}: {e.strerror}; pick another --port")

@@ -187,6 +187,7 @@ def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, 
             checkpointer=ckpt,
             grad_accum_steps=accum,
             on_heal_served=getattr(strategy, "on_heal_served", None),
+            on_heal=getattr(strategy, "on_heal", None),
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
         )  # fmt: skip
     )

@@ -142,7 +142,11 @@ class Runner:
             fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
-            self.strategy.attach(lambda: live_state(self.target), lambda sd: load_live_state(self.target, sd))
+            self.strategy.attach(
+                lambda: live_state(self.target),
+                lambda sd: load_live_state(self.target, sd),
+                lambda phase, limit: self.watchdog.phase(phase, first=limit),
+            )
             tele = assembly.build_telemetry(cfg, self.run_dir, self.strategy, self.total_steps, hold)
             self.metrics_file, self.logger, self.profiler = tele.metrics_file, tele.logger, tele.profiler
             self.throughput, self.meter = tele.throughput, tele.meter
