@@ -32,11 +32,13 @@ def summary(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(data_root, tmp_path_factory):
-    """An uninterrupted run without checkpoints."""
+    """An uninterrupted run: its parameters, its losses, and its synchronous saves of every 5th step (all kept), which
+    a checkpoint of the same step must equal tensor for tensor."""
     tmp = tmp_path_factory.mktemp("ref")
-    p = cli([*RUN, f"run_dir={tmp / 'run'}", "ckpt=none"], data_root, tmp)
+    args = [*RUN, f"run_dir={tmp / 'run'}", "ckpt=sync_dcp", "ckpt.interval_steps=5", "ckpt.keep_last_k=0"]
+    p = cli(args, data_root, tmp)
     assert p.returncode == 0, p.stderr[-3000:]
-    return summary(tmp / "run")["params_sha256"], final_losses(tmp / "run")
+    return summary(tmp / "run")["params_sha256"], final_losses(tmp / "run"), tmp / "run" / "checkpoints"
 
 
 @pytest.mark.slow
@@ -60,7 +62,7 @@ def test_sigkill_then_same_command_resumes_bitwise(backend, data_root, tmp_path,
     s = summary(run_dir)
     assert_resumed(s["resumed_from"], 25, 20, backend)  # (seen in CI: the step-25 save unfinished at step 27)
     assert s["final_step"] == 40
-    ref_sha, ref_losses = reference
+    ref_sha, ref_losses, _ = reference
     assert s["params_sha256"] == ref_sha
     assert final_losses(run_dir) == ref_losses  # every step, including those after the resume point
     assert s["checkpoint"]["saves"] >= 3 and s["checkpoint"]["failures"] == 0
@@ -95,6 +97,12 @@ def test_sigkill_during_background_staging_and_write(backend, data_root, tmp_pat
     assert "is still writing its last save" not in log or backend == "async_dcp_pinned"
     assert s["resumed_from"] == (30 if finished or waited else 25), (finished, waited)
     assert s["params_sha256"] == reference[0] and final_losses(run_dir) == reference[1]
+    # every checkpoint left (the killed run's, the resumed run's) holds exactly its step's state
+    kept = sorted(d for d in (run_dir / "checkpoints").iterdir() if (d / ".metadata").exists())
+    assert len(kept) >= 3, kept
+    for d in kept:
+        saved, sync = checkpoint_tensors(d), checkpoint_tensors(reference[2] / d.name)
+        assert sorted(saved) == sorted(sync) and not [k for k in sync if saved[k] != sync[k]], d.name
 
 
 def checkpoint_tensors(path: Path) -> dict:
