@@ -6,9 +6,11 @@
 PYTHON ?= python3
 # pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker). Default 2,
 # this machine's (and CI's) cores; WORKERS=0 runs in one process. Tests marked `serial` (in-process, timed by their
-# own watchdog) run after the parallel part, alone.
+# own watchdog) run after the parallel part, alone. A worker that dies is not replaced (--max-worker-restart=0):
+# the run fails naming the test it was running (xdist 3.8's loadscope scheduler could hang for good after a
+# replacement joined: KeyError in _assign_work_unit).
 WORKERS ?= 2
-XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
+XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope --max-worker-restart=0)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed

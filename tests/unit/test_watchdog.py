@@ -50,3 +50,16 @@ def test_a_phase_that_something_else_bounds_is_not_given_the_first_allowance():
     w60 = Watchdog(min_seconds=60, first_seconds=900)
     with w60.phase("heal", first=10):
         assert w60.limit("heal") == 60  # never below the floor of every phase
+
+
+def test_a_closed_watchdog_never_arms_the_native_backstop_again():
+    # (a watcher thread that close() did not wait out must not arm faulthandler's process-wide exit timer afterwards:
+    # the process, a test worker for one, would end minutes later)
+    import faulthandler
+
+    w = Watchdog(min_seconds=2, first_seconds=50)
+    w.close()
+    w._arm()  # what the watcher's loop, or a hang being reported, does next
+    w._arm(65)
+    assert w._armed is None
+    faulthandler.cancel_dump_traceback_later()  # (had it armed, this test must not end the worker)

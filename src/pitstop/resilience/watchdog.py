@@ -86,6 +86,9 @@ class Watchdog:
         self.firsts: dict[str, float] = {}  # an unmeasured phase's limit, where not first_seconds (see phase)
         self._current: tuple[str, float, bool, bool] | None = None  # (phase, since, timed, healable)
         self._stop = threading.Event()
+        # the native backstop is armed under this lock and never once _stop is set: a watcher thread that close()
+        # did not wait out (its join timed out) cannot arm it again for a process that no longer watches
+        self._arming = threading.Lock()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
         self._raise: BaseException | None = None  # what the wake-up signal's handler raises in the main thread
@@ -139,10 +142,13 @@ class Watchdog:
         if self._armed is not None and self.backstop_seconds() < self._armed / 2:
             self._arm()  # the first measured loop phase: first_seconds -> the loop's limit, now, not next cycle
 
-    def _arm(self) -> None:
-        """(Re-)arm the native backstop (see :meth:`backstop_seconds`)."""
-        self._armed = self.backstop_seconds()
-        faulthandler.dump_traceback_later(self._armed, exit=True)
+    def _arm(self, seconds: float | None = None) -> None:
+        """(Re-)arm the native backstop (see :meth:`backstop_seconds`), unless the watchdog is closed."""
+        with self._arming:
+            if self._stop.is_set():
+                return
+            self._armed = self.backstop_seconds() if seconds is None else seconds
+            faulthandler.dump_traceback_later(self._armed, exit=True)
 
     def at_least(self, name: str, seconds: float) -> None:
         """``name``'s limit is never below ``seconds``: a wait that something else bounds (the ``peers`` phase
@@ -166,10 +172,11 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+        with self._arming:  # (nothing arms it after this)
+            if self._thread is not None:
+                faulthandler.cancel_dump_traceback_later()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if self._thread is not None:
-            faulthandler.cancel_dump_traceback_later()
         self._thread, self._armed = None, None
         if self._previous_handler is not None:
             signal.signal(WAKE, self._previous_handler)
@@ -242,7 +249,7 @@ class Watchdog:
         self._raise = Hung(what + then)
         # Reporting may wait on a lock the stuck main thread holds (logging's, the ledger's, a fork's): it gets
         # `grace` seconds in a thread of its own (and the backstop that long again); then the process ends anyway.
-        faulthandler.dump_traceback_later(2 * self.grace + 5, exit=True)
+        self._arm(2 * self.grace + 5)
         reporter = threading.Thread(target=self._report, args=(what, then), name="pitstop-hang-report", daemon=True)
         reporter.start()
         reporter.join(self.grace)
