@@ -26,6 +26,7 @@ SAMPLES = 4160  # (its own data dir: 64 samples per shard)
 
 def loaders(root: str, cache: str, limit: int, policy: str, ranks: int, workers: int, batch: int):
     from pitstop.config.build import build
+    from pitstop.data.dataset import build_dataset
 
     cfg = compose(
         [
@@ -38,7 +39,7 @@ def loaders(root: str, cache: str, limit: int, policy: str, ranks: int, workers:
             f"loader.num_workers={workers}",
         ]
     )
-    data = build(cfg.data, _convert_="partial")
+    data = build_dataset(cfg.data)
     return [
         build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0, rank=r, world_size=ranks)
         for r in range(ranks)

@@ -48,6 +48,7 @@ STREAMING_HINT = (
 
 def make_loader(kind: str, root: str, batch: int, cache_dir: str | None = None, *extra: str, warm: bool = True):
     from pitstop.config.build import build
+    from pitstop.data.dataset import build_dataset
 
     cfg = compose(
         [
@@ -58,7 +59,7 @@ def make_loader(kind: str, root: str, batch: int, cache_dir: str | None = None, 
             *extra,
         ]
     )
-    data = build(cfg.data, _convert_="partial")
+    data = build_dataset(cfg.data)
     loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=batch, seed=0)
     if warm and hasattr(loader, "warm"):  # (as a job does once the loader is built: pitstop.train.assembly)
         loader.warm()
@@ -107,12 +108,13 @@ def decode_path(name: str, root: str, overrides: list[str], repeats: int = 5) ->
     from PIL import Image
 
     from pitstop.config.build import build
+    from pitstop.data.dataset import build_dataset
     from pitstop.data.shards import read_shard
     from pitstop.train.seed import derive_seed
 
     torch.set_num_threads(1)
     cfg = compose([*overrides, f"data.root={root}", "loader.num_workers=0"])
-    data = build(cfg.data, _convert_="partial")
+    data = build_dataset(cfg.data)
     samples = [
         s
         for url in sorted(glob.glob(os.path.join(root, "train-*.tar")))
@@ -383,6 +385,7 @@ def peer(a, local: str, name: str, step_s: float) -> None:
     from torch.utils.data import DataLoader
 
     from pitstop.config.build import build
+    from pitstop.data.dataset import build_dataset
     from pitstop.testing.slowstore import SlowStore
 
     with socket.socket() as sock:
@@ -426,7 +429,7 @@ def peer(a, local: str, name: str, step_s: float) -> None:
                     f"+loader.storage_options.client_kwargs.endpoint_url={store.url}",
                 ]
             )
-            data = build(cfg.data, _convert_="partial")
+            data = build_dataset(cfg.data)
             loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=a.batch, seed=0)
             rows += [
                 ("pitstop cached (s3)", i + 1, r)

@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--train", action="store_true")
     a = ap.parse_args()
     from pitstop.config.build import build
+    from pitstop.data.dataset import build_dataset
     from recipe.prepare import prepare
 
     ensure_data()
@@ -72,7 +73,7 @@ def main() -> None:
         print(f"{'window':>6} {'classes/batch':>13} {'shards/batch':>12} {'epoch read s':>12} {'val accuracy':>12}")
         for k in a.windows:
             cfg = compose([*data_args(shards, root), f"loader.shuffle_shards_window={k}"])
-            data = build(cfg.data, _convert_="partial")
+            data = build_dataset(cfg.data)
             loader = build(cfg.loader, dataset=data, split="train", train=True, batch_size=32, seed=0)
             keys: list[list[str]] = []
             loader.sample_log = keys.append

@@ -115,9 +115,8 @@ BUILDERS = {"digits": digits, "imagefolder": imagefolder, "synthetic": synthetic
 
 def webdataset(data: DictConfig, storage_options: dict | None = None) -> str:
     """Index shards that already exist (``data.train``/``data.val``: brace patterns or lists, local or URLs)
-    into ``data.root/index.json``, checking every sample's image and label on the way."""
-    from hydra.utils import instantiate
-
+    into ``data.root/index.json``, checking every sample on the way (the data class's ``check``)."""
+    from pitstop.data.dataset import build_dataset
     from pitstop.data.indexer import expand, index_existing
     from pitstop.data.remote import FetchPolicy
 
@@ -134,8 +133,10 @@ def webdataset(data: DictConfig, storage_options: dict | None = None) -> str:
         raise PitstopError(
             "data.train is not set: give the training shards, e.g. data.train='DIR/train-{000000..000099}.tar'"
         )
-    dataset = instantiate(data, _convert_="partial")
-    meta = {"name": str(data.name), "num_classes": int(data.num_classes), "source": "existing webdataset shards"}
+    dataset = build_dataset(data)
+    meta = {"name": str(data.get("name") or os.path.basename(root.rstrip("/"))), "source": "existing webdataset shards"}
+    if data.get("num_classes") is not None:  # (a classification set's; a regression has none)
+        meta["num_classes"] = int(data.num_classes)
     return index_existing(
         root,
         splits,

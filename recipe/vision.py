@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
-from typing import Any
+
 
 import numpy as np
 import torch
@@ -37,16 +37,8 @@ class ImageShards(ShardedDataset):
         label_key: str = "cls",
         skip_corrupt: bool = False,
         record_sample_ids: bool = False,
-        *,
-        prepare: Any = None,
-        source: Any = None,
-        num_samples: Any = None,
-        train: Any = None,
-        val: Any = None,
     ):
-        """The keyword-only keys say how ``python -m recipe.prepare`` writes the shards (``data.prepare``, and a
-        data set's ``source``, ``num_samples`` or existing ``train``/``val`` shards); training reads the index."""
-        super().__init__(root, skip_corrupt=skip_corrupt, record_sample_ids=record_sample_ids)
+        super().__init__(root, name, skip_corrupt=skip_corrupt, record_sample_ids=record_sample_ids)
         keys = image_keys.split(";") if isinstance(image_keys, str) else list(image_keys)
         self.image_keys, self.label_key = tuple(k.strip().lower() for k in keys if k.strip()), str(label_key)
         self.name, self.num_classes, self.channels, self.image_size = name, int(num_classes), int(channels), image_size

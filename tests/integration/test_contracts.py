@@ -13,6 +13,7 @@ from conftest import config_options
 from pitstop.config.build import build
 from pitstop.ckpt.contract import Checkpointer, SaveResult
 from pitstop.resilience.fault import Fault
+from pitstop.data.dataset import build_dataset
 from pitstop.data.loader.base import ShardLoader
 from pitstop.telemetry.logger.base import Logger
 from pitstop.strategy.base import Strategy
@@ -43,7 +44,7 @@ def test_every_option_implements_its_contract(group, option, make_cfg):
     cfg = make_cfg(f"{group}={option}", *REQUIRED.get(group, {}).get(option, []))
     kw = {}
     if group == "loader":
-        kw = dict(dataset=build(cfg.data, _convert_="partial"), split="train", batch_size=8, seed=0)
+        kw = dict(dataset=build_dataset(cfg.data), split="train", batch_size=8, seed=0)
     obj = build(cfg[group], **kw)
     base = CONTRACTS[group]
     assert isinstance(obj, base), f"{group}={option} builds {type(obj).__name__}, not a {base.__name__}"
@@ -90,7 +91,7 @@ def test_no_checkpoint_is_a_full_checkpointer(make_cfg):
 
 # ---- evaluation in lockstep: the DDP/FSDP deadlock's cause, as a pure plan ----------------------------------
 def eval_loaders(cfg, world: int, workers: int):
-    data = build(cfg.data, _convert_="partial")
+    data = build_dataset(cfg.data)
     return [
         build(
             cfg.loader,

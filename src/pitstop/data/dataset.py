@@ -6,20 +6,30 @@ from functools import cached_property
 from typing import Any
 
 from pitstop.data.shards import ShardIndex
+from pitstop.errors import ConfigError, DataError
+
+# Keys of a ``data`` config that say how the shards are made, not how they are read: only ``recipe.prepare`` reads
+# them, and the data class is built without them (:func:`build_dataset`).
+PREPARE_KEYS = frozenset({"prepare", "train", "val", "source", "num_samples"})
 
 
 class ShardedDataset:
     """A data set stored as shards under ``root`` (a local dir or a URL).
 
-    Subclasses (in recipes) implement :meth:`decode` (and may implement :meth:`collate`); the framework plans,
-    reads and batches. Both run in DataLoader workers, so a subclass must be picklable.
+    A subclass (in a recipe, or a user's module) must implement :meth:`decode`, and may implement :meth:`collate`,
+    :meth:`on_device`, :meth:`check` and :meth:`fingerprint`; the framework plans, reads and batches. Its
+    constructor takes the keys of its ``data`` YAML except :data:`PREPARE_KEYS`: its own, and the common ones of
+    :meth:`__init__`. ``decode`` and ``collate`` run in
+    DataLoader workers, so a subclass must be picklable.
     """
 
     prepare_hint = "python -m recipe.prepare"
     storage_options: dict = {}  # fsspec options to reach a remote root: set by the loader (loader.storage_options)
 
-    def __init__(self, root: str, skip_corrupt: bool = False, record_sample_ids: bool = False):
-        self.root = str(root)
+    def __init__(self, root: str, name: str = "", skip_corrupt: bool = False, record_sample_ids: bool = False):
+        """The keys every data set has: where its shards' index is (``root``), its name (run names use it), and two
+        reading options. A subclass takes its own keys and hands these on: ``__init__(self, mine, **common)``."""
+        self.root, self.name = str(root), str(name)
         self.skip_corrupt = bool(skip_corrupt)
         self.record_sample_ids = bool(record_sample_ids)
 
@@ -40,6 +50,17 @@ class ShardedDataset:
 
         return default_collate(items)
 
+    def check(self, url: str, key: str, sample: dict) -> None:
+        """While ``recipe.prepare`` indexes shards that exist (``prepare.kind: webdataset``): raise ``DataError``
+        naming the shard and the sample if this sample cannot be trained on. Default: it must decode."""
+        try:
+            self.decode(sample, train=False, seed=0)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any decoding failure is this sample's fault, named in one line
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise DataError(f"shard {url}, sample {key!r}: {type(e).__name__}: {first}") from None
+
     def on_device(self, batch: Any) -> Any:
         """Finish a batch after it reached the device (e.g. uint8 -> normalised float): cheap there, and
         the worker -> trainer -> device transfers carry the compact form. Default: unchanged."""
@@ -53,3 +74,20 @@ class ShardedDataset:
         state = self.__dict__.copy()
         state.pop("index", None)  # workers reload nothing: they get shard URLs directly
         return state
+
+
+def build_dataset(node: Any) -> ShardedDataset:
+    """The data class of a ``data`` config node, built from its keys except :data:`PREPARE_KEYS`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from pitstop.config.build import build
+
+    spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    target = spec.get("_target_")
+    data = build({k: v for k, v in spec.items() if k not in PREPARE_KEYS}, _convert_="partial")
+    if not isinstance(data, ShardedDataset):
+        raise ConfigError(
+            f"data._target_={target} is a {type(data).__name__}, not a pitstop.data.dataset.ShardedDataset: "
+            f"subclass it (docs/own-task.md)"
+        )
+    return data

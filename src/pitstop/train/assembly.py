@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import checks
 from pitstop.config.build import build
+from pitstop.data.dataset import build_dataset
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import IntervalPolicy
 from pitstop.goodput.ledger import GoodputLog, Ledger
@@ -58,7 +59,7 @@ def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> Step
     precision = Precision(t.precision, strategy.device, strategy_casts=strategy_casts(strategy, t.precision))
     if t.compile:
         compiler.check(t.compile_backend, t.compile_mode)
-    data = build(cfg.data, _convert_="partial")
+    data = build_dataset(cfg.data)
     task = build(cfg.task)
     common = dict(
         dataset=data,
