@@ -14,8 +14,8 @@ import warm
 from pitstop.config import compose
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two test processes share the cores (make test): one intra-op thread each, as a ddp job's ranks have, instead
-    # of two each fighting over two cores. Set before torch is imported here or in any process started from here.
+    # Several test processes share the cores (make test): one intra-op thread each, as a ddp job's ranks have, instead
+    # of each fighting over every core. Set before torch is imported here or in any process started from here.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
