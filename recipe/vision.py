@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import io
 
-
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -41,7 +40,7 @@ class ImageShards(ShardedDataset):
         super().__init__(root, name, skip_corrupt=skip_corrupt, record_sample_ids=record_sample_ids)
         keys = image_keys.split(";") if isinstance(image_keys, str) else list(image_keys)
         self.image_keys, self.label_key = tuple(k.strip().lower() for k in keys if k.strip()), str(label_key)
-        self.name, self.num_classes, self.channels, self.image_size = name, int(num_classes), int(channels), image_size
+        self.num_classes, self.channels, self.image_size = int(num_classes), int(channels), image_size
         self.mean = torch.tensor(list(mean or [0.5] * self.channels)).view(-1, 1, 1)
         self.std = torch.tensor(list(std or [0.5] * self.channels)).view(-1, 1, 1)
         augment = dict(augment or {})

@@ -142,22 +142,25 @@ def interrupt_in(error: BaseException) -> BaseException | None:
 
     if isinstance(error, Interrupt):
         return error
+    return next((inner for _, inner in _per_rank(error) if isinstance(inner, Interrupt)), None)
+
+
+def _per_rank(error: BaseException) -> list[tuple[int, object]]:
+    """(rank, that rank's exception) for each failure DCP wrapped in ``error`` (its ``failures``), by rank; [] if
+    it wraps none."""
     failures = getattr(error, "failures", None)
-    for f in failures.values() if isinstance(failures, dict) else ():
-        inner = f[0] if isinstance(f, tuple) else f
-        if isinstance(inner, Interrupt):
-            return inner
-    return None
+    if not isinstance(failures, dict):
+        return []
+    return [(rank, exc[0] if isinstance(exc, tuple) else exc) for rank, exc in sorted(failures.items())]
 
 
 def one_line(error: BaseException) -> str:
     """A one-line description of a save/load failure (DCP wraps per-rank tracebacks; keep the cause)."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, exc in sorted(failures.items()):
-            inner = exc[0] if isinstance(exc, tuple) else exc
-            parts.append(f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:200]}")
-        return "; ".join(parts)
+    ranks = _per_rank(error)
+    if ranks:
+        return "; ".join(
+            f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:200]}"
+            for rank, inner in ranks
+        )
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
