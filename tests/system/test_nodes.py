@@ -64,11 +64,7 @@ class Agent:
     def kill(self) -> None:
         """The whole node at once: the agent and every process under it (torchrun starts its ranks in sessions
         of their own, so the process group alone would leave them running)."""
-        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all([self.proc.pid, *descendants(self.proc.pid)], signal.SIGKILL)
         self.proc.wait()
 
     def output(self) -> str:
@@ -91,6 +87,24 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``sig`` waits, undelivered, at process ``pid`` (a stopped process keeps what it was sent)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except OSError:
+        return False
+    return any(m >> (sig - 1) & 1 for m in masks)
 
 
 def two_nodes(args: list[str], data_root, tmp_path, torchrun: bool = False, second: list[str] | None = None):
@@ -152,6 +166,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
         "data.record_sample_ids=true",
         "strategy.timeout=60",
         "strategy.cpu_threads=1",
+        "trainer.hang.enabled=false",  # (node a's ranks are held below for as long as node c takes to join)
     ]
     torchrun = None
     if launcher == "pitstop":
@@ -189,7 +204,16 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
         until(lambda: "rank 0/1 " in (run_dir / "train.log").read_text(), "the job at world size 1")
         shrunk = step()
         until(lambda: step() >= shrunk + 5, "progress at world size 1")
+        # Hold node a's ranks (SIGSTOP: their agent runs on) until node c has joined and a's agent has asked them to
+        # stop for the regrown job: without it the job at world size 1 can end before c is up (seconds, on a busy
+        # machine), and c finds the rendezvous closed. The agent's SIGTERM waits at the stopped rank until SIGCONT.
+        held = descendants(a.proc.pid)
+        signal_all(held, signal.SIGSTOP)
         c = Agent(args, "c", data_root, tmp_path, torchrun)  # the replacement node
+        try:
+            until(lambda: any(pending(pid, signal.SIGTERM) for pid in held), "node c to join", limit=180)
+        finally:
+            signal_all(held, signal.SIGCONT)
         assert a.wait() == 0, a.output()[-3000:]
         assert c.wait() == 0, c.output()[-3000:]
     finally:
