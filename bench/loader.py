@@ -110,7 +110,7 @@ def decode_path(name: str, root: str, overrides: list[str], repeats: int = 5) ->
     from pitstop.config.build import build
     from pitstop.data.dataset import build_dataset
     from pitstop.data.shards import read_shard
-    from pitstop.train.seed import derive_seed
+    from pitstop.parts.seed import derive_seed
 
     torch.set_num_threads(1)
     cfg = compose([*overrides, f"data.root={root}", "loader.num_workers=0"])
@@ -313,7 +313,7 @@ def _streaming_dataset(decode_dataset, **kw):
     """MosaicML streaming's dataset over MDS shards of the same samples, decoded by pitstop's own decode."""
     from streaming import StreamingDataset
 
-    from pitstop.train.seed import derive_seed
+    from pitstop.parts.seed import derive_seed
 
     class MDSImages(StreamingDataset):
         def __getitem__(self, i):

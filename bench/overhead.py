@@ -100,8 +100,8 @@ def hand_run(steps: int, extra: list[str] = ()) -> dict:
     import webdataset as wds
     from torch.utils.data import DataLoader
 
-    from pitstop.train.lr import warmup_cosine
-    from pitstop.train.seed import derive_seed
+    from pitstop.parts.lr import warmup_cosine
+    from pitstop.parts.seed import derive_seed
     from recipe.vision import ImageShards, SmallCNN
 
     cfg = compose([*BASE, *extra])

@@ -109,7 +109,7 @@ def test_bad_accelerator_options_are_one_line_before_training(overrides, message
 def test_the_grad_scaler_state_travels_with_the_train_state(make_cfg):
     # fp16 itself needs CUDA (the cuda tests resume it end to end); the state's round trip through the train
     # state (JSON, as every backend stores it) is the same code on any device.
-    from pitstop.train.precision import Precision
+    from pitstop.parts.precision import Precision
     from pitstop.train.runner import Runner
 
     cfg = make_cfg()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-START = "from pitstop.train.launch_facts import process_start_wall; print(repr(process_start_wall()))"
+START = "from pitstop.parts.launch_facts import process_start_wall; print(repr(process_start_wall()))"
 
 EXIT = """
 import atexit, sys, threading, time

@@ -8,14 +8,14 @@ import faulthandler
 import threading
 
 from pitstop.resilience.watchdog import Watchdog
-from pitstop.train.runner import _log_thread_failures
+from pitstop.train.process import log_thread_failures
 
 
 def test_an_exception_that_ends_a_background_thread_reaches_the_log(caplog):
     before = threading.excepthook
     try:
-        _log_thread_failures()
-        _log_thread_failures()  # (installed once)
+        log_thread_failures()
+        log_thread_failures()  # (installed once)
 
         def boom() -> None:
             raise OSError(28, "No space left on device")

@@ -33,7 +33,7 @@ def test_launch_mode_is_a_pure_function_of_config_and_environment(nproc, restart
 def test_launch_facts_are_one_value_read_once_at_the_entry(monkeypatch, tmp_path):
     import time
 
-    from pitstop.train import launch_facts as attempt
+    from pitstop.parts import launch_facts as attempt
     from pitstop.launch.attempt import run_attempt
 
     facts = attempt.facts_from_env({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"})

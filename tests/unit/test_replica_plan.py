@@ -274,7 +274,7 @@ def test_a_healed_group_re_plans_the_lr_schedule_exactly_as_its_peer_whatever_it
     # healed mid-run with a stale count of its own re-plans at the same steps as its peer, to the same numbers
     import torch
 
-    from pitstop.train.lr import warmup_cosine
+    from pitstop.parts.lr import warmup_cosine
     from pitstop.train.steps import steps_with_groups
 
     class Left:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pitstop.train.seed import derive_seed
+from pitstop.parts.seed import derive_seed
 from recipe.vision import ImageShards
 
 

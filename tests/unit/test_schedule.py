@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pitstop.train.lr import replan, warmup_cosine
+from pitstop.parts.lr import replan, warmup_cosine
 
 
 def lrs(scheduler, steps: int) -> list[float]:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
-from pitstop.train.launch_facts import LaunchFacts, process_start_wall, record_error
+from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
 
 def worker(

@@ -16,7 +16,7 @@ from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_f
 from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.resilience.watchdog import HUNG_EXIT
-from pitstop.train import launch_facts
+from pitstop.parts import launch_facts
 
 log = logging.getLogger("pitstop.launch")
 

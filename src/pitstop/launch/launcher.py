@@ -20,7 +20,7 @@ from pitstop.launch.attempt import log_to
 from pitstop.launch.elastic import elastic
 from pitstop.launch.mode import LaunchMode, launch_mode, max_restarts, nnodes, nproc
 from pitstop.launch.supervisor import supervise
-from pitstop.train.launch_facts import facts_from_env
+from pitstop.parts.launch_facts import facts_from_env
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:

@@ -41,7 +41,7 @@ from pitstop.launch.attempt import start_warm
 from pitstop.launch.supervisor import _exit_on_signal, attempts
 from pitstop.resilience.preempt import LauncherNotice, Preempted
 from pitstop.telemetry.metrics import write_json_atomic
-from pitstop.train import launch_facts
+from pitstop.parts import launch_facts
 
 log = logging.getLogger("pitstop.launch")
 
@@ -229,7 +229,7 @@ def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any, n
     from pitstop.errors import ConfigError, PitstopError
     from pitstop.notices import notices_blocked
     from pitstop.resilience.preempt import PREEMPTED_EXIT
-    from pitstop.train.launch_facts import error_file
+    from pitstop.parts.launch_facts import error_file
 
     os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
@@ -269,7 +269,7 @@ def _agent_main(cfg_yaml: str, run_dir: str, ranks: int, k: int) -> None:
     from pitstop.errors import ConfigError
     from pitstop.launch.elastic import elastic
     from pitstop.resilience.preempt import PREEMPTED_EXIT
-    from pitstop.train.launch_facts import record_error
+    from pitstop.parts.launch_facts import record_error
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"[replica{k} agent] %(levelname)s %(message)s")
     try:

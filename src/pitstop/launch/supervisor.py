@@ -16,8 +16,8 @@ from pitstop.errors import ConfigError, PitstopError
 from pitstop.launch.attempt import run_attempt, start_warm
 from pitstop.notices import notices_blocked
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
-from pitstop.train import launch_facts
-from pitstop.train.launch_facts import LaunchFacts, error_file
+from pitstop.parts import launch_facts
+from pitstop.parts.launch_facts import LaunchFacts, error_file
 
 log = logging.getLogger("pitstop.launch")
 

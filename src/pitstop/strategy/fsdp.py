@@ -3,7 +3,7 @@
 Each module named in ``shard`` (or, with ``shard: auto``, each direct child that has parameters) becomes
 its own FSDP unit, then the root; ``reshard_after_forward`` trades memory for a re-gather in backward;
 ``mixed_precision`` sets the parameter dtype for compute (reductions in fp32); it follows ``trainer.precision``
-(``fp32`` | ``bf16`` | ``fp16``), so one key sets the precision under every strategy (pitstop/train/precision.py: no
+(``fp32`` | ``bf16`` | ``fp16``), so one key sets the precision under every strategy (pitstop/parts/precision.py: no
 autocast on top of FSDP's policy); set explicitly to another dtype than ``trainer.precision`` it is refused.
 BatchNorm layers stay in fp32 (their own units), as their running statistics are.
 Gradient accumulation: ``no_sync`` turns FSDP's reduce-scatter off for the micro-batches before the last.
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pitstop.errors import ConfigError
-from pitstop.train.precision import DTYPES
+from pitstop.parts.precision import DTYPES
 from pitstop.strategy.ddp import DDP
 
 # trainer.precision's names, and torch's (the key's older spellings)

@@ -47,7 +47,7 @@ from pitstop.strategy.base import Strategy
 from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
-from pitstop.train.batch import local_shard
+from pitstop.parts.batch import local_shard
 
 log = logging.getLogger("pitstop.strategy")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from pitstop.config.checks import is_integer
 from pitstop.errors import ConfigError
-from pitstop.train.batch import map_tensors
+from pitstop.parts.batch import map_tensors
 from pitstop.strategy.base import Strategy
 
 log = logging.getLogger("pitstop.strategy")

@@ -1,1 +1,1 @@
-"""What a run reports: metrics files, the step profiler, experiment trackers (logger/)."""
+"""What a run reports: metrics files, throughput and FLOPs, the step profiler, experiment trackers (logger/)."""

@@ -28,13 +28,13 @@ from pitstop.resilience.fault import FaultContext
 from pitstop.resilience.watchdog import Watchdog
 from pitstop.telemetry.metrics import MetricsFile
 from pitstop.telemetry.profiler import StepProfiler
-from pitstop.train import compiler
-from pitstop.train.batch import map_tensors
-from pitstop.train.launch_facts import LaunchFacts
+from pitstop.parts import compiler
+from pitstop.parts.batch import map_tensors
+from pitstop.parts.launch_facts import LaunchFacts
 from pitstop.train.metering import StepMeter
-from pitstop.train.precision import DTYPES, Precision
+from pitstop.parts.precision import DTYPES, Precision
 from pitstop.train.sample_log import SampleLog
-from pitstop.train.throughput import Throughput
+from pitstop.telemetry.throughput import Throughput
 
 NULL_LOGGER = {"_target_": "pitstop.telemetry.logger.base.NullLogger"}
 

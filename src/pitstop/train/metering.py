@@ -19,8 +19,8 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from pitstop.telemetry.metrics import MetricsFile
-from pitstop.train.batch import map_tensors
-from pitstop.train.throughput import Throughput, cached_count, count_step_flops
+from pitstop.parts.batch import map_tensors
+from pitstop.telemetry.throughput import Throughput, cached_count, count_step_flops
 
 log = logging.getLogger("pitstop")
 

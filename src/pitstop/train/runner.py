@@ -17,13 +17,11 @@ setup fails half-way.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import threading
 import time
 from contextlib import ExitStack, closing
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,36 +34,16 @@ from pitstop.goodput.ledger import GoodputLog, Ledger
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
 from pitstop.resilience.watchdog import Hung
 from pitstop.strategy.nodes import check_nodes
-from pitstop.train import assembly, steps, summary
-from pitstop.train.digest import model_sha256
-from pitstop.train.launch_facts import LaunchFacts, facts_from_env, record_error
+from pitstop.train import assembly, process, steps, summary
+from pitstop.parts.digest import model_sha256
+from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.sample_log import SampleLog
-from pitstop.train.seed import seed_everything
+from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
 
 log = logging.getLogger("pitstop")
-_SETUPS = 0  # runs set up in this process (the first freezes the heap without a collection first) ...
-_ACTIVE = 0  # ... and those not ended yet (the heap stays frozen until the last has ended)
-
-
-def _frozen() -> Callable[[], None]:
-    """Freeze the heap for a run that starts now (see ``Runner.setup``); returns what ends it for that run."""
-    global _SETUPS, _ACTIVE
-    if _ACTIVE == 0:
-        if _SETUPS:
-            gc.collect()
-        gc.freeze()
-    _SETUPS, _ACTIVE = _SETUPS + 1, _ACTIVE + 1
-
-    def end() -> None:
-        global _ACTIVE
-        _ACTIVE -= 1
-        if _ACTIVE == 0:
-            gc.unfreeze()
-
-    return end
 
 
 class Runner:
@@ -97,15 +75,8 @@ class Runner:
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, t, hold = self.cfg, self.cfg.trainer, self._resources
-        # What exists now (torch's and every other module's objects, the config) lives as long as the process:
-        # the cyclic collector leaves it out of its passes from here on, here and in the processes forked from
-        # here. A full pass over a warm attempt's heap (a fork of a server that pre-imported torch._dynamo) took
-        # ~20% of the CPU in its data workers, and dirtied their copy-on-write pages. Back in the collector's care
-        # when the last run of this process that is still going ends; a later run (a sweep's next job) first
-        # collects what the last left (a Runner is a cycle: its model, optimizer state and device memory would stay
-        # frozen through the next run).
-        hold.callback(_frozen())
-        _log_thread_failures()
+        hold.callback(process.frozen_heap())
+        process.log_thread_failures()
         if OmegaConf.select(cfg, "loader.num_workers", default=0):
             # The data workers' fork server, forked now while this process has no threads of its own yet
             # (none may exist at a fork) and already has the components' modules: ready at once, no imports.
@@ -394,28 +365,3 @@ class Runner:
 
     def params_sha256(self) -> str:
         return model_sha256(self.model)
-
-
-def _log_thread_failures() -> None:
-    """An exception that ends a background thread (a writer, the purger, a prefetch, a timer) reaches the run's
-    log, not only stderr; a failure that loses data also reaches the exit status through the future that carries
-    it (a save's, a read's)."""
-    if getattr(threading.excepthook, "_pitstop", False):
-        return
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if args.exc_type is not SystemExit:
-            name = args.thread.name if args.thread is not None else "?"
-            log.error(
-                "background thread %s failed: %s: %s",
-                name,
-                args.exc_type.__name__,
-                args.exc_value,
-                exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
-            )
-        else:
-            previous(args)
-
-    hook._pitstop = True  # type: ignore[attr-defined]
-    threading.excepthook = hook

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from pitstop.resilience.watchdog import DataStall, Watchdog
-from pitstop.train.batch import local_shard, map_tensors
-from pitstop.train.precision import Precision
-from pitstop.train.seed import rng_state, set_rng_state
+from pitstop.parts.batch import local_shard, map_tensors
+from pitstop.parts.precision import Precision
+from pitstop.parts.seed import rng_state, set_rng_state
 
 log = logging.getLogger("pitstop")
 

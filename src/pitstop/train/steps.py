@@ -8,7 +8,7 @@ import logging
 from typing import Any, Callable
 
 from pitstop.errors import ConfigError
-from pitstop.train.lr import planned_steps, replan
+from pitstop.parts.lr import planned_steps, replan
 
 log = logging.getLogger("pitstop")
 

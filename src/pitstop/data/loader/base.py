@@ -24,7 +24,7 @@ from pitstop import fsurl
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import evaluation, plan, server
-from pitstop.train.seed import derive_seed
+from pitstop.parts.seed import derive_seed
 
 from pitstop.data.loader.reader import Failure, ShardSource, StreamReader, from_transport
 from pitstop.data.loader.sizes import memory_budget

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pitstop.train.seed import derive_seed
+from pitstop.parts.seed import derive_seed
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

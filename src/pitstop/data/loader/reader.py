@@ -14,7 +14,7 @@ from pitstop.data.remote import ShardRef
 from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import plan
-from pitstop.train.seed import derive_seed
+from pitstop.parts.seed import derive_seed
 
 log = logging.getLogger("pitstop.data.loader")
 

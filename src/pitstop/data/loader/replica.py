@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from pitstop.data.loader import plan
 from pitstop.data.shards import read_shard
 from pitstop.errors import DataError
-from pitstop.train.seed import derive_seed
+from pitstop.parts.seed import derive_seed
 
 log = logging.getLogger("pitstop.data.loader")
 

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from pitstop.train.batch import map_tensors
+from pitstop.parts.batch import map_tensors
 
-log = logging.getLogger("pitstop.train.throughput")
+log = logging.getLogger("pitstop.telemetry.throughput")
 
 # Dense peak TFLOP/s by device-name fragment and compute dtype ("tf32": fp32 matmuls on tensor cores, used
 # when torch.backends.cuda.matmul.allow_tf32 is on).  Sources: NVIDIA data sheets (SXM parts unless named).
@@ -46,7 +46,7 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
         for fragment, peaks in PEAK_TFLOPS.items():  # (ordered: "H100 PCIe" before "H100")
             if re.search(rf"(?<![\w]){re.escape(fragment)}(?![\w])", name) and dtype in peaks:
                 return peaks[dtype] * 1e12, f"{fragment} {dtype} dense peak {peaks[dtype]:g} TFLOP/s"
-    return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.train.throughput.PEAK_TFLOPS)"
+    return None, f"n/a: no peak figure for {name} in {dtype} (pitstop.telemetry.throughput.PEAK_TFLOPS)"
 
 
 def count_step_flops(
