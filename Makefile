@@ -4,13 +4,13 @@
 # make test-unit — tests/unit only: pure logic, seconds
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
-# pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker). Default 3 on
-# this machine's (and CI's) 2 cores: many system tests wait (a timeout, a heartbeat, a store's retries) while a
-# third worker computes (measured: 22:02 against 24:29 for the parallel part; tests/README.md). WORKERS=0 runs in
+# pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker): one per core
+# of this machine (and CI's). A third worker did not make the suite faster where it counts: CI took 1,736 s with 3
+# against 1,649 s with 2, and runs here moved by more than the difference (22 to 27 min with 3). WORKERS=0 runs in
 # one process. Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone.
 # A worker that dies is not replaced (--max-worker-restart=0): the run fails naming the test it was running
 # (xdist 3.8's loadscope scheduler could hang for good after a replacement joined: KeyError in _assign_work_unit).
-WORKERS ?= 3
+WORKERS ?= 2
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope --max-worker-restart=0)
 VENV   := .venv
 BIN    := $(VENV)/bin

@@ -64,55 +64,50 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         raise SystemExit(1) from None
 
 
-def warm_context(cfg: DictConfig) -> Any:
-    """A multiprocessing context whose children start warm: a fork server (a clean process: no threads, no
-    CUDA context) imports torch, the runner and every module the config names (``_target_``) once; each
-    attempt is then a fork of it and pays no interpreter start or imports again."""
-    import multiprocessing as mp
-
+def warm_modules(cfg: DictConfig) -> set[str]:
+    """What every attempt imports, imported once in the server it is forked from: torch, the runner, the entry
+    point's imports and every module the config names (``_target_``). Imported lazily by every attempt otherwise:
+    torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's init here), fsspec by the data index
+    (~0.3 s), pitstop.goodput.model at the end."""
     from pitstop.config.build import target_modules
-    from pitstop.data.loader.server import entry_point_imports
 
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    # Imported lazily by every attempt: torch._dynamo by the optimizer's constructor (~1 s of a cold attempt's
-    # init here), fsspec by the data index (~0.3 s), pitstop.goodput.model at the end. What the entry point imports
-    # too (each child runs it again as __mp_main__).
-    modules = {
+    return {
         "torch",
         "torch._dynamo",
         "fsspec",
         "pitstop.goodput.model",
         "pitstop.train.runner",
         "pitstop.launch.launcher",
-        *entry_point_imports(),
         *target_modules(cfg),
     }
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(sorted(modules))
-    return ctx
 
 
 def start_warm(cfg: DictConfig) -> Any:
-    """:func:`warm_context` (``trainer.warm_restarts``; else ``spawn``), with its fork server started now: its
-    imports (seconds) run while this launcher imports what it needs itself (torch, the elastic agent, torchft, a
-    Lighthouse), not after. A scheduler's notice reaches every process of the job step: the children's resource
-    tracker (a fresh interpreter) would die of it, come back and print KeyError tracebacks; their fork server
-    would die of it (SIGUSR1's default action), which looks to their parent as if every child had ended. Both
-    start with the notices blocked, so they never get them; each child unblocks them once its own handlers are
-    in (PreemptionNotice.install), and a notice that came before is delivered then."""
-    import multiprocessing as mp
-    from multiprocessing import forkserver, resource_tracker
+    """The multiprocessing context this launcher starts its attempts or ranks with, its server running.
 
+    ``trainer.warm_restarts`` (the default): ``forkserver``, whose server is a copy of this launcher forked while
+    it is still single-threaded, with :func:`warm_modules` imported first (``pitstop.data.loader.server.start``,
+    the one place a fork server starts; a fresh interpreter that imports them where this process already has
+    threads). Each attempt is a fork of it: no interpreter start, no imports, for the first attempt as for a
+    restart. Else ``spawn``: each attempt a fresh interpreter.
+
+    A scheduler's notice reaches every process of the job step: the children's resource tracker (a fresh
+    interpreter) would die of it, come back and print KeyError tracebacks; their fork server would die of it
+    (SIGUSR1's default action), which looks to their parent as if every child had ended. Both start with the
+    notices blocked (the server also ignores them), so they never act on one; each child unblocks them once its
+    own handlers are in (``PreemptionNotice.install``), and a notice that came before is delivered then."""
+    import multiprocessing as mp
+    from multiprocessing import resource_tracker
+
+    from pitstop.data.loader import server
     from pitstop.notices import notices_blocked
 
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
-    ctx = warm_context(cfg) if warm else mp.get_context("spawn")
     with notices_blocked():
+        if warm and server.start(warm_modules(cfg)) != "none":
+            return mp.get_context("forkserver")
         resource_tracker.ensure_running()
-        if ctx.get_start_method() == "forkserver":
-            forkserver.ensure_running()
-    return ctx
+    return mp.get_context("spawn")
 
 
 def log_to(run_dir: str, rank: int) -> None:

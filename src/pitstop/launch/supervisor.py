@@ -28,7 +28,7 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
     storage errors may be transient (a remote store down for a while) and are.
 
-    Restarts are warm (:func:`warm_context`): attempts are forks of a pre-imported server, so a restart
+    Restarts are warm (:func:`start_warm`): attempts are forks of a pre-imported server, so a restart
     costs the detection of the failure, the fork, init and restore, not a cold start. The first attempt's
     ledger counts from the supervisor's own start (its imports and the server's are program start)."""
 

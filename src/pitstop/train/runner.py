@@ -193,17 +193,8 @@ class Runner:
         self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
-            if self._epochs_follow_groups():  # (strategy=ft: the bound from the data position; the restored or healed
-                # schedule's plan is kept as it is and re-planned only after committed steps, the same in every group:
-                # a group's own restore or heal comes at another moment than its peers')
-                self.total_steps = self.step + self.loader.fetches_left(int(t.epochs), self.strategy.participants) // (
-                    self.accum
-                )
-            else:
-                self.total_steps = steps.steps_at_this_world_size(
-                    self.step, self.loader, int(t.epochs), self.accum, self.scheduler, self.total_steps,
-                    self.strategy.world_size,
-                )  # fmt: skip
+            self.total_steps = steps.after_resume(self.step, self.loader, int(t.epochs), self.accum, self.scheduler,
+                                                  self.total_steps, self.strategy)  # fmt: skip
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
         if self.samples is not None:

@@ -32,6 +32,16 @@ def total_steps(trainer: Any, loader: Any, accum: int) -> int:
     return batches // accum
 
 
+def after_resume(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, strategy: Any) -> int:
+    """``trainer.epochs`` after a resume: the run's new bound. Under replica groups (a loader that cuts one global
+    order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed schedule's
+    plan is kept as it is, re-planned only after committed steps, the same in every group (a group's own restore or
+    heal comes at another moment than its peers'); otherwise from the batches left at this world size."""
+    if hasattr(loader, "fetches_left"):
+        return step + loader.fetches_left(epochs, strategy.participants) // accum
+    return steps_at_this_world_size(step, loader, epochs, accum, scheduler, total, strategy.world_size)
+
+
 def steps_at_this_world_size(
     step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, world_size: int
 ) -> int:

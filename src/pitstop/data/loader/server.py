@@ -1,4 +1,9 @@
-"""Where data workers come from: a fork server of each trainer process, never a fork of the trainer itself.
+"""Where data workers (and a launcher's attempts) come from: a fork server, never a fork of a busy process itself.
+
+The one place a fork server starts. A trainer starts one for its data workers; a launcher (pitstop's supervisor,
+the elastic agent's launcher, replica groups of one rank) starts one for its attempts or ranks
+(``pitstop.launch.attempt.start_warm``): each attempt is then a fork of a copy of the launcher, with no
+interpreter start and no imports, the first attempt as much as a restart.
 
 The trainer has threads (gloo's, the hang watchdog, queue feeders) and CPython 3.11 deadlocks a forked child
 if one of them held the interpreter's thread-state lock at that instant (``PyGILState_Ensure`` in a C++ thread
@@ -155,6 +160,10 @@ def _fork(server: Any) -> None:
             code = 0
             try:
                 os.close(alive_w)
+                # (a child of this server that starts a fork server of its own, as a rank forked from a launcher's
+                # starts its data workers', must find the state unset and the lock free: it was held at the fork)
+                server._lock = threading.Lock()
+                server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
                 gc.freeze()  # (its heap is the trainer's: no worker's collections walk it, or dirty its pages)
                 for sig in NOTICES:  # (not the handler the trainer has now: submitit's requeue, say)
                     signal.signal(sig, signal.SIG_IGN)
