@@ -99,8 +99,18 @@ def check_run(cfg, summary: dict) -> None:
     assert [r["step"] for r in lines] == list(range(1, cfg.trainer.max_steps + 1))
     assert all(math.isfinite(r["loss"]) and r["fetch_seconds"] >= 0 and r["lr"] > 0 for r in lines)
     assert len(summary["params_sha256"]) == 64
-    assert 0.0 <= summary["metrics"]["val_accuracy"] <= 1.0
+    assert_accuracy_counts(summary["metrics"])
     assert set(summary["wall_clock"]) >= {"compute", "data_wait", "checkpoint", "other", "total"}
+
+
+def assert_accuracy_counts(metrics: dict) -> None:
+    """``val_accuracy`` is what it says: the correct predictions over every sample evaluated (``val_samples``),
+    a whole number of them, top-1 never above top-5 (an average of per-batch ratios, a NaN, a metric summed over
+    ranks but divided by one rank's samples would not be)."""
+    n, acc = metrics["val_samples"], metrics["val_accuracy"]
+    correct = acc * n
+    assert n >= 1 and n == int(n) and abs(correct - round(correct)) < 1e-6 * n, metrics
+    assert 0 <= round(correct) <= n and acc <= metrics.get("val_top5", 1.0), metrics
 
 
 def train(cfg) -> dict:
