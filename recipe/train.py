@@ -25,6 +25,8 @@ from pitstop import cli
 from pitstop.launch import launcher as launch
 
 log = logging.getLogger("recipe.train")
+# Overrides that say where a sweep's files go, not what a job trains: left out of its run's name.
+PLUMBING = ("paths.", "run_dir=", "hydra.", "logger.")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -39,6 +41,9 @@ def train(cfg: DictConfig) -> dict:
                 "job": hc.job.num,
                 "overrides": " ".join(hc.overrides.task),
             }
+            # and names each by what it sets (`digits-cnn-sgd ckpt=async_dcp loader=cached`), where files go aside
+            chosen = [o for o in hc.overrides.task if not o.lstrip("+~").startswith(PLUMBING)]
+            cfg.run_name = " ".join([str(cfg.run_name), *chosen])
     return launch.run(cfg, run_dir)  # in this process, or one process per rank
 
 

@@ -340,6 +340,13 @@ def test_sweep_report_after_a_real_multirun_with_a_failed_job(data_root, tmp_pat
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["pitstop"], filter_string=f"tags.sweep = '{sweep.name}'")
     assert len(runs) == 4 and set(runs["tags.sweep_job"]) == {"0", "1", "2", "3"}
+    # each run named by what its job set (where its files went left out)
+    names = {
+        f"digits-cnn-sgd debug=tiny ckpt={c} optim.lr={lr} logger=mlflow"
+        for c in ("sync_save", "async_dcp")
+        for lr in ("0.05", "1e+30")
+    }  # fmt: skip (Hydra writes 1e30 so)
+    assert set(runs["tags.mlflow.runName"]) == names, set(runs["tags.mlflow.runName"])
 
 
 # ---- preemption notices (a real SIGTERM) --------------------------------------------------------------------
