@@ -36,3 +36,16 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
     ):
         assert key in run.data.metrics, key
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4, 8, 12]
+    # a training experiment to MLflow's UI (opened on its runs, not on the GenAI overview)
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_an_experiment_made_before_without_a_kind_becomes_a_training_one(make_cfg, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("pitstop")  # (as an older pitstop, or a person, made it)
+    summary = train(make_cfg("logger=mlflow", f"logger.tracking_uri={uri}"))
+    assert client.get_run(summary["mlflow_run_id"]).info.experiment_id == exp
+    assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"

@@ -24,6 +24,8 @@ from pitstop.telemetry.logger.base import Logger
 
 log = logging.getLogger(__name__)
 
+# The tag by which MLflow's UI (3.x) tells a model-training experiment from a GenAI one, and the training value.
+EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
 _PARAM_BATCH = 100
 _METRIC_BATCH = 1000
 
@@ -192,7 +194,10 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
         except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
             pass
     exp = client.get_experiment_by_name(opts["experiment"])
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(opts["experiment"])
+    kind = {EXPERIMENT_KIND: TRAINING}  # (the UI opens a training experiment on its runs, not on a GenAI overview)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(opts["experiment"], tags=kind)
+    if exp is not None and EXPERIMENT_KIND not in exp.tags:  # (one made before, by hand or by an older pitstop)
+        client.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING)
     run = client.create_run(exp_id, run_name=opts["run_name"], tags={"run_dir": run_dir, **tags})
     state["mlflow_run_id"] = run.info.run_id
     with open(id_file, "w") as f:
