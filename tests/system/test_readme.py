@@ -69,6 +69,9 @@ def fill(cmd: str, env: dict) -> str:
 def shrink(argv: list[str]) -> list[str]:
     module = argv[2]
     rules = dict(SHRINK.get(module, {}))
+    accum = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("trainer.grad_accum_steps=")), 1)
+    if module == "recipe.train" and accum > 1:  # the same batches, so the same epoch boundary and evaluation
+        rules["trainer.max_steps"] = str(-(-int(rules["trainer.max_steps"]) // accum))
     if "data=imagefolder" in argv or "data=webdataset" in argv:  # 30 images: one step per epoch
         rules["trainer.max_steps"] = "3"
     out, seen = [], set()
