@@ -88,8 +88,8 @@ def start_warm(cfg: DictConfig) -> Any:
     ``trainer.warm_restarts`` (the default): ``forkserver``, whose server is a copy of this launcher forked while
     it is still single-threaded, with :func:`warm_modules` imported first (``pitstop.data.loader.server.start``,
     the one place a fork server starts; a fresh interpreter that imports them where this process already has
-    threads). Each attempt is a fork of it: no interpreter start, no imports, for the first attempt as for a
-    restart. Else ``spawn``: each attempt a fresh interpreter.
+    threads, or where the ranks run on GPUs). Each attempt is a fork of it: no interpreter start, no imports, for
+    the first attempt as for a restart. Else ``spawn``: each attempt a fresh interpreter.
 
     A scheduler's notice reaches every process of the job step: the children's resource tracker (a fresh
     interpreter) would die of it, come back and print KeyError tracebacks; their fork server would die of it
@@ -100,11 +100,15 @@ def start_warm(cfg: DictConfig) -> Any:
     from multiprocessing import resource_tracker
 
     from pitstop.data.loader import server
+    from pitstop.launch.rendezvous import on_gpus
     from pitstop.notices import notices_blocked
 
     warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
+    # (ranks on GPUs: a fresh interpreter, as a fork of a process that asked the CUDA driver for its devices, as
+    # the capacity check does, could not use CUDA)
+    fork = not on_gpus(cfg)
     with notices_blocked():
-        if warm and server.start(warm_modules(cfg)) != "none":
+        if warm and server.start(warm_modules(cfg), fork=fork) != "none":
             return mp.get_context("forkserver")
         resource_tracker.ensure_running()
     return mp.get_context("spawn")

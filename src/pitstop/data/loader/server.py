@@ -54,9 +54,11 @@ def context() -> Any:
     return mp.get_context("forkserver")
 
 
-def start(modules: Iterable[str] = ()) -> str:
+def start(modules: Iterable[str] = (), fork: bool = True) -> str:
     """Make sure this process's workers' fork server runs; start it now if it does not.  ``modules`` are
     imported first (the components' modules, which every worker would otherwise import on its own).
+    ``fork=False``: a fresh interpreter even where a fork would do (children that will use CUDA: this process may
+    have asked the CUDA driver for its devices, and a fork after that cannot use it).
     Returns how: ``forked``, ``spawned``, ``running`` (already) or ``none`` (no fork server on this OS)."""
     import multiprocessing as mp
     from multiprocessing import forkserver
@@ -78,7 +80,7 @@ def start(modules: Iterable[str] = ()) -> str:
             importlib.import_module(name)
         except ImportError:  # (a worker that needs it reports it; the config's own checks name the option)
             pass
-    why = _cannot_fork(server)
+    why = _cannot_fork(server) if fork else "its children will use CUDA"
     if why is None:
         _fork(server)
         return "forked"
