@@ -75,7 +75,7 @@ def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> Step
 
         loader = ReplicaLoader(loader, strategy.participation, strategy.replicas, int(t.grad_accum_steps),
                                ranks=strategy.world_size, rank=strategy.rank)  # fmt: skip
-    elif fresh and hasattr(loader, "warm"):  # (loader=cached) first shards downloading while the model is built
+    elif fresh:  # (loader=cached) first shards downloading while the model is built
         loader.warm()
     model = build(cfg.model)
     if t.channels_last and strategy.channels_last_params:  # (else the inputs alone are NHWC)

@@ -105,8 +105,7 @@ class Runner:
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
             self.model, self.compile_clock, self.optimizer = parts.model, parts.compile_clock, parts.optimizer
             self.loader, self.eval_loader = parts.loader, parts.eval_loader
-            if hasattr(self.loader, "close"):  # (strategy=ft's loader: its worker pool ends before the process does)
-                hold.callback(self.loader.close)
+            hold.callback(self.loader.close)  # (strategy=ft's loader: its worker pool ends before the process does)
             self.total_steps = steps.total_steps(t, self.loader, self.accum)
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
             self.evals = steps.EvalSchedule(t.eval_every_steps, self.loader)
@@ -202,8 +201,7 @@ class Runner:
             self.samples.header(
                 self.resumed_from, self.strategy.world_size, self.data.index.num_samples("train"), epochs, healed
             )
-        if hasattr(self.loader, "warm"):  # (loader=cached) the position's first shards, if not asked for at build
-            self.loader.warm()
+        self.loader.warm()  # (loader=cached) the position's first shards, if not asked for at build
         if self.resumed_from is not None:
             log.info("resumed from step %d", self.resumed_from)
             self.metrics_file.write({"event": "resume", "step": self.step})

@@ -198,6 +198,14 @@ class ShardLoader(ABC):
             return None
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
+    def warm(self) -> None:
+        """Start fetching what the current data position reads first, now (a loader with a cache does: the cached
+        loader); by default nothing. Called as the loader is built on a fresh run and after a restore."""
+
+    def close(self) -> None:
+        """Release what the loader holds beyond its batch iterators (a worker pool of its own); by default nothing:
+        the iterators' workers stop with the loop."""
+
     def commit(self) -> None:
         """The step of the batches handed out committed (a per-rank loader counts them as it hands them out;
         ``strategy=ft``'s loader advances its position only here)."""

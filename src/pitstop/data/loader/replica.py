@@ -297,6 +297,9 @@ class ReplicaLoader:
         self.stats["dropped_at_epoch_end"] += self._dropped
         self._cursor, self._taken, self._dropped = None, 0, 0
 
+    def warm(self) -> None:
+        """Nothing to fetch ahead: the pool reads the next slices as the first step asks (the ShardLoader contract)."""
+
     def close(self) -> None:
         self._stop_pool(patience=10.0)
         if self._slices is not None:
