@@ -22,7 +22,7 @@ def manifest() -> tuple[dict, dict]:
 
 
 def test_the_kubernetes_manifest_runs_the_documented_multi_node_command(tmp_path):
-    from pitstop.launch.mode import nnodes
+    from pitstop.launch.plan import plan
 
     service, job = manifest()
     pod = job["spec"]["template"]["spec"]
@@ -30,7 +30,7 @@ def test_the_kubernetes_manifest_runs_the_documented_multi_node_command(tmp_path
     command = container["command"]
     assert command[:3] == ["python", "-m", "recipe.train"]
     cfg = compose_cfg([*command[3:], f"paths.root_dir={tmp_path}"], tmp_path)
-    low, high = nnodes(cfg)
+    low, high = plan(cfg, {}).nodes
     # one pod per node, all started together; node 0's stable DNS name hosts the rendezvous on the Service's port
     assert (
         job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"] == high
@@ -75,19 +75,20 @@ def slurm_command() -> list[str]:
 def test_the_slurm_multi_node_recipe_composes_one_agent_per_node(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from pitstop.launch.mode import nnodes
+    from pitstop.launch.plan import plan
 
     overrides = slurm_command()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"paths.root_dir={tmp_path}"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.tasks_per_node == 1  # one agent per node
-    assert nnodes(cfg) == (launcher.nodes, launcher.nodes) and cfg.strategy.rdzv_endpoint == "slurm"
+    assert plan(cfg, {}).nodes == (launcher.nodes, launcher.nodes) and cfg.strategy.rdzv_endpoint == "slurm"
     assert "SIGUSR2" in list(cfg.trainer.preempt_signals)  # submitit's notice before the time limit
 
 
 def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monkeypatch):
     from pitstop.errors import ConfigError
+    from pitstop.launch.plan import plan
     from pitstop.launch.rendezvous import first_host, hosts_store, rendezvous, slurm_endpoint
 
     assert first_host("gpu[07-08,11],cpu3") == "gpu07" and first_host("node5,node6") == "node5"
@@ -100,13 +101,13 @@ def test_the_rendezvous_endpoint_comes_from_the_slurm_allocation(make_cfg, monke
     assert [hosts_store({**env, "SLURMD_NODENAME": n}, "gpu07:24242") for n in ("gpu07", "gpu08")] == [True, False]
     assert hosts_store({**env, "SLURMD_NODENAME": "gpu08"}, "10.0.0.7:29500") is None  # an address: torch's guess
     assert hosts_store({}, "gpu07:24242") is None  # not under SLURM
-    cfg = make_cfg("strategy=ddp", "strategy.nnodes=2", "strategy.rdzv_endpoint=slurm")
+    strategy = plan(make_cfg("strategy=ddp", "strategy.nnodes=2", "strategy.rdzv_endpoint=slurm"), {}).strategy
     for key, value in {**env, "SLURM_STEP_NUM_NODES": "2"}.items():
         monkeypatch.setenv(key, value)
-    endpoint, run_id = rendezvous(cfg, "/shared/runs/exp1", 2)
-    assert endpoint == "gpu07:24242" and run_id == rendezvous(cfg, "/elsewhere/exp1", 2)[1]  # same name, same job
+    endpoint, run_id = rendezvous(strategy, "/shared/runs/exp1", 2)
+    assert endpoint == "gpu07:24242" and run_id == rendezvous(strategy, "/elsewhere/exp1", 2)[1]  # same name, same job
     with pytest.raises(ConfigError, match="runs on 2 nodes but strategy.nnodes=1"):
-        rendezvous(make_cfg("strategy=ddp"), "/shared/runs/exp1", 1)
+        rendezvous(plan(make_cfg("strategy=ddp"), {}).strategy, "/shared/runs/exp1", 1)
 
 
 def test_a_slurm_sweep_that_cannot_reach_slurm_is_refused_in_one_line_before_submitting(monkeypatch, tmp_path, capsys):

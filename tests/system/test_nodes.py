@@ -329,12 +329,12 @@ def test_a_node_that_cannot_reach_the_rendezvous_fails_within_the_timeout(data_r
 def test_several_nodes_need_a_rendezvous_endpoint(make_cfg):
     from pitstop.errors import ConfigError
     from pitstop.launch.launcher import run
-    from pitstop.launch.mode import nnodes
+    from pitstop.launch.plan import plan
 
-    assert nnodes(make_cfg("strategy=ddp", "strategy.nnodes=1:4")) == (1, 4)
+    assert plan(make_cfg("strategy=ddp", "strategy.nnodes=1:4"), {}).nodes == (1, 4)
     for bad in ("0", "3:2", "x"):
         with pytest.raises(ConfigError, match="strategy.nnodes must be N or MIN:MAX"):
-            nnodes(make_cfg("strategy=ddp", f"strategy.nnodes={bad}"))
+            plan(make_cfg("strategy=ddp", f"strategy.nnodes={bad}"), {})
     cfg = make_cfg("strategy=ddp", "strategy.nnodes=2", "strategy.nproc_per_node=1")
     with pytest.raises(ConfigError, match="needs strategy.rdzv_endpoint=HOST:PORT"):
         run(cfg, cfg.run_dir)

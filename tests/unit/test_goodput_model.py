@@ -262,6 +262,9 @@ def test_a_notice_that_comes_while_an_attempt_starts_reaches_it_and_no_attempt_f
     # of the child: the supervisor then hands it on itself, and starts no other attempt
     import signal
 
+    from pitstop.config import schema
+    from pitstop.launch.mode import LaunchMode
+    from pitstop.launch.plan import LaunchPlan
     from pitstop.launch.supervisor import attempts
     from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 
@@ -292,7 +295,8 @@ def test_a_notice_that_comes_while_an_attempt_starts_reaches_it_and_no_attempt_f
             return "fake"
 
     with pytest.raises(Preempted):
-        attempts(Ctx, "{}", str(tmp_path), 3, 0.0, notice=notice)
+        job = LaunchPlan(LaunchMode.SUPERVISED, schema.Trainer(preempt_grace_seconds=30), schema.Single(), restarts=3)
+        attempts(Ctx, "{}", str(tmp_path), job, 0.0, notice=notice)
     assert sent == [(4242, signal.SIGUSR1)]
 
 

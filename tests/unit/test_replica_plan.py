@@ -13,6 +13,7 @@ from pitstop.audit import audit
 from pitstop.data.loader.replica import ReplicaLoader
 from pitstop.errors import ConfigError
 from pitstop.strategy.ft_keys import check_keys
+from pitstop.strategy.groups import ReplicaGroups
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -218,17 +219,20 @@ def test_strategy_ft_keys_are_refused_in_one_line_naming_the_key(keys, message):
         check_keys(**values)
 
 
-class _Group:
-    """What build_fault reads of a strategy=ft strategy (rank 1 of 2: a random fault, aimed at rank 0, arms no
-    timer in this process)."""
+class _Group(ReplicaGroups):
+    """What build_fault reads of strategy=ft's replica groups (group K of 2)."""
 
-    rank, world_size, replicas = 1, 2, 2
+    replicas = 2
 
     def __init__(self, replica_id):
         self.replica_id = replica_id
 
 
-def _fault(tmp_path, group, *overrides):
+# rank 1 of 2: a random fault, aimed at rank 0, arms no timer in this process
+_RANK1 = type("Strategy", (), {"rank": 1, "world_size": 2})()
+
+
+def _fault(tmp_path, groups, *overrides):
     from contextlib import ExitStack
 
     from conftest import compose_cfg
@@ -236,7 +240,7 @@ def _fault(tmp_path, group, *overrides):
 
     cfg = compose_cfg(["strategy=ft", "strategy.max_restarts=3", *overrides], tmp_path)
     with ExitStack() as hold:
-        fault = build_fault(cfg, str(tmp_path), group, 100, time.time(), None, 1, hold)
+        fault = build_fault(cfg, str(tmp_path), _RANK1, groups, 100, time.time(), None, 1, hold)
         return type(fault).__name__, getattr(fault, "mtbf", None), getattr(fault, "seed", None)
 
 
@@ -249,24 +253,25 @@ def test_a_fault_is_aimed_at_one_replica_group_or_at_each_at_the_jobs_rate(tmp_p
     assert mtbf0 == mtbf1 == 16.0 and seed0 != seed1  # two groups at 16 s each: the job's 8 s, independent draws
     with pytest.raises(ConfigError, match=r"fault.replica=2 must be null, any or 0 .. strategy.replicas-1"):
         _fault(tmp_path, _Group(0), "fault=crash_at_step", "fault.step=5", "fault.replica=2")
-    single = type("Single", (), {"rank": 1, "world_size": 2})()
     with pytest.raises(ConfigError, match=r"fault.replica=1 aims a fault at a replica group: it needs strategy=ft"):
-        _fault(tmp_path, single, *crash)
+        _fault(tmp_path, ReplicaGroups(), *crash)
 
 
 def test_more_processes_than_cores_for_the_groups_started_here_is_refused_unless_oversubscribed(tmp_path):
     import os
 
     from conftest import compose_cfg
+    from pitstop.launch.plan import plan
     from pitstop.launch.replicas import check_room
 
     cores = os.cpu_count() or 1
     many = [f"strategy.replicas={cores}", "strategy.nproc_per_node=2", "strategy.device=cpu"]
     with pytest.raises(ConfigError, match=rf"strategy.replicas x strategy.nproc_per_node={2 * cores} but this machine"):
-        check_room(compose_cfg(["strategy=ft", *many], tmp_path))
-    check_room(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path))
+        check_room(plan(compose_cfg(["strategy=ft", *many], tmp_path), {}))
+    check_room(plan(compose_cfg(["strategy=ft", *many, "strategy.oversubscribe=true"], tmp_path), {}))
     # one group of a job started on several machines (strategy.replica_id): its own ranks are checked by its agent
-    check_room(compose_cfg(["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"], tmp_path))
+    one = ["strategy=ft", *many, "strategy.replica_id=0", "strategy.lighthouse=h:1"]
+    check_room(plan(compose_cfg(one, tmp_path), {}))
 
 
 def test_a_healed_group_re_plans_the_lr_schedule_exactly_as_its_peer_whatever_its_own_count():

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.errors import ConfigError, PitstopError
+from pitstop.launch.plan import LaunchPlan
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
@@ -82,7 +83,7 @@ def warm_modules(cfg: DictConfig) -> set[str]:
     }
 
 
-def start_warm(cfg: DictConfig) -> Any:
+def start_warm(cfg: DictConfig, job: LaunchPlan) -> Any:
     """The multiprocessing context this launcher starts its attempts or ranks with, its server running.
 
     ``trainer.warm_restarts`` (the default): ``forkserver``, whose server is a copy of this launcher forked while
@@ -103,12 +104,11 @@ def start_warm(cfg: DictConfig) -> Any:
     from pitstop.launch.rendezvous import on_gpus
     from pitstop.notices import notices_blocked
 
-    warm = OmegaConf.select(cfg, "trainer.warm_restarts", default=True)
     # (ranks on GPUs: a fresh interpreter, as a fork of a process that asked the CUDA driver for its devices, as
     # the capacity check does, could not use CUDA)
-    fork = not on_gpus(cfg)
+    fork = not on_gpus(job.strategy)
     with notices_blocked():
-        if warm and server.start(warm_modules(cfg), fork=fork) != "none":
+        if job.trainer.warm_restarts and server.start(warm_modules(cfg), fork=fork) != "none":
             return mp.get_context("forkserver")
         resource_tracker.ensure_running()
     return mp.get_context("spawn")

@@ -9,9 +9,10 @@ import signal
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config import validate
+from pitstop.config import schema
 from pitstop.errors import PitstopError
 from pitstop.launch.attempt import start_warm, worker
+from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
 from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
@@ -21,17 +22,19 @@ from pitstop.parts import launch_facts
 log = logging.getLogger("pitstop.launch")
 
 
-def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: int) -> dict:
-    """``strategy.nproc_per_node`` ranks on this node (of ``strategy.nnodes``), started and restarted by torch's
-    elastic agent in this process; a failed rank is named, a preemption notice is the whole job's."""
-    validate(cfg)
-    endpoint, run_id = rendezvous(cfg, run_dir, max_nodes)
+def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
+    """``job.ranks`` ranks on this node (of ``strategy.nnodes``), started and restarted by torch's elastic agent
+    in this process; a failed rank is named, a preemption notice is the whole job's."""
+    strategy = job.strategy
+    assert isinstance(strategy, (schema.DDP, schema.FT))
+    n, (min_nodes, max_nodes) = job.ranks, job.nodes
+    endpoint, run_id = rendezvous(strategy, run_dir, max_nodes)
     is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
-    check_capacity(cfg, n)  # (no torch on a machine without GPUs)
+    check_capacity(strategy, n)  # (no torch on a machine without GPUs)
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     # Started after the checks (a refused job starts nothing), before the agent's own imports.
-    method = start_warm(cfg).get_start_method()
+    method = start_warm(cfg, job).get_start_method()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -41,17 +44,14 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
     )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pitstop.resilience.preempt import JobNotice, parse_signals
+    from pitstop.resilience.preempt import JobNotice
 
     job_start = launch_facts.job_start()
     # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
     # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.
-    notices = parse_signals(OmegaConf.select(cfg, "trainer.preempt_signals", default=["SIGTERM"]))
-    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
+    notices = job.notices
     torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
-    timeout = int(float(OmegaConf.select(cfg, "strategy.timeout", default=300)))
-    if OmegaConf.select(cfg, "strategy.replicas") is not None:  # (strategy=ft: its timeout is torchft's, per step)
-        timeout = max(60, timeout)
+    timeout = job.rendezvous_timeout
     if max_nodes > 1:
         # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
         # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
@@ -67,15 +67,15 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
             "join_timeout": timeout,
             "read_timeout": timeout,
             "timeout": timeout,
-            "last_call_timeout": int(OmegaConf.select(cfg, "strategy.last_call_seconds", default=5)),
+            "last_call_timeout": strategy.last_call_seconds if isinstance(strategy, schema.DDP) else 5,
             "keep_alive_interval": 1,
             "keep_alive_max_attempt": 5,
             **({} if is_host is None else {"is_host": is_host}),
         },
-        max_restarts=int(OmegaConf.select(cfg, "strategy.max_restarts", default=0) or 0),
+        max_restarts=job.restarts,
         monitor_interval=0.2,
         start_method=method,
-        shutdown_timeout=int(grace) + 30,
+        shutdown_timeout=int(job.grace) + 30,
         signals_to_handle=",".join(torch_handles),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
     )
@@ -103,7 +103,7 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
         raise PitstopError(
             f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
             f"{timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
-            f"address and that strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} nodes "
+            f"address and that strategy.nnodes={nodes} nodes "
             f"come up"
         ) from None
     except SignalException as e:
@@ -123,7 +123,7 @@ def elastic(cfg: DictConfig, run_dir: str, n: int, min_nodes: int, max_nodes: in
             ) from None
         why = first_line(failure)
         if "timeout" in why.lower() or "timed out" in why.lower():
-            why += f"; a peer stopped responding for strategy.timeout={OmegaConf.select(cfg, 'strategy.timeout')} s"
+            why += f"; a peer stopped responding for strategy.timeout={strategy.timeout} s"
         silent = silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
         if silent and lost_peer(why):  # the agent saw the peer's error first
             raise PitstopError(

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pitstop.launch.attempt import log_to
 from pitstop.launch.elastic import elastic
-from pitstop.launch.mode import LaunchMode, launch_mode, max_restarts, nnodes, nproc
+from pitstop.launch.mode import LaunchMode
+from pitstop.launch.plan import plan
 from pitstop.launch.supervisor import supervise
 from pitstop.parts.launch_facts import facts_from_env
 
@@ -28,28 +29,22 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
-    if OmegaConf.select(cfg, "strategy.replicas") is not None and "RANK" not in os.environ:  # strategy=ft
-        if OmegaConf.select(cfg, "strategy.replica_id") is None:  # this command starts the Lighthouse and groups
-            from pitstop.launch.replicas import run_replicas
+    job = plan(cfg, os.environ)
+    if job.mode == LaunchMode.REPLICAS:  # strategy=ft: this command starts the Lighthouse and the groups
+        from pitstop.launch.replicas import run_replicas
 
-            return run_replicas(cfg, run_dir)
-        k = int(cfg.strategy.replica_id)  # one group of a job started on several machines: restarted alone
-        from pitstop.launch.replicas import check_config, replica_dir
+        return run_replicas(cfg, job, run_dir)
+    if job.mode == LaunchMode.REPLICA_GROUP:  # one group of a job started on several machines: restarted alone
+        from pitstop.launch.replicas import run_group
 
-        check_config(cfg)  # (this machine's room for the group: elastic's own check; one rank always fits)
-        if int(cfg.strategy.nproc_per_node) > 1:  # its ranks under torch's elastic agent, restarted together
-            return elastic(cfg, replica_dir(run_dir, k), int(cfg.strategy.nproc_per_node), 1, 1)
-        return supervise(cfg, replica_dir(run_dir, k), int(cfg.strategy.max_restarts))
-    n, restarts, (min_nodes, max_nodes) = nproc(cfg), max_restarts(cfg), nnodes(cfg)
-    mode = launch_mode(n, restarts, os.environ, max_nodes)
-    if mode == LaunchMode.SUPERVISED:
-        return supervise(cfg, run_dir, restarts)
-    if mode in (LaunchMode.IN_PROCESS, LaunchMode.CHILD):
-        from pitstop.train.runner import Runner
+        return run_group(cfg, job, run_dir)
+    if job.mode == LaunchMode.SUPERVISED:
+        return supervise(cfg, job, run_dir)
+    if job.mode == LaunchMode.ELASTIC:
+        return elastic(cfg, job, run_dir)
+    from pitstop.train.runner import Runner
 
-        if mode == LaunchMode.CHILD and "RANK" in os.environ:  # a rank torchrun/SLURM started: train.log or rankR.log
-            os.makedirs(run_dir, exist_ok=True)
-            log_to(run_dir, int(os.environ["RANK"]))
-
-        return Runner(cfg, run_dir, facts_from_env(os.environ)).run()
-    return elastic(cfg, run_dir, n, min_nodes, max_nodes)
+    if job.mode == LaunchMode.CHILD:  # a rank torchrun/SLURM started: train.log or rankR.log
+        os.makedirs(run_dir, exist_ok=True)
+        log_to(run_dir, int(os.environ["RANK"]))
+    return Runner(cfg, run_dir, facts_from_env(os.environ)).run()

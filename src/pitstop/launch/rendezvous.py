@@ -8,15 +8,14 @@ import socket
 import uuid
 from typing import Mapping
 
-from omegaconf import DictConfig, OmegaConf
-
+from pitstop.config import schema
 from pitstop.errors import ConfigError
 
 
-def on_gpus(cfg: DictConfig) -> bool:
+def on_gpus(strategy: schema.Single) -> bool:
     """Whether the ranks run on GPUs: ``strategy.device`` allows it and torch sees one. Without a GPU driver's
     device files (NVIDIA's or ROCm's) there is none, and torch (seconds to import) is not asked."""
-    if OmegaConf.select(cfg, "strategy.device", default="auto") == "cpu":
+    if strategy.device == "cpu":
         return False
     if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
         return False
@@ -25,38 +24,42 @@ def on_gpus(cfg: DictConfig) -> bool:
     return torch.cuda.is_available()
 
 
-def check_capacity(cfg: DictConfig, n: int, what_asks: str = "strategy.nproc_per_node") -> None:
-    if on_gpus(cfg):
+def check_capacity(strategy: schema.DDP | schema.FT, n: int, what_asks: str = "strategy.nproc_per_node") -> None:
+    """Room on this machine for ``n`` processes: a GPU each where the ranks run on GPUs, else a CPU core each
+    (unless ``strategy.oversubscribe``)."""
+    if on_gpus(strategy):
         import torch
 
         have, what = torch.cuda.device_count(), "GPUs"
     else:
         have, what = os.cpu_count() or 1, "CPU cores"
-    if n > have and not OmegaConf.select(cfg, "strategy.oversubscribe", default=False):
+    if n > have and not strategy.oversubscribe:
         raise ConfigError(
             f"{what_asks}={n} but this machine has {have} {what}; lower it or set strategy.oversubscribe=true"
         )
 
 
-def rendezvous(cfg: DictConfig, run_dir: str, max_nodes: int) -> tuple[str, str]:
+def rendezvous(strategy: schema.DDP | schema.FT, run_dir: str, max_nodes: int) -> tuple[str, str]:
     """The rendezvous endpoint and job id. One node: a free local port and a fresh id. Several: every node
     is given the same ``strategy.rdzv_endpoint`` (node 0's address, whose agent hosts the store) and the id is
-    the run dir's name (pinned, the same on every node)."""
-    endpoint = OmegaConf.select(cfg, "strategy.rdzv_endpoint", default=None)
+    the run dir's name (pinned, the same on every node). A replica group's ranks meet on this machine."""
+    if isinstance(strategy, schema.FT):
+        return f"127.0.0.1:{_port(None)}", f"pitstop-{uuid.uuid4().hex[:8]}"
+    endpoint = strategy.rdzv_endpoint
     slurm_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", "1") or 1)  # srun's step (submitit's tasks)
     if slurm_nodes > max_nodes:
         raise ConfigError(
             f"this SLURM job step runs on {slurm_nodes} nodes but strategy.nnodes="
-            f"{OmegaConf.select(cfg, 'strategy.nnodes')}; set strategy.nnodes={slurm_nodes} "
+            f"{strategy.nnodes}; set strategy.nnodes={slurm_nodes} "
             f"(= hydra.launcher.nodes) and strategy.rdzv_endpoint=slurm"
         )
     if endpoint == "slurm":
-        endpoint = slurm_endpoint(os.environ, OmegaConf.select(cfg, "strategy.master_port", default=None))
+        endpoint = slurm_endpoint(os.environ, strategy.master_port)
     if max_nodes == 1 and not endpoint:
-        return f"127.0.0.1:{_port(cfg)}", f"pitstop-{uuid.uuid4().hex[:8]}"
+        return f"127.0.0.1:{_port(strategy.master_port)}", f"pitstop-{uuid.uuid4().hex[:8]}"
     if not endpoint or ":" not in str(endpoint):
         raise ConfigError(
-            f"strategy.nnodes={OmegaConf.select(cfg, 'strategy.nnodes')} needs "
+            f"strategy.nnodes={strategy.nnodes} needs "
             f"strategy.rdzv_endpoint=HOST:PORT (node 0's address), got {endpoint!r}"
         )
     import hashlib
@@ -99,8 +102,8 @@ def first_host(nodelist: str) -> str:
     return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
-def _port(cfg: DictConfig) -> int:
-    want = OmegaConf.select(cfg, "strategy.master_port", default=None)
+def _port(want: int | None) -> int:
+    """A free port on loopback: ``strategy.master_port`` if given (refused in one line if taken)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -36,8 +36,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config import validate
+from pitstop.config import schema
 from pitstop.launch.attempt import start_warm
+from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.supervisor import _exit_on_signal, attempts
 from pitstop.resilience.preempt import LauncherNotice, Preempted
 from pitstop.telemetry.metrics import write_json_atomic
@@ -72,7 +73,7 @@ class LocalLighthouse:
         self._server.shutdown()
 
 
-def start_lighthouse(strategy: Any) -> LocalLighthouse:
+def start_lighthouse(strategy: schema.FT) -> LocalLighthouse:
     """A torchft Lighthouse in this process, on loopback (its server runs in threads of its own): the process that
     starts it starts the whole job on this machine, so it holds the job's secret too (:func:`job_secret`)."""
     try:
@@ -85,57 +86,61 @@ def start_lighthouse(strategy: Any) -> LocalLighthouse:
     return LocalLighthouse(
         LighthouseServer(
             bind="127.0.0.1:0",
-            min_replicas=int(strategy.min_replicas),
+            min_replicas=strategy.min_replicas,
             join_timeout_ms=100,  # a quorum forms this long after the first group asks (the others join later)
             quorum_tick_ms=20,
-            heartbeat_timeout_ms=int(strategy.heartbeat_ms),
+            heartbeat_timeout_ms=strategy.heartbeat_ms,
         )
     )
 
 
-def check_config(cfg: DictConfig) -> None:
-    """strategy=ft's keys, each refused in one line naming the key (no torch: before anything starts)."""
-    from pitstop.strategy.ft_keys import check_keys
-
-    validate(cfg)
-    s = cfg.strategy
-    check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
-               s.max_restarts)  # fmt: skip
-
-
-def check_room(cfg: DictConfig) -> None:
+def check_room(job: LaunchPlan) -> None:
     """Room on this machine for the groups it starts (CPU cores, or a GPU per rank of a group)."""
     from pitstop.launch.rendezvous import check_capacity, on_gpus
 
-    s = cfg.strategy
-
-    if s.replica_id is not None or on_gpus(cfg):  # a group's ranks need a GPU each (groups here may share them)
-        check_capacity(cfg, int(s.nproc_per_node))
+    s = job.replica_groups
+    assert s is not None
+    if s.replica_id is not None or on_gpus(s):  # a group's ranks need a GPU each (groups here may share them)
+        check_capacity(s, s.nproc_per_node)
     else:  # every process of every group on this machine's cores
-        check_capacity(cfg, int(s.replicas) * int(s.nproc_per_node), "strategy.replicas x strategy.nproc_per_node")
+        check_capacity(s, s.replicas * s.nproc_per_node, "strategy.replicas x strategy.nproc_per_node")
 
 
-def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
+def run_group(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
+    """Group ``strategy.replica_id`` of a job started on several machines, restarted alone: its ranks under torch's
+    elastic agent, restarted together (which checks this machine's room for them), or its one rank supervised."""
+    from pitstop.launch.elastic import elastic
+    from pitstop.launch.supervisor import supervise
+
+    s = job.replica_groups
+    assert s is not None and s.replica_id is not None
+    if job.ranks > 1:
+        return elastic(cfg, job.group(), replica_dir(run_dir, s.replica_id))
+    return supervise(cfg, job, replica_dir(run_dir, s.replica_id))
+
+
+def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
+    """``strategy=ft`` started here: a Lighthouse on loopback and ``strategy.replicas`` groups, each restarted
+    alone (their summaries, restarts and heals in ``RUN_DIR/summary.json``)."""
     import multiprocessing as mp
 
-    check_config(cfg)
-    check_room(cfg)  # (no torch on a machine without GPUs: a refused job starts nothing)
-    ranks = int(cfg.strategy.nproc_per_node)
-    strategy = cfg.strategy
+    check_room(job)  # (no torch on a machine without GPUs: a refused job starts nothing)
+    strategy = job.replica_groups
+    assert strategy is not None
+    ranks = job.ranks
     if not strategy.lighthouse:  # the whole job on this machine (a Lighthouse elsewhere: the secret is the user's)
         # (before any process of the job starts: the warm server's attempts and the groups' agents inherit both)
         job_secret()
         if os.path.isdir("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # Gloo's pairs listen on loopback alone
     # (groups of one rank: attempts of the warm server, started now; several: each group's agent has its own)
-    ctx = start_warm(cfg) if ranks == 1 else mp.get_context("spawn")
-    groups = int(strategy.replicas)
+    ctx = start_warm(cfg, job) if ranks == 1 else mp.get_context("spawn")
+    groups = strategy.replicas
     os.makedirs(run_dir, exist_ok=True)
     lighthouse = start_lighthouse(strategy) if not strategy.lighthouse else None
     address = strategy.lighthouse or lighthouse.address()
     job_start = launch_facts.job_start()
-    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
-    restarts = int(strategy.max_restarts)
+    grace = job.grace
     results: dict[int, dict] = {}
     errors: dict[int, BaseException] = {}
     children: list[Any] = []
@@ -151,21 +156,19 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
 
         try:
             if ranks > 1:  # the group's own elastic agent, in a process of its own, restarts its ranks
-                results[k] = agent_group(OmegaConf.to_yaml(own), replica_dir(run_dir, k), ranks, k, seen, notice)
+                results[k] = agent_group(OmegaConf.to_yaml(own), job.group(), replica_dir(run_dir, k), k, seen, notice)
             else:
-                results[k] = attempts(
-                    ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), restarts, job_start, grace, started=seen,
-                    name=f"replica{k}-attempt", limit_key="strategy.max_restarts", notice=notice,
-                )  # fmt: skip
+                results[k] = attempts(ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), job, job_start,
+                                      started=seen, name=f"replica{k}-attempt", notice=notice)  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
             errors[k] = e
             running = groups - len(results) - len(errors)
-            if running and running < int(strategy.min_replicas) and notice.signals:  # they cannot step any more:
+            if running and running < strategy.min_replicas and notice.signals:  # they cannot step any more:
                 notice.hand_on(notice.signals[0], f"replica group {k} ended, {running} left of min_replicas")
 
     main = threading.current_thread() is threading.main_thread()
     # (a scheduler's USR1/USR2 notice to the launcher goes to every group's attempt; none starts after it)
-    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children)
+    notice = LauncherNotice(job.trainer.preempt_signals, lambda: children)
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
     threads = [
         threading.Thread(target=group, args=(k,), name=f"pitstop-replica{k}", daemon=True) for k in range(groups)
@@ -218,7 +221,7 @@ def run_replicas(cfg: DictConfig, run_dir: str) -> dict:
     return out
 
 
-def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any, notice: Any) -> dict:
+def agent_group(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int, started: Any, notice: Any) -> dict:
     """Replica group ``k`` of several ranks: a fresh process runs torch's elastic agent for them (its signal
     handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them. The
     agent starts with the scheduler's notices blocked: one that comes before its handlers are in waits for them
@@ -238,7 +241,7 @@ def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any, n
     if notice.received is not None:  # (the job was told to stop before this group started)
         raise Preempted(f"preempted ({notice.received.name}); run the same command again to resume ({run_dir})")
     child = mp.get_context("spawn").Process(
-        target=_agent_main, args=(cfg_yaml, run_dir, ranks, k), name=f"pitstop-replica{k}-agent"
+        target=_agent_main, args=(cfg_yaml, job, run_dir, k), name=f"pitstop-replica{k}-agent"
     )
     with notices_blocked():
         child.start()
@@ -262,7 +265,7 @@ def agent_group(cfg_yaml: str, run_dir: str, ranks: int, k: int, started: Any, n
     raise (ConfigError if child.exitcode == 2 else PitstopError)(why)
 
 
-def _agent_main(cfg_yaml: str, run_dir: str, ranks: int, k: int) -> None:
+def _agent_main(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int) -> None:
     """The process of a replica group of several ranks: their elastic agent (restarts: ``strategy.max_restarts``)."""
     import sys
 
@@ -273,7 +276,7 @@ def _agent_main(cfg_yaml: str, run_dir: str, ranks: int, k: int) -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"[replica{k} agent] %(levelname)s %(message)s")
     try:
-        elastic(OmegaConf.create(cfg_yaml), run_dir, ranks, 1, 1)
+        elastic(OmegaConf.create(cfg_yaml), job, run_dir)
     except Preempted:
         raise SystemExit(PREEMPTED_EXIT) from None
     except BaseException as e:  # noqa: BLE001 - one line for the launcher, which names the group

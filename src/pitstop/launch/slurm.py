@@ -11,7 +11,7 @@ import subprocess
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pitstop.errors import ConfigError, stop_command
 
@@ -46,7 +46,7 @@ class SlurmReachable(Callback):
     launcher, before the first job is submitted."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith(".SlurmLauncher"):
+        if str(config.hydra.launcher.get("_target_") or "").endswith(".SlurmLauncher"):
             try:
                 check_reachable()
             except ConfigError as e:  # (raised, Hydra would warn and submit anyway)

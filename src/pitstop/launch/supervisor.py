@@ -11,9 +11,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config import validate
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.launch.attempt import run_attempt, start_warm
+from pitstop.launch.plan import LaunchPlan
 from pitstop.notices import notices_blocked
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.parts import launch_facts
@@ -22,7 +22,7 @@ from pitstop.parts.launch_facts import LaunchFacts, error_file
 log = logging.getLogger("pitstop.launch")
 
 
-def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
+def supervise(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     """``strategy=single`` with ``trainer.max_restarts=N``: run the job in a child process and start it
     again (it resumes from its newest checkpoint) when it dies — killed, crashed, out of memory — up to N
     times. A configuration error (exit status 2) would fail again, so it is not restarted; data and
@@ -32,19 +32,17 @@ def supervise(cfg: DictConfig, run_dir: str, max_restarts: int) -> dict:
     costs the detection of the failure, the fork, init and restore, not a cold start. The first attempt's
     ledger counts from the supervisor's own start (its imports and the server's are program start)."""
 
-    validate(cfg)
-    ctx = start_warm(cfg)
+    ctx = start_warm(cfg, job)
     os.makedirs(run_dir, exist_ok=True)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     job_start = launch_facts.job_start()
-    grace = float(OmegaConf.select(cfg, "trainer.preempt_grace_seconds", default=30) or 0)
     main = threading.current_thread() is threading.main_thread()
     children: list[Any] = []
-    notice = LauncherNotice(cfg.trainer.preempt_signals, lambda: children)  # (USR1/USR2: to the attempt)
+    notice = LauncherNotice(job.trainer.preempt_signals, lambda: children)  # (USR1/USR2: to the attempt)
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
         notice.install()
-        return attempts(ctx, cfg_yaml, run_dir, max_restarts, job_start, grace, started=children.append, notice=notice)
+        return attempts(ctx, cfg_yaml, run_dir, job, job_start, started=children.append, notice=notice)
     except Preempted:
         notice.forward()  # (submitit's requeue, once the attempt's save is durable)
         raise
@@ -58,21 +56,21 @@ def attempts(
     ctx: Any,
     cfg_yaml: str,
     run_dir: str,
-    max_restarts: int,
+    job: LaunchPlan,
     job_start: float,
-    grace: float = 30.0,
     started: Any = None,
     name: str = "attempt",
-    limit_key: str = "trainer.max_restarts",
     notice: Any = None,
 ) -> dict:
-    """Run attempts of one job (or one replica group) in ``run_dir`` until one finishes; ``started(process)``
+    """Run attempts of one job (or one replica group) in ``run_dir`` until one finishes, restarting a failed one up
+    to ``job.restarts`` times; ``started(process)``
     is told of each attempt's process (a launcher of several groups stops them all on its way out); after the
     launcher's preemption ``notice`` (a ``LauncherNotice``) no attempt starts."""
     import json
 
     os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
+    max_restarts, limit_key, grace = job.restarts, job.restarts_key, job.grace
     for attempt in range(max_restarts + 1):
         if notice is not None and notice.received is not None:  # (the notice came between two attempts)
             raise Preempted(f"preempted ({notice.received.name}); run the same command again to resume ({run_dir})")

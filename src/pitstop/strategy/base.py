@@ -9,6 +9,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from pitstop.strategy.groups import ONE_GROUP, ReplicaGroups
+
 
 class Strategy(ABC):
     name: str = "base"
@@ -18,8 +20,6 @@ class Strategy(ABC):
     device: torch.device = torch.device("cpu")
     compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
     channels_last_params: bool = True  # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
-    participants: int = 1  # replica groups taking part in this step (strategy=ft); 1 otherwise
-    quorum_id: int | None = None  # the id of this step's quorum of replica groups (strategy=ft); None otherwise
 
     @property
     def is_main(self) -> bool:
@@ -85,45 +85,11 @@ class Strategy(ABC):
         """Before ``setup``: the loader's worker processes, which share this machine's cores with the loop (a run
         on the CPU sets its intra-op threads from it). Nothing to do here."""
 
-    # ---- replica groups (strategy=ft); every other strategy: one group that always commits ---------------
-    def expect_config(self, cfg: Any) -> None:
-        """Before ``setup``: the job's config, which every process of the job must share (but its node-local
-        keys). Ranks compare theirs after setup (``pitstop.strategy.nodes.check_nodes``); replica groups,
-        which meet only at the Lighthouse, compare theirs in each quorum (ft). Nothing to do here."""
-
-    def attach(self, state: Any, load: Any, watch: Any) -> None:
-        """What a heal from a peer would send (``state()``) and apply (``load``, inside ``watch(phase, limit)``,
-        the hang watchdog's phase): nothing to attach here."""
-
-    def peer_wait_seconds(self) -> float:
-        """The longest one wait for peer replica groups (a quorum, a heal, the all-reduce, the commit) can take
-        before this strategy's own timeouts fail it (the step is discarded): 0, no replica groups here."""
-        return 0.0
-
-    def join(self) -> bool:
-        """Before restore: True if this process healed from a live peer (no checkpoint to read)."""
-        return False
-
-    def restored(self, step: int) -> None:
-        """The checkpoint set the run at ``step``."""
-
-    def begin_step(self) -> None:
-        """Before a step's first fetch."""
-
-    def reduce_gradients(self, model: nn.Module) -> None:
-        """After the last backward: gradients not reduced by the wrapper yet (none here)."""
-
-    def commit(self) -> bool:
-        """Before the optimizer step: False discards the step (nothing changes, the loop goes on)."""
-        return True
-
-    def saves_checkpoints(self) -> bool:
-        """This process writes the durable checkpoints (with its ranks, via the checkpointer)."""
-        return True
-
-    def ft_stats(self) -> dict | None:
-        """This attempt's heals, quorum seconds and discarded steps (strategy=ft); None: no replica groups."""
-        return None
+    @property
+    def groups(self) -> ReplicaGroups:
+        """What replica groups add to the loop (``strategy=ft``); every other strategy: one group that always
+        commits (:mod:`pitstop.strategy.groups`)."""
+        return ONE_GROUP
 
     @abstractmethod
     def teardown(self) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 
 from pitstop.errors import ConfigError, Interrupt, PitstopError
 from pitstop.strategy.base import Strategy
+from pitstop.strategy.groups import ReplicaGroups
 from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
@@ -57,7 +58,7 @@ def lighthouse_url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-class FT(Strategy):
+class FT(Strategy, ReplicaGroups):
     name = "ft"
 
     def __init__(
@@ -117,6 +118,16 @@ class FT(Strategy):
         self.participants, self.place = 1, 0
         self._model: nn.Module | None = None
         self._buffers: list[torch.Tensor] = []
+
+    @property
+    def groups(self) -> ReplicaGroups:
+        """This strategy is the job's replica groups too: the Runner holds it as its ``ReplicaGroups``."""
+        return self
+
+    @property
+    def shares_data_order(self) -> bool:
+        """The groups cut one global data order among each step's groups (``pitstop.data.loader.replica``)."""
+        return True
 
     # ---- joining ------------------------------------------------------------------------------------
     def expect_config(self, cfg: Any) -> None:
@@ -483,7 +494,7 @@ class FT(Strategy):
         it is gone)."""
         return self.place == 0
 
-    def ft_stats(self) -> dict:
+    def stats(self) -> dict:
         return {
             "replica_id": self.replica_id,
             "replicas": self.replicas,

@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config import checks
 from pitstop.config.build import build
 from pitstop.data.dataset import build_dataset
 from pitstop.errors import ConfigError
@@ -26,6 +25,8 @@ from pitstop.goodput.interval import IntervalPolicy
 from pitstop.goodput.ledger import GoodputLog, Ledger
 from pitstop.resilience.fault import FaultContext
 from pitstop.resilience.watchdog import Watchdog
+from pitstop.strategy.base import Strategy
+from pitstop.strategy.groups import ReplicaGroups
 from pitstop.telemetry.metrics import MetricsFile
 from pitstop.telemetry.profiler import StepProfiler
 from pitstop.parts import compiler
@@ -52,7 +53,7 @@ class StepParts:
     eval_loader: Any
 
 
-def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> StepParts:
+def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups, fresh: bool = True) -> StepParts:
     """``fresh``: no earlier attempt of this run (the data position will be the start: the cached loader's first
     shards can download while the model is built)."""
     t = cfg.trainer
@@ -70,10 +71,10 @@ def build_step_parts(cfg: DictConfig, strategy: Any, fresh: bool = True) -> Step
         pin_memory=strategy.pin_memory,
     )
     loader = build(cfg.loader, split="train", train=True, **common)
-    if getattr(strategy, "replicas", None):  # strategy=ft: one global order, cut among the step's groups
+    if groups.shares_data_order:  # strategy=ft: one global order, cut among the step's groups
         from pitstop.data.loader.replica import ReplicaLoader
 
-        loader = ReplicaLoader(loader, strategy.participation, strategy.replicas, int(t.grad_accum_steps),
+        loader = ReplicaLoader(loader, groups.participation, groups.replicas, int(t.grad_accum_steps),
                                ranks=strategy.world_size, rank=strategy.rank)  # fmt: skip
     elif fresh:  # (loader=cached) first shards downloading while the model is built
         loader.warm()
@@ -131,10 +132,10 @@ def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: i
 def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Any, launch: LaunchFacts) -> GoodputLog:
     """This attempt's line in ``RUN_DIR/goodput.jsonl`` (written by the main rank); under ``strategy=ft`` it
     carries the attempt's heals and discarded steps."""
-    ft = strategy.ft_stats() is not None
+    groups = strategy.groups
     return GoodputLog(run_dir, ledger, enabled=strategy.is_main, auto_restart=launch.restart > 0,
                       start_method=launch.start_method,
-                      extra=(lambda: {"ft": strategy.ft_stats()}) if ft else None)  # fmt: skip
+                      extra=(lambda: {"ft": groups.stats()}) if groups.stats() is not None else None)  # fmt: skip
 
 
 def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, taking: Callable[[], tuple[int, int]],
@@ -144,7 +145,8 @@ def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, t
     if not cfg.data.get("record_sample_ids"):
         return None
     attempt_id = strategy.broadcast_object(round(time.time(), 6))  # rank 0's clock
-    quorum = (lambda: strategy.quorum_id) if strategy.quorum_id is not None else None
+    groups = strategy.groups
+    quorum = (lambda: groups.quorum_id) if groups.quorum_id is not None else None
     samples = SampleLog(run_dir, strategy.rank, attempt_id, accum, taking, quorum, lambda: loader.batch_epoch)
     hold.callback(samples.close)
     loader.sample_log = samples.write
@@ -157,26 +159,14 @@ def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> Inter
     return IntervalPolicy(mtbf, "fault.mtbf_seconds" if mtbf else "", failures, job_seconds)
 
 
-def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, start_wall: float, ckpt: Any,
-                accum: int, hold: ExitStack) -> Any:  # fmt: skip
-    """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run. ``fault.replica``
-    (``strategy=ft``) aims it at one replica group (K), or at every group (any: a random fault then fires in
-    each group with ``replicas x mtbf_seconds``, seeded per group, so the job sees failures at the mean
-    ``mtbf_seconds``)."""
-    spec = OmegaConf.to_container(cfg.fault, resolve=True)
-    replica, group = spec.pop("replica", None), getattr(strategy, "replica_id", None)
-    if replica is not None and group is None:
-        raise ConfigError(f"fault.replica={replica!r} aims a fault at a replica group: it needs strategy=ft")
-    if replica not in (None, "any") and (not checks.is_integer(replica) or not 0 <= replica < strategy.replicas):
-        raise ConfigError(f"fault.replica={replica!r} must be null, any or 0 .. strategy.replicas-1")
-    if replica not in (None, "any") and replica != group:
-        spec = {"_target_": "pitstop.resilience.fault.NoFault"}
-    elif group is not None and "mtbf_seconds" in spec and replica == "any":
-        spec["mtbf_seconds"] = float(spec["mtbf_seconds"]) * strategy.replicas
-        spec["seed"] = int(spec.get("seed") or 0) * 1000 + int(group)
-    fault = build(OmegaConf.create(spec))
+def build_fault(cfg: DictConfig, run_dir: str, strategy: Strategy, groups: ReplicaGroups, total_steps: int,
+                start_wall: float, ckpt: Any, accum: int, hold: ExitStack) -> Any:  # fmt: skip
+    """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
+    (``strategy=ft``) aims it at replica groups (``ReplicaGroups.aim_fault``)."""
+    fault = build(OmegaConf.create(groups.aim_fault(OmegaConf.to_container(cfg.fault, resolve=True))))
     hold.callback(fault.close)
-    max_restarts = int(cfg.strategy.max_restarts if group is not None else cfg.trainer.get("max_restarts") or 0)
+    in_groups = groups.replica_id is not None
+    max_restarts = int(cfg.strategy.max_restarts if in_groups else cfg.trainer.get("max_restarts") or 0)
     fault.bind(
         FaultContext(
             run_dir=run_dir,
@@ -187,8 +177,8 @@ def build_fault(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, 
             start_wall=start_wall,
             checkpointer=ckpt,
             grad_accum_steps=accum,
-            on_heal_served=getattr(strategy, "on_heal_served", None),
-            on_heal=getattr(strategy, "on_heal", None),
+            on_heal_served=groups.on_heal_served if in_groups else None,
+            on_heal=groups.on_heal if in_groups else None,
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
         )  # fmt: skip
     )

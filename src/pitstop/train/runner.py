@@ -92,16 +92,17 @@ class Runner:
             fresh = not os.path.exists(os.path.join(self.run_dir, "goodput.json"))
             self.strategy = build(cfg.strategy)
             hold.callback(self.strategy.teardown)  # released last: the others may still need the group
-            self.strategy.expect_config(cfg)
+            self.groups = self.strategy.groups  # (strategy=ft: the replica groups; else one group that commits)
+            self.groups.expect_config(cfg)
             self.strategy.share_cores(int(OmegaConf.select(cfg, "loader.num_workers", default=0) or 0))
             self.strategy.setup()
-            self.watchdog.at_least("peers", self.strategy.peer_wait_seconds())
+            self.watchdog.at_least("peers", self.groups.peer_wait_seconds())
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
             self.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
             hold.push(self._record_failure)
-            parts = assembly.build_step_parts(cfg, self.strategy, fresh=fresh)
+            parts = assembly.build_step_parts(cfg, self.strategy, self.groups, fresh=fresh)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
             self.model, self.compile_clock, self.optimizer = parts.model, parts.compile_clock, parts.optimizer
             self.loader, self.eval_loader = parts.loader, parts.eval_loader
@@ -112,7 +113,7 @@ class Runner:
             fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
-            self.strategy.attach(
+            self.groups.attach(
                 lambda: live_state(self.target),
                 lambda sd: load_live_state(self.target, sd),
                 lambda phase, limit: self.watchdog.phase(phase, first=limit),
@@ -127,14 +128,14 @@ class Runner:
             self.ckpt.setup(self.strategy, self.report, intervals)
             self.samples = assembly.build_sample_log(cfg, self.run_dir, self.strategy, self.accum, self._taking,
                                                      self.loader, hold)  # fmt: skip
-            self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.total_steps,
+            self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.groups, self.total_steps,
                                               self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
             self.stepper = Stepper(
-                progress=self.progress, strategy=self.strategy, model=self.model, optimizer=self.optimizer,
-                scheduler=self.scheduler, precision=self.precision, task=self.task, data=self.data,
-                loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger, watchdog=self.watchdog,
-                meter=self.meter, accum=self.accum, batch_size=t.batch_size, grad_clip=t.grad_clip,
-                channels_last=t.channels_last,
+                progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
+                optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision, task=self.task,
+                data=self.data, loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger,
+                watchdog=self.watchdog, meter=self.meter, accum=self.accum, batch_size=t.batch_size,
+                grad_clip=t.grad_clip, channels_last=t.channels_last,
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -183,17 +184,17 @@ class Runner:
 
     def restore(self) -> None:
         with self.ledger.measure("restore"), self.watchdog.phase("restore"):
-            healed = self.strategy.join()  # (strategy=ft) healed from a live peer's state: no checkpoint is read
+            healed = self.groups.join()  # (strategy=ft) healed from a live peer's state: no checkpoint is read
             if healed:
                 self.resumed_from = self.step
             else:
                 self.resumed_from = self.ckpt.restore(self.target)
-                self.strategy.restored(self.step)
+                self.groups.restored(self.step)
         self.evals.resumed()
         t = self.cfg.trainer
         if self.resumed_from is not None and t.max_steps is None:
             self.total_steps = steps.after_resume(self.step, self.loader, int(t.epochs), self.accum, self.scheduler,
-                                                  self.total_steps, self.strategy)  # fmt: skip
+                                                  self.total_steps, self.strategy.world_size, self.groups)  # fmt: skip
         self.goodput.resumed(self.resumed_from)
         self.goodput.write(self.step)
         if self.samples is not None:
@@ -241,7 +242,7 @@ class Runner:
                 self._outcome(self.step, True)
                 if self._epochs_follow_groups():
                     self._replan_for_groups()
-                self.progress.samples_seen += out.samples * self.strategy.world_size * self.strategy.participants
+                self.progress.samples_seen += out.samples * self.strategy.world_size * self.groups.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
                     with ledger.measure("init"):
@@ -256,7 +257,7 @@ class Runner:
                     self.evaluate()
                 last = self.step >= self.total_steps
                 with watch.phase("checkpoint"):
-                    saves = self.strategy.saves_checkpoints()  # (strategy=ft: one group writes them)
+                    saves = self.groups.saves_checkpoints()  # (strategy=ft: one group writes them)
                     saved = self.ckpt.maybe_save(self.target, self.step, last=last) if saves else SaveResult()
                 ledger.add("checkpoint", saved.blocked)  # 4. save
                 if saved.started == self.step:
@@ -273,16 +274,16 @@ class Runner:
 
     def _epochs_follow_groups(self) -> bool:
         """``strategy=ft`` with ``trainer.epochs``: the run ends where the data position says the epochs end."""
-        return self.cfg.trainer.max_steps is None and hasattr(self.loader, "fetches_left")
+        return self.cfg.trainer.max_steps is None and self.groups.shares_data_order
 
     def _replan_for_groups(self) -> None:
         self.total_steps = steps.steps_with_groups(
             self.step, self.loader, int(self.cfg.trainer.epochs), self.accum, self.scheduler, self.total_steps,
-            self.strategy.participants,
+            self.groups.participants,
         )  # fmt: skip
 
     def _outcome(self, step: int, committed: bool) -> None:
-        quorum = self.strategy.quorum_id  # (strategy=ft: one line per step in the sample log)
+        quorum = self.groups.quorum_id  # (strategy=ft: one line per step in the sample log)
         if self.samples is not None and quorum is not None:
             self.samples.outcome(step, committed, quorum)
 
@@ -290,7 +291,7 @@ class Runner:
         """Every rank is here after the same step: save if it fits the grace period, wait until it is durable,
         write down where the time went, and leave with the 'requeue me' exit status."""
         why = self.preempt.received.name if self.preempt.received is not None else "a peer's notice"
-        if self.strategy.saves_checkpoints():  # (strategy=ft: the group that writes the durable checkpoints)
+        if self.groups.saves_checkpoints():  # (strategy=ft: the group that writes the durable checkpoints)
             save_for_notice(self.ckpt, self.target, self.step, self.preempt.grace, why, self.ledger, self.watchdog)
         self._flush_logs()
         self.goodput.write(self.step, status="preempted")

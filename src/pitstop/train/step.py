@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pitstop.strategy.base import Strategy
+from pitstop.strategy.groups import ReplicaGroups
 from pitstop.train.assembly import channels_last
 from pitstop.train.state import Batches, Progress, StepResult
 
@@ -22,7 +24,8 @@ class Stepper:
     """``trainer.grad_accum_steps`` micro-batches per optimizer step, in ``trainer.precision``."""
 
     progress: Progress
-    strategy: Any
+    strategy: Strategy
+    groups: ReplicaGroups
     model: Any
     optimizer: Any
     scheduler: Any
@@ -45,7 +48,7 @@ class Stepper:
         step = self.progress.step + 1
         t = time.perf_counter()
         with self.watchdog.phase("peers"):  # (waits for peer replica groups: a peer's stall is not a hang here)
-            self.strategy.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
+            self.groups.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
         quorum = time.perf_counter() - t
         self.optimizer.zero_grad(set_to_none=True)
         losses, samples, wait = [], 0, 0.0
@@ -68,8 +71,8 @@ class Stepper:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check the data")
         with self.watchdog.phase("peers"):
-            self.strategy.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
-            committed = self.strategy.commit()
+            self.groups.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
+            committed = self.groups.commit()
         if not committed:
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
         self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from pitstop.errors import ConfigError
 from pitstop.parts.lr import planned_steps, replan
+from pitstop.strategy.groups import ReplicaGroups
 
 log = logging.getLogger("pitstop")
 
@@ -32,14 +33,15 @@ def total_steps(trainer: Any, loader: Any, accum: int) -> int:
     return batches // accum
 
 
-def after_resume(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, strategy: Any) -> int:
+def after_resume(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, world_size: int,
+                 groups: ReplicaGroups) -> int:  # fmt: skip
     """``trainer.epochs`` after a resume: the run's new bound. Under replica groups (a loader that cuts one global
     order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed schedule's
     plan is kept as it is, re-planned only after committed steps, the same in every group (a group's own restore or
     heal comes at another moment than its peers'); otherwise from the batches left at this world size."""
-    if hasattr(loader, "fetches_left"):
-        return step + loader.fetches_left(epochs, strategy.participants) // accum
-    return steps_at_this_world_size(step, loader, epochs, accum, scheduler, total, strategy.world_size)
+    if groups.shares_data_order:
+        return step + loader.fetches_left(epochs, groups.participants) // accum
+    return steps_at_this_world_size(step, loader, epochs, accum, scheduler, total, world_size)
 
 
 def steps_at_this_world_size(

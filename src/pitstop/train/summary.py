@@ -94,8 +94,8 @@ def write_summary(run: Any, account: dict, tracker: dict, split: dict[str, float
         "precision": run.precision.name,
         "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
     }
-    if strategy.ft_stats() is not None:
-        out["ft"] = strategy.ft_stats()
+    if strategy.groups.stats() is not None:
+        out["ft"] = strategy.groups.stats()
     out.update(tracker)
     out["wall_clock"] = split
     out["samples_per_s"] = run.samples_seen / max(split["total"], 1e-9)
