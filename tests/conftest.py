@@ -28,6 +28,19 @@ def compose_cfg(overrides: list[str], root: Path, config_name: str = "train"):
     return compose(CONF, overrides, str(root), config_name)
 
 
+def ft_strategy(**keys):
+    """A ``strategy=ft`` replica group as conf/strategy/ft.yaml composes it (its one home of defaults), ``keys``
+    changed."""
+    from omegaconf import OmegaConf
+
+    from pitstop.config.build import build
+
+    cfg = compose_cfg(["strategy=ft"], Path.cwd())
+    for key, value in keys.items():
+        OmegaConf.update(cfg, f"strategy.{key}", value)
+    return build(cfg.strategy)
+
+
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory) -> Path:
     """A project-like dir whose data/digits holds the real digits shards (prepared once)."""

@@ -16,6 +16,7 @@ from torch import nn
 pytest.importorskip("torchft")
 
 from pitstop.errors import ConfigError  # noqa: E402
+from conftest import ft_strategy  # noqa: E402
 from pitstop.launch.replicas import start_lighthouse  # noqa: E402
 from pitstop.strategy.ft import FT  # noqa: E402
 
@@ -33,8 +34,8 @@ def start_group(address: str, replica_id: int, quorum_timeout: float = 20, **cha
     cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": replica_id, "lighthouse": address}})
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value)
-    group = FT(replicas=2, replica_id=replica_id, lighthouse=address, timeout=2, quorum_timeout=quorum_timeout,
-               cpu_threads=1)  # fmt: skip
+    group = ft_strategy(replicas=2, replica_id=replica_id, lighthouse=address, timeout=2,
+                        quorum_timeout=quorum_timeout, cpu_threads=1)  # fmt: skip
     group.expect_config(cfg)
     group.setup()
     group.wrap(nn.Linear(2, 1))
@@ -133,8 +134,8 @@ def test_a_group_whose_peers_are_gone_for_good_ends_in_one_line_after_a_bounded_
     from pitstop.strategy.ft import PeersGone
 
     cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": 0, "lighthouse": lighthouse}})
-    group = FT(replicas=2, replica_id=0, lighthouse=lighthouse, timeout=1, quorum_timeout=1, min_replicas=2,
-               cpu_threads=1)  # fmt: skip
+    group = ft_strategy(replicas=2, replica_id=0, lighthouse=lighthouse, timeout=1, quorum_timeout=1, min_replicas=2,
+                        cpu_threads=1)  # fmt: skip
     group.expect_config(cfg)
     group.setup()
     group.wrap(nn.Linear(2, 1))

@@ -261,10 +261,11 @@ def test_device_tensors_arrive_on_the_cpu_bit_for_bit(transports):
 
 def test_a_group_of_a_job_of_several_without_the_jobs_secret_is_refused_in_one_line(monkeypatch):
     from pitstop.errors import ConfigError
-    from pitstop.strategy.ft import FT
+    from conftest import ft_strategy
 
     monkeypatch.delenv("PITSTOP_FT_SECRET", raising=False)
-    group = FT(replicas=2, replica_id=1, lighthouse="10.0.0.1:29510", cpu_threads=torch.get_num_threads(), device="cpu")
+    group = ft_strategy(replicas=2, replica_id=1, lighthouse="10.0.0.1:29510", cpu_threads=torch.get_num_threads(),
+                        device="cpu")  # fmt: skip
     with pytest.raises(ConfigError) as e:  # (before it builds anything: no Lighthouse is asked)
         group.setup()
     text = str(e.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,67 +28,29 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     in this process; a failed rank is named, a preemption notice is the whole job's."""
     strategy = job.strategy
     assert isinstance(strategy, (schema.DDP, schema.FT))
-    n, (min_nodes, max_nodes) = job.ranks, job.nodes
-    endpoint, run_id = rendezvous(strategy, run_dir, max_nodes)
-    is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
-    check_capacity(strategy, n)  # (no torch on a machine without GPUs)
+    endpoint, run_id = rendezvous(strategy, run_dir, job.nodes[1])
+    check_capacity(strategy, job.ranks)  # (no torch on a machine without GPUs)
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     # Started after the checks (a refused job starts nothing), before the agent's own imports.
     method = start_warm(cfg, job).get_start_method()
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
         RendezvousConnectionError,
         RendezvousTimeoutError,
     )
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from pitstop.resilience.preempt import JobNotice
 
     job_start = launch_facts.job_start()
-    # Preemption notices are the job's: the agent stops on the first (ours, from the scheduler or handed on by
-    # a rank), gives every rank the same signal and waits for their saves; it never restarts a preempted rank.
-    notices = job.notices
-    torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in notices]
-    timeout = job.rendezvous_timeout
-    if max_nodes > 1:
-        # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
-        # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=n,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={
-            "join_timeout": timeout,
-            "read_timeout": timeout,
-            "timeout": timeout,
-            "last_call_timeout": strategy.last_call_seconds if isinstance(strategy, schema.DDP) else 5,
-            "keep_alive_interval": 1,
-            "keep_alive_max_attempt": 5,
-            **({} if is_host is None else {"is_host": is_host}),
-        },
-        max_restarts=job.restarts,
-        monitor_interval=0.2,
-        start_method=method,
-        shutdown_timeout=int(job.grace) + 30,
-        signals_to_handle=",".join(torch_handles),
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
-    )
-    nodes = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
-    log.info(
-        "launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)",
-        n,
-        nodes,
-        endpoint,
-        config.max_restarts,
-    )
-    notice = JobNotice(notices, lambda msg, sig: SignalException(msg, sigval=sig))
+    config = agent_config(job, endpoint, run_id, method, run_dir)
+    nodes = job.nodes_text
+    log.info("launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)", job.ranks, nodes, endpoint,
+             config.max_restarts)  # fmt: skip
+    notice = JobNotice(job.notices, lambda msg, sig: SignalException(msg, sigval=sig))
     try:
         notice.install()  # (inside: a notice that waited, blocked, is delivered by it and raises here)
         results = elastic_launch(config, worker)(
@@ -102,36 +65,81 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:
         raise PitstopError(
             f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
-            f"{timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
-            f"address and that strategy.nnodes={nodes} nodes "
-            f"come up"
+            f"{job.rendezvous_timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
+            f"address and that strategy.nnodes={nodes} nodes come up"
         ) from None
     except SignalException as e:
-        if e.sigval not in notices:
+        if e.sigval not in job.notices:
             raise
         raise Preempted(
             f"preempted after a notice ({e.sigval.name}); run the same command again to resume ({run_dir})"
         ) from None
     except ChildFailedError as e:
-        rank, failure = root_failure(e.failures)
-        if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
-            raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})") from None
-        if getattr(failure, "exitcode", None) == HUNG_EXIT:
-            raise PitstopError(
-                f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
-                f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log"
-            ) from None
-        why = first_line(failure)
-        if "timeout" in why.lower() or "timed out" in why.lower():
-            why += f"; a peer stopped responding for strategy.timeout={strategy.timeout} s"
-        silent = silent_ranks(os.path.join(run_dir, "elastic"), config.run_id, n, rank)
-        if silent and lost_peer(why):  # the agent saw the peer's error first
-            raise PitstopError(
-                f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
-                f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
-                f"{run_dir}/train.log and rank*.log"
-            ) from None
-        raise PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log") from None
+        raise rank_failed(e, job, run_dir, run_id) from None
     finally:
         notice.close()
     return results[min(results)]  # keyed by global rank: this node's first
+
+
+def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_dir: str) -> Any:
+    """Torch's ``LaunchConfig`` for this node's agent. Preemption notices are the job's: the agent stops on the
+    first (ours, from the scheduler or handed on by a rank), gives every rank the same signal and waits for their
+    saves; it never restarts a preempted rank (torch handles the other termination signals)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    min_nodes, max_nodes = job.nodes
+    is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
+    torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in job.notices]
+    timeout = job.rendezvous_timeout
+    if max_nodes > 1:
+        # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
+        # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=job.ranks,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={
+            "join_timeout": timeout,
+            "read_timeout": timeout,
+            "timeout": timeout,
+            "last_call_timeout": job.last_call_seconds,
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 5,
+            **({} if is_host is None else {"is_host": is_host}),
+        },
+        max_restarts=job.restarts,
+        monitor_interval=0.2,
+        start_method=method,
+        shutdown_timeout=int(job.grace) + 30,
+        signals_to_handle=",".join(torch_handles),
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
+    )
+
+
+def rank_failed(e: Any, job: LaunchPlan, run_dir: str, run_id: str) -> BaseException:
+    """The one error that explains a ``ChildFailedError``: a preemption, a hang, or the rank whose failure explains
+    the others (a rank killed without an error of its own, when its peers only lost it)."""
+    rank, failure = root_failure(e.failures)
+    if getattr(failure, "exitcode", None) == PREEMPTED_EXIT:
+        return Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
+    if getattr(failure, "exitcode", None) == HUNG_EXIT:
+        return PitstopError(
+            f"rank {rank} hung (no progress within trainer.hang's limits); its stacks are in "
+            f"{run_dir}/hang.rank{rank}.txt, see {run_dir}/train.log and rank*.log"
+        )
+    why = first_line(failure)
+    if "timeout" in why.lower() or "timed out" in why.lower():
+        why += f"; a peer stopped responding for strategy.timeout={job.strategy_timeout:g} s"
+    silent = silent_ranks(os.path.join(run_dir, "elastic"), run_id, job.ranks, rank)
+    if silent and lost_peer(why):  # the agent saw the peer's error first
+        return PitstopError(
+            f"rank {', '.join(map(str, silent))} failed (no error of its own: killed by a signal, "
+            f"e.g. SIGKILL or the OOM killer; rank {rank} then lost its peer: {why}); see "
+            f"{run_dir}/train.log and rank*.log"
+        )
+    return PitstopError(f"rank {rank} failed ({why}); see {run_dir}/train.log and rank*.log")

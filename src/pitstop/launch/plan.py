@@ -59,6 +59,22 @@ class LaunchPlan:
             return max(60, int(self.strategy.timeout))
         return int(self.strategy.timeout) if isinstance(self.strategy, schema.DDP) else 300
 
+    @property
+    def strategy_timeout(self) -> float:
+        """``strategy.timeout``: how long a collective waits for a peer (ddp, fsdp, ft)."""
+        return float(self.strategy.timeout) if isinstance(self.strategy, (schema.DDP, schema.FT)) else 0.0
+
+    @property
+    def last_call_seconds(self) -> int:
+        """``strategy.nnodes=MIN:MAX``: after MIN nodes joined, how long the rendezvous waits for more."""
+        return self.strategy.last_call_seconds if isinstance(self.strategy, schema.DDP) else 5
+
+    @property
+    def nodes_text(self) -> str:
+        """``strategy.nnodes`` as given: N or MIN:MAX."""
+        low, high = self.nodes
+        return f"{low}" if low == high else f"{low}:{high}"
+
     def group(self) -> LaunchPlan:
         """The plan of one replica group of several ranks: its own elastic agent on this machine restarts them
         together (``strategy.max_restarts``)."""

@@ -182,34 +182,15 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             while t.is_alive():
                 t.join(0.5)
     finally:
-        for child in children:  # (on the way out of an interrupted launcher: a notice, then a kill)
-            if child.is_alive():
-                child.terminate()
-        for child in children:
-            child.join(grace + (90 if ranks > 1 else 30))  # (an agent waits up to grace + 30 s for its ranks)
-            if child.is_alive():
-                child.kill()
+        stop_all(children, grace + (90 if ranks > 1 else 30))  # (an agent waits up to grace + 30 s for its ranks)
         notice.close()  # (after the joins: a notice meanwhile must not kill the launcher)
         if main:
             signal.signal(signal.SIGTERM, previous)
         if lighthouse is not None:
             lighthouse.shutdown()
-    account = replica_account(run_dir, groups)
     if ranks > 1:  # (one agent process per group; its attempts are those of its ledger that this launch started)
         started = {k: this_launch_attempts(run_dir, k, job_start - 0.01) for k in range(groups)}
-    job = {
-        "replicas": groups,
-        "ranks_per_group": ranks,
-        "ft": account,
-        "wall_seconds": round(time.time() - t0, 3),
-        "attempts_per_group": {str(k): started[k] for k in range(groups)},
-        "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
-                   for k in sorted(results)},
-        "errors": {str(k): str(e).splitlines()[0][:300] for k, e in errors.items()},
-    }  # fmt: skip
-    # The job's summary.json: the first group's (the same parameters in every group), with the job's facts.
-    out = {**results[min(results)], "ft_job": job} if results else {"ft_job": job}
-    write_json_atomic(os.path.join(run_dir, "summary.json"), out)
+    out = write_job_summary(run_dir, groups, ranks, results, errors, started, time.time() - t0)
     if errors and not results:  # no group finished the job
         failed = [errors[k] for k in sorted(errors) if not isinstance(errors[k], Preempted)]
         if not failed:
@@ -217,7 +198,39 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
         raise failed[0]  # (not "run the same command again": a group failed for good)
     if errors:  # (a group that left on a notice, its node going away, or failed for good: the others finished)
-        log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors), job["errors"])
+        log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors),
+                    out["ft_job"]["errors"])  # fmt: skip
+    return out
+
+
+def stop_all(children: list[Any], patience: float) -> None:
+    """On the way out of the launcher (finished, or interrupted): a notice to every group still running, then a
+    kill for those still alive after ``patience`` seconds."""
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    for child in children:
+        child.join(patience)
+        if child.is_alive():
+            child.kill()
+
+
+def write_job_summary(run_dir: str, groups: int, ranks: int, results: dict[int, dict],
+                      errors: dict[int, BaseException], started: dict[int, int], wall: float) -> dict:  # fmt: skip
+    """``RUN_DIR/summary.json``, the job's: the first group's summary (the same parameters in every group), with the
+    job's facts under ``ft_job`` (restarts, heals and discarded steps per group, each group's end, the errors)."""
+    facts = {
+        "replicas": groups,
+        "ranks_per_group": ranks,
+        "ft": replica_account(run_dir, groups),
+        "wall_seconds": round(wall, 3),
+        "attempts_per_group": {str(k): started[k] for k in range(groups)},
+        "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
+                   for k in sorted(results)},
+        "errors": {str(k): str(e).splitlines()[0][:300] for k, e in errors.items()},
+    }  # fmt: skip
+    out = {**results[min(results)], "ft_job": facts} if results else {"ft_job": facts}
+    write_json_atomic(os.path.join(run_dir, "summary.json"), out)
     return out
 
 

@@ -32,16 +32,12 @@ class DDP(Single):
         timeout: float = 300,
         device: str = "auto",
         cpu_threads: Any = "auto",
-        *,
-        max_restarts: int = 0,
-        nnodes: Any = 1,
-        rdzv_endpoint: Any = None,
-        master_port: Any = None,
-        last_call_seconds: Any = 5,
-        oversubscribe: bool = False,
+        **launch_keys: Any,
     ):
-        """The keyword-only keys say how the job is launched: :mod:`pitstop.launch` reads them from the same
-        config node (accepted here, unused by the strategy itself)."""
+        """``launch_keys``: the keys of ``strategy=ddp`` that say how the job is launched (``max_restarts``,
+        ``nnodes``, ``rdzv_endpoint``, ``master_port``, ``last_call_seconds``, ``oversubscribe``): the launcher
+        reads them, typed, from the same config node (``pitstop.launch.plan``); the strategy does not use them.
+        Their defaults live in ``conf/strategy/ddp.yaml``."""
         super().__init__(device=device, cpu_threads=cpu_threads)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
         self._ckpt_group = self._control_group = None

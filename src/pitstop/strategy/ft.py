@@ -63,24 +63,26 @@ class FT(Strategy, ReplicaGroups):
 
     def __init__(
         self,
-        replicas: int = 2,
-        replica_id: Any = None,
-        lighthouse: Any = None,
-        min_replicas: int = 1,
-        inner: str = "ddp",
-        nproc_per_node: int = 1,
-        backend: str = "auto",
-        oversubscribe: bool = False,
-        shard: Any = "auto",
-        reshard_after_forward: bool = True,
-        mixed_precision: Any = None,
-        timeout: float = 10,
-        heartbeat_ms: int = 250,
-        quorum_timeout: float = 60,
-        max_restarts: int = 5,
-        cpu_threads: Any = "auto",
-        device: str = "auto",
+        *,
+        replicas: int,
+        replica_id: int | None,
+        lighthouse: str | None,
+        min_replicas: int,
+        inner: str,
+        nproc_per_node: int,
+        backend: str,
+        oversubscribe: bool,
+        shard: Any,
+        reshard_after_forward: bool,
+        mixed_precision: str | None,
+        timeout: float,
+        heartbeat_ms: int,
+        quorum_timeout: float,
+        max_restarts: int,
+        cpu_threads: Any,
+        device: str,
     ):
+        """Every key of ``strategy=ft`` (``conf/strategy/ft.yaml`` holds their defaults, and their meaning)."""
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
         self.cpu_threads = cpu_threads_key(cpu_threads)
         self.nproc_per_node = int(nproc_per_node)

@@ -240,8 +240,11 @@ class Runner:
                 ledger.add("compile", compiling)
                 self.progress.step += 1
                 self._outcome(self.step, True)
-                if self._epochs_follow_groups():
-                    self._replan_for_groups()
+                if self.cfg.trainer.max_steps is None and self.groups.shares_data_order:  # (strategy=ft: the
+                    self.total_steps = steps.steps_with_groups(  # epochs end where the data position says)
+                        self.step, self.loader, int(self.cfg.trainer.epochs), self.accum, self.scheduler,
+                        self.total_steps, self.groups.participants,
+                    )  # fmt: skip
                 self.progress.samples_seen += out.samples * self.strategy.world_size * self.groups.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
@@ -271,16 +274,6 @@ class Runner:
                     self._stop_for_preemption()
         if bar is not None:
             bar.close()
-
-    def _epochs_follow_groups(self) -> bool:
-        """``strategy=ft`` with ``trainer.epochs``: the run ends where the data position says the epochs end."""
-        return self.cfg.trainer.max_steps is None and self.groups.shares_data_order
-
-    def _replan_for_groups(self) -> None:
-        self.total_steps = steps.steps_with_groups(
-            self.step, self.loader, int(self.cfg.trainer.epochs), self.accum, self.scheduler, self.total_steps,
-            self.groups.participants,
-        )  # fmt: skip
 
     def _outcome(self, step: int, committed: bool) -> None:
         quorum = self.groups.quorum_id  # (strategy=ft: one line per step in the sample log)

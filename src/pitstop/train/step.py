@@ -12,10 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
+from pitstop.ckpt.contract import Checkpointer
+from pitstop.data.dataset import ShardedDataset
+from pitstop.data.loader.base import ShardLoader
+from pitstop.data.loader.replica import ReplicaLoader
+from pitstop.goodput.ledger import Ledger
+from pitstop.parts.precision import Precision
+from pitstop.resilience.fault import Fault
+from pitstop.resilience.watchdog import Watchdog
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.groups import ReplicaGroups
 from pitstop.train.assembly import channels_last
+from pitstop.train.metering import StepMeter
 from pitstop.train.state import Batches, Progress, StepResult
 
 
@@ -26,18 +37,18 @@ class Stepper:
     progress: Progress
     strategy: Strategy
     groups: ReplicaGroups
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    precision: Any
-    task: Any
-    data: Any  # the data set: its ``on_device`` runs on each batch once it is on the device
-    loader: Any
-    ckpt: Any
-    fault: Any
-    ledger: Any
-    watchdog: Any
-    meter: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    task: Any  # the task (``parts.task.Supervised`` or a user's): ``loss(model, batch)``
+    data: ShardedDataset  # its ``on_device`` runs on each batch once it is on the device
+    loader: ShardLoader | ReplicaLoader
+    ckpt: Checkpointer
+    fault: Fault
+    ledger: Ledger
+    watchdog: Watchdog
+    meter: StepMeter
     accum: int
     batch_size: int
     grad_clip: float | None
