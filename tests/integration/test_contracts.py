@@ -161,6 +161,6 @@ def test_a_setup_that_fails_half_way_releases_what_it_acquired(make_cfg):
     with pytest.raises(ConfigError, match=r"fault.step=1000 is after the last step \(12\)"):
         runner.run()
     assert not dist.is_initialized()  # the process group setup() joined is gone
-    assert runner.ckpt.stager is None and runner.logger is None
+    assert runner.ckpt.stager is None and runner.records.logger is None
     left = sorted(str(p.relative_to(cfg.run_dir)) for p in Path(cfg.run_dir).rglob("*"))
     assert left == ["checkpoints"], left  # no goodput.json, metrics.jsonl or checkpoint: nothing to resume

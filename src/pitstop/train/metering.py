@@ -142,7 +142,8 @@ class StepMeter:
                 step,
             )
             self.metrics_file.write({"step": step, **{k: round(v, 6) for k, v in speed.items()}})
-            counters = io()  # cumulative: cache hits/misses, bytes from the source, retries
+            # cumulative: cache hits/misses, bytes from the source, retries (samples: the step's own figures say it)
+            counters = {k: v for k, v in io().items() if k != "samples"}
             changed = {k: v for k, v in counters.items() if self._last_io.get(k) != v}
             if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
                 logger.log_metrics(changed, step)

@@ -29,16 +29,14 @@ from pitstop.ckpt.contract import SaveResult, Target, save_errors
 from pitstop.config import flatten, secrets, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
-from pitstop.errors import ConfigError, FingerprintMismatch
-from pitstop.goodput.ledger import GoodputLog, Ledger
+from pitstop.goodput.ledger import Ledger
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
-from pitstop.resilience.watchdog import Hung
 from pitstop.strategy.nodes import check_nodes
 from pitstop.train import assembly, process, steps, summary
 from pitstop.parts.digest import model_sha256
 from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
-from pitstop.train.sample_log import SampleLog
+from pitstop.train.records import Records
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
@@ -59,18 +57,13 @@ class Runner:
         self.last_eval: dict[str, float] = {}
         self._resources = ExitStack()
         self._finished = self._preempted = False
-        self.goodput: GoodputLog | None = None
-        self.samples: SampleLog | None = None
+        self.records = Records()
         self.watchdog = assembly.watchdog(cfg.trainer.hang)
         self.stepper: Stepper | None = None  # (setup builds it)
 
     @property
     def step(self) -> int:
         return self.progress.step
-
-    @property
-    def samples_seen(self) -> int:
-        return self.progress.samples_seen
 
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -100,7 +93,7 @@ class Runner:
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
-            self.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
+            self.records.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
             hold.push(self._record_failure)
             parts = assembly.build_step_parts(cfg, self.strategy, self.groups, fresh=fresh)
             self.precision, self.accum, self.data, self.task = parts.precision, parts.accum, parts.data, parts.task
@@ -119,14 +112,15 @@ class Runner:
                 lambda phase, limit: self.watchdog.phase(phase, first=limit),
             )
             tele = assembly.build_telemetry(cfg, self.run_dir, self.strategy, self.total_steps, hold)
-            self.metrics_file, self.logger, self.profiler = tele.metrics_file, tele.logger, tele.profiler
-            self.throughput, self.meter = tele.throughput, tele.meter
-            hold.callback(self._close_logger, "FAILED")  # a no-op once finish() closed it
+            self.records.metrics_file, self.records.logger = tele.metrics_file, tele.logger
+            self.profiler, self.throughput, self.meter = tele.profiler, tele.throughput, tele.meter
+            hold.callback(self.records.close_tracker, "FAILED")  # a no-op once finish() closed it
             self.ckpt = build(cfg.ckpt)
             hold.callback(self._release_ckpt)
-            intervals = assembly.interval_policy(cfg, self.goodput.failures(), self.goodput.job_seconds())
-            self.ckpt.setup(self.strategy, self.report, intervals)
-            self.samples = assembly.build_sample_log(cfg, self.run_dir, self.strategy, self.accum, self._taking,
+            goodput = self.records.goodput
+            intervals = assembly.interval_policy(cfg, goodput.failures(), goodput.job_seconds())
+            self.ckpt.setup(self.strategy, self.records.report, intervals)
+            self.records.samples = assembly.build_sample_log(cfg, self.run_dir, self.strategy, self.accum, self._taking,
                                                      self.loader, hold)  # fmt: skip
             self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.groups, self.total_steps,
                                               self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
@@ -145,9 +139,8 @@ class Runner:
         return self.step + 1, micro  # the step being taken, its micro-batch
 
     def _on_hang(self, message: str) -> None:
-        """The watchdog's thread, on a hang: the ledger records the attempt as hung (the main thread is stuck)."""
-        if self.goodput is not None:
-            self.goodput.write(self.step, status="hung")
+        """The watchdog's thread, on a hang: the attempt is recorded as hung (the main thread is stuck)."""
+        self.records.hung(self.step)
         if self.launch.supervised:  # the supervisor names the cause of the restart
             record_error(self.run_dir, message)
 
@@ -155,14 +148,8 @@ class Runner:
         """Release what setup() acquired (``run()`` does this itself; for callers that drive the steps)."""
         self._resources.close()
 
-    def _record_failure(self, exc_type, exc, tb) -> bool:
-        """On the way out of a failed run: the ledger records the failed attempt (a config error, or a changed
-        config refused at resume, is no attempt: it must leave nothing a later run would count)."""
-        if isinstance(exc, (ConfigError, FingerprintMismatch)):
-            self.goodput.withdraw()
-        elif exc is not None and not isinstance(exc, (Preempted, Hung)) and not self._preempted:
-            # (a hang and a preemption are recorded as such, also when a launcher's handler exits after one)
-            self.goodput.write(self.step, status="failed")
+    def _record_failure(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        self.records.failed(exc, self.step, self._preempted)
         return False
 
     def _release_ckpt(self) -> None:
@@ -195,20 +182,13 @@ class Runner:
         if self.resumed_from is not None and t.max_steps is None:
             self.total_steps = steps.after_resume(self.step, self.loader, int(t.epochs), self.accum, self.scheduler,
                                                   self.total_steps, self.strategy.world_size, self.groups)  # fmt: skip
-        self.goodput.resumed(self.resumed_from)
-        self.goodput.write(self.step)
-        if self.samples is not None:
-            epochs = int(t.epochs) if t.max_steps is None else None
-            self.samples.header(
-                self.resumed_from, self.strategy.world_size, self.data.index.num_samples("train"), epochs, healed
-            )
+        epochs = int(t.epochs) if t.max_steps is None else None
+        self.records.started(self.step, self.resumed_from, healed, self.strategy.world_size,
+                             self.data.index.num_samples("train"), epochs)  # fmt: skip
         self.loader.warm()  # (loader=cached) the position's first shards, if not asked for at build
-        if self.resumed_from is not None:
-            log.info("resumed from step %d", self.resumed_from)
-            self.metrics_file.write({"event": "resume", "step": self.step})
         if self.strategy.is_main:
             tags = summary.run_tags(self.cfg, self.strategy.name, self.ckpt.name, self.loader.kind)
-            self.logger.start(self.run_dir, secrets.redact(flatten(self.cfg)), tags=tags)
+            self.records.logger.start(self.run_dir, secrets.redact(flatten(self.cfg)), tags=tags)
 
     def fit(self) -> None:
         ledger, meter, watch = self.ledger, self.meter, self.watchdog
@@ -229,7 +209,7 @@ class Runner:
                 ledger.add("quorum", out.quorum)
                 if not out.committed:  # (strategy=ft) a peer failed during the step: it is redone next
                     ledger.add("discarded", took - out.quorum)
-                    self._outcome(self.step + 1, False)
+                    self.records.outcome(self.step + 1, False, self.groups.quorum_id)
                     if self.strategy.agree(self.preempt.received is not None):  # (a notice: stop at the last step
                         self._stop_for_preemption()  # committed, not in a quorum that may never form again)
                     continue
@@ -239,12 +219,9 @@ class Runner:
                 ledger.add("compute", compute)
                 ledger.add("compile", compiling)
                 self.progress.step += 1
-                self._outcome(self.step, True)
-                if self.cfg.trainer.max_steps is None and self.groups.shares_data_order:  # (strategy=ft: the
-                    self.total_steps = steps.steps_with_groups(  # epochs end where the data position says)
-                        self.step, self.loader, int(self.cfg.trainer.epochs), self.accum, self.scheduler,
-                        self.total_steps, self.groups.participants,
-                    )  # fmt: skip
+                self.records.outcome(self.step, True, self.groups.quorum_id)
+                self.total_steps = steps.after_step(self.step, self.loader, self.cfg.trainer, self.accum,
+                                                    self.scheduler, self.total_steps, self.groups)  # fmt: skip
                 self.progress.samples_seen += out.samples * self.strategy.world_size * self.groups.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
@@ -255,7 +232,7 @@ class Runner:
                 with ledger.measure("logging"):  # 2. record
                     lr = self.optimizer.param_groups[0]["lr"]
                     meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait,
-                                 compute, self.logger, bar, self.data_stats)  # fmt: skip
+                                 compute, self.records.logger, bar, lambda: self.loader.stats)  # fmt: skip
                 if self.evals.due(self.step, self.total_steps):  # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps
@@ -264,9 +241,9 @@ class Runner:
                     saved = self.ckpt.maybe_save(self.target, self.step, last=last) if saves else SaveResult()
                 ledger.add("checkpoint", saved.blocked)  # 4. save
                 if saved.started == self.step:
-                    self._flush_logs()  # what a resume would not redo is on disk
-                    self.goodput.mark(self.step)
-                self.goodput.tick(self.step)
+                    self.records.flush()  # what a resume would not redo is on disk
+                    self.records.goodput.mark(self.step)
+                self.records.goodput.tick(self.step)
                 self.fault.after_step(self.step)
                 for cb in self.callbacks:
                     cb.on_step_end(self.view)
@@ -275,19 +252,14 @@ class Runner:
         if bar is not None:
             bar.close()
 
-    def _outcome(self, step: int, committed: bool) -> None:
-        quorum = self.groups.quorum_id  # (strategy=ft: one line per step in the sample log)
-        if self.samples is not None and quorum is not None:
-            self.samples.outcome(step, committed, quorum)
-
     def _stop_for_preemption(self) -> None:
         """Every rank is here after the same step: save if it fits the grace period, wait until it is durable,
         write down where the time went, and leave with the 'requeue me' exit status."""
         why = self.preempt.received.name if self.preempt.received is not None else "a peer's notice"
         if self.groups.saves_checkpoints():  # (strategy=ft: the group that writes the durable checkpoints)
             save_for_notice(self.ckpt, self.target, self.step, self.preempt.grace, why, self.ledger, self.watchdog)
-        self._flush_logs()
-        self.goodput.write(self.step, status="preempted")
+        self.records.flush()
+        self.records.goodput.write(self.step, status="preempted")
         self._preempted = True
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
@@ -295,20 +267,6 @@ class Runner:
     def train_step(self, batches: Batches) -> StepResult:
         """One optimizer step (``step.Stepper``)."""
         return self.stepper(batches)
-
-    def data_stats(self) -> dict[str, float]:
-        return {k: v for k, v in self.loader.stats.items() if k != "samples"}
-
-    def report(self, metrics: dict[str, float], step: int) -> None:
-        """Extra metrics from components (e.g. per-save checkpoint costs): tracker + metrics.jsonl."""
-        if self.logger is not None:  # (None once the run has ended)
-            self.logger.log_metrics(metrics, step)
-        self.metrics_file.write({"step": step, **metrics})
-
-    def _flush_logs(self) -> None:
-        self.metrics_file.flush()
-        if self.samples is not None:
-            self.samples.flush()
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
@@ -318,8 +276,7 @@ class Runner:
         if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
             self.ledger.move("eval", "compile", self.compile_clock.take())
         self.last_eval = out
-        self.logger.log_metrics(out, self.step)
-        self.metrics_file.write({"step": self.step, **out})
+        self.records.report(out, self.step)
         log.info("step %d: %s", self.step, ", ".join(f"{k}={v:.4f}" for k, v in out.items()))
         return out
 
@@ -330,21 +287,13 @@ class Runner:
             self.ckpt.close()  # never report success with a save still in flight
         self._finished = True
         self.fault.close()
-        account = self.goodput.write(self.step, status="finished")
-        self.logger.log_metrics(summary.goodput_metrics(account), self.step)
-        digest = self.params_sha256()  # (its time in the wall clock; if it fails, the tracker run says FAILED)
+        account = self.records.goodput.write(self.step, status="finished")
+        self.records.logger.log_metrics(summary.goodput_metrics(account), self.step)
+        digest = model_sha256(self.model)  # (its time in the wall clock; if it fails, the tracker run says FAILED)
         for cb in self.callbacks:
             cb.on_train_end(self.view)
         if self.strategy.is_main:
-            self.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
-        tracker = self._close_logger("FINISHED")
-        self.metrics_file.close()
-        return summary.write_summary(self, account, tracker, self.ledger.split(), digest)
-
-    def _close_logger(self, status: str) -> dict:
-        """End the tracker run (FINISHED, or FAILED on the way out of a failed run); only the first call counts."""
-        logger, self.logger = self.logger, None
-        return (logger.close(status) or {}) if logger is not None else {}
-
-    def params_sha256(self) -> str:
-        return model_sha256(self.model)
+            self.records.logger.log_metrics({f"time_{k}": v for k, v in self.ledger.split().items()}, self.step)
+        tracker = self.records.close_tracker("FINISHED")
+        self.records.metrics_file.close()
+        return summary.write_summary(self.view, account, tracker, self.ledger.split(), digest)

@@ -69,6 +69,15 @@ def steps_at_this_world_size(
     return new_total
 
 
+def after_step(step: int, loader: Any, trainer: Any, accum: int, scheduler: Any, total: int,
+               groups: ReplicaGroups) -> int:  # fmt: skip
+    """The run's bound after a committed step: unchanged, but under replica groups with ``trainer.epochs``, where
+    the epochs end where the data position says (:func:`steps_with_groups`)."""
+    if trainer.max_steps is not None or not groups.shares_data_order:
+        return total
+    return steps_with_groups(step, loader, int(trainer.epochs), accum, scheduler, total, groups.participants)
+
+
 def steps_with_groups(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, groups: int) -> int:
     """``strategy=ft`` with ``trainer.epochs``: the steps left are the fetches left of the epochs from the committed
     data position, over ``accum``, if the ``groups`` of the last step stay (a missing group's share makes an epoch

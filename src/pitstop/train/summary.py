@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pitstop.config import secrets
 from pitstop.goodput.ledger import table
 from pitstop.telemetry.metrics import write_json_atomic
 
+if TYPE_CHECKING:
+    from pitstop.train.runner import Runner
+
 log = logging.getLogger("pitstop")
 
 
 class RunView:
-    """What a callback may read of a run (``on_train_start``, ``on_step_end``, ``on_train_end``): its progress
-    and last evaluation, never the components themselves."""
+    """What a callback (``on_train_start``, ``on_step_end``, ``on_train_end``) and the run's summary may read of a
+    run: its progress, its last evaluation and the figures its components report, never the components."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Runner):
         self._runner = runner
 
     @property
@@ -43,6 +46,25 @@ class RunView:
     @property
     def run_dir(self) -> str:
         return self._runner.run_dir
+
+    def reports(self) -> dict[str, Any]:
+        """What the components report of the run: the data position's epoch and the loader's counters, the
+        checkpointer's, the strategy's, the throughput and precision, and (replica groups) heals and quorums."""
+        r = self._runner
+        out = {
+            "epoch": r.loader.epoch,
+            "data": {**r.loader.stats, "data_wait_fraction": data_wait_fraction(r.ledger.seconds)},
+            "checkpoint": r.ckpt.stats(),
+            "strategy": r.strategy.name,
+            "world_size": r.strategy.world_size,
+            "throughput": r.throughput.summary(),
+            "precision": r.precision.name,
+        }
+        return {**out, "ft": r.groups.stats()} if r.groups.stats() is not None else out
+
+    @property
+    def is_main(self) -> bool:
+        return self._runner.strategy.is_main
 
 
 def run_tags(cfg: Any, strategy: str, ckpt: str, loader: str) -> dict[str, str]:
@@ -73,35 +95,31 @@ def data_wait_fraction(seconds: dict[str, float]) -> float:
     return round(wait / max(wait + compute, 1e-9), 4)
 
 
-def write_summary(run: Any, account: dict, tracker: dict, split: dict[str, float], digest: str) -> dict[str, Any]:
+def write_summary(view: RunView, account: dict, tracker: dict, split: dict[str, float], digest: str) -> dict[str, Any]:
     """``summary.json`` of a finished run (written by the main rank), logged in one line and the goodput table.
-    ``run``: the Runner, its components closed; ``tracker``: what the tracker run's end added (e.g. its id);
+    ``view``: the run, its components closed; ``tracker``: what the tracker run's end added (e.g. its id);
     ``digest``: the final parameters' sha256."""
-    strategy, ledger = run.strategy, run.ledger
+    reports = view.reports()
+    ft = reports.pop("ft", None)
     out = {
-        "final_step": run.step,
-        "total_steps": run.total_steps,
-        "epoch": run.loader.epoch,
-        "samples_seen": run.samples_seen,
-        "resumed_from": run.resumed_from,
-        "metrics": run.last_eval,
+        "final_step": view.step,
+        "total_steps": view.total_steps,
+        "epoch": reports.pop("epoch"),
+        "samples_seen": view.samples_seen,
+        "resumed_from": view.resumed_from,
+        "metrics": view.last_eval,
         "params_sha256": digest,
-        "data": {**run.loader.stats, "data_wait_fraction": data_wait_fraction(ledger.seconds)},
-        "checkpoint": run.ckpt.stats(),
-        "strategy": strategy.name,
-        "world_size": strategy.world_size,
-        "throughput": run.throughput.summary(),
-        "precision": run.precision.name,
+        **reports,
         "goodput": {k: account[k] for k in ("goodput", "totals", "restarts", "failures", "restart_seconds")},
     }
-    if strategy.groups.stats() is not None:
-        out["ft"] = strategy.groups.stats()
+    if ft is not None:
+        out["ft"] = ft
     out.update(tracker)
     out["wall_clock"] = split
-    out["samples_per_s"] = run.samples_seen / max(split["total"], 1e-9)
-    if strategy.is_main:
-        write_json_atomic(os.path.join(run.run_dir, "summary.json"), out)
-        evals = ", ".join(f"{k}={v:.4f}" for k, v in run.last_eval.items())
-        log.info("done: step %d, %s, params_sha256=%s", run.step, evals, digest[:16])
+    out["samples_per_s"] = view.samples_seen / max(split["total"], 1e-9)
+    if view.is_main:
+        write_json_atomic(os.path.join(view.run_dir, "summary.json"), out)
+        evals = ", ".join(f"{k}={v:.4f}" for k, v in view.last_eval.items())
+        log.info("done: step %d, %s, params_sha256=%s", view.step, evals, digest[:16])
         log.info("%s", table(account))
     return out
