@@ -29,7 +29,7 @@ def compose_cfg(overrides: list[str], root: Path, config_name: str = "train"):
 
 
 def ft_strategy(**keys):
-    """A ``strategy=ft`` replica group as conf/strategy/ft.yaml composes it (its one home of defaults), ``keys``
+    """A ``strategy=ft`` replica group as ``strategy=ft`` composes it (the schema: the one home of defaults), ``keys``
     changed."""
     from omegaconf import OmegaConf
 

@@ -1,21 +1,33 @@
-"""Typed schemas of the config groups (Hydra structured configs): types only, the values live in the YAML.
+"""Typed schemas of the config groups (Hydra structured configs).
 
 Each YAML option of ``ckpt``, ``loader``, ``strategy``, ``fault``, ``logger`` and ``trainer`` opens with
 ``defaults: [/schema/<group>/<name>@_here_, _self_]``, so Hydra checks every key's type while composing:
 ``ckpt.interval_steps=abc`` is refused naming the key, and a misspelled key is refused instead of being
-ignored.  Types live here, once; value ranges and rules that relate two keys stay in code
-(``pitstop.config.validate`` and the components), as one-line ``ConfigError``s.
-Every field defaults to ``???`` (MISSING): merging a schema never overrides a value the YAML set, so an
-option that extends another (``fsdp`` extends ``ddp``) adds its own schema after the parent's.
+ignored. Value ranges and rules that relate two keys stay in code (``pitstop.launch.plan`` for the launch keys,
+``pitstop.config.validate`` and the components), as one-line ``ConfigError``s.
+
+``trainer`` and ``strategy`` are typed once, here, with each key's default and one-line doc (:func:`key`): their
+YAML options set nothing else (an option is its schema, named). A schema of another group still defaults every
+field to ``???`` (MISSING), its values in the YAML, so that merging it never overrides a value an option set: an
+option that extends another (``async_dcp`` extends ``sync_dcp``) adds its own schema after the parent's.
 ``register()`` runs on import of ``pitstop.config`` (the entry points and tests import it).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+
+def key(default: Any, doc: str) -> Any:
+    """A key's default (its one home: the YAML options set only what differs) and its one-line doc."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
 
 # ---- ckpt ----------------------------------------------------------------------------------------------
 
@@ -94,48 +106,84 @@ class CachedLoader(Loader):
 
 @dataclass
 class Single:
-    _target_: str = MISSING
-    device: str = MISSING
-    cpu_threads: Any = MISSING  # auto | N
+    """``strategy=single``: one process on one device, CUDA when available, else the CPU."""
+
+    _target_: str = "pitstop.strategy.single.Single"
+    device: str = key("auto", "auto | cpu | cuda | cuda:N")
+    cpu_threads: Any = key(
+        "auto",
+        "CPU only: intra-op threads (auto: the cores the loader's workers leave, at least "
+        "1, at most OMP_NUM_THREADS if set; under ddp: this node's cores // its ranks; under ft: "
+        "cores // (replicas x nproc_per_node)). Part of the arithmetic: runs compare bitwise only "
+        "with the same count",
+    )
 
 
 @dataclass
 class DDP(Single):
-    nproc_per_node: int = MISSING
-    backend: str = MISSING
-    timeout: float = MISSING
-    max_restarts: int = MISSING
-    master_port: Optional[int] = MISSING
-    oversubscribe: bool = MISSING
-    nnodes: Any = MISSING  # N | "MIN:MAX"
-    rdzv_endpoint: Optional[str] = MISSING  # HOST:PORT of node 0
-    last_call_seconds: int = MISSING
+    """``strategy=ddp``: DistributedDataParallel, one process per rank, started (and restarted) through torch's
+    elastic agent; under torchrun or SLURM (``RANK`` set) nothing is spawned."""
+
+    _target_: str = "pitstop.strategy.ddp.DDP"
+    nproc_per_node: int = key(2, "ranks on this machine")
+    backend: str = key("auto", "auto: gloo on CPU, cpu:gloo,cuda:nccl on GPU")
+    timeout: float = key(300.0, "seconds before a stuck or dead peer fails the job instead of hanging")
+    max_restarts: int = key("${trainer.max_restarts}", "elastic in-job restarts: all ranks restart and resume")
+    master_port: Optional[int] = key(None, "rendezvous port (null: a free one)")
+    oversubscribe: bool = key(False, "allow more ranks than CPU cores or GPUs")
+    nnodes: Any = key(1, "nodes: N, or MIN:MAX (elastic: a lost node shrinks the job, a new one grows it)")
+    rdzv_endpoint: Optional[str] = key(
+        None,
+        "with nnodes > 1: HOST:PORT of node 0 (its agent hosts the "
+        "rendezvous), the same on every node; slurm: the allocation's first node",
+    )
+    last_call_seconds: int = key(5, "nnodes=MIN:MAX: after MIN nodes joined, wait this long for more")
 
 
 @dataclass
 class FSDP(DDP):
-    shard: Any = MISSING  # auto | [module names]
-    reshard_after_forward: bool = MISSING
-    mixed_precision: Optional[str] = MISSING  # ${trainer.precision} | null | bfloat16 | float16
+    """``strategy=fsdp``: FSDP2 (fully_shard): parameters, gradients and optimizer state sharded across ranks."""
+
+    _target_: str = "pitstop.strategy.fsdp.FSDP"
+    shard: Any = key("auto", "auto: each child module with parameters; or a list of module names")
+    reshard_after_forward: bool = key(
+        True, "free the gathered parameters after forward (gather them again in backward)"
+    )
+    mixed_precision: Optional[str] = key(
+        "${trainer.precision}",
+        "follows trainer.precision: parameters for compute in it, reductions in fp32; no autocast on top",
+    )
 
 
 @dataclass
 class FT(Single):
-    replicas: int = MISSING
-    replica_id: Optional[int] = MISSING
-    lighthouse: Optional[str] = MISSING  # HOST:PORT | null (start one here)
-    min_replicas: int = MISSING
-    inner: str = MISSING  # ddp
-    nproc_per_node: int = MISSING
-    backend: str = MISSING  # inside a group of several ranks: auto | gloo | nccl | cpu:gloo,cuda:nccl
-    oversubscribe: bool = MISSING
-    shard: Any = MISSING  # inner=fsdp: auto | [module names]
-    reshard_after_forward: bool = MISSING  # inner=fsdp
-    mixed_precision: Optional[str] = MISSING  # inner=fsdp: ${trainer.precision}
-    timeout: float = MISSING
-    heartbeat_ms: int = MISSING
-    quorum_timeout: float = MISSING
-    max_restarts: int = MISSING
+    """``strategy=ft``: replica groups joined by torchft: a group's death costs the others one discarded step and a
+    pause of about the heartbeat timeout; it restarts alone and heals from a live peer."""
+
+    _target_: str = "pitstop.strategy.ft.FT"
+    replicas: int = key(2, "replica groups started here (each its own process, restarted on its own)")
+    replica_id: Optional[int] = key(
+        None,
+        "null: this command starts the groups; K: this process is group K (of a "
+        "job whose Lighthouse runs at strategy.lighthouse)",
+    )
+    lighthouse: Optional[str] = key(None, "HOST:PORT of the Lighthouse; null: start one in this process")
+    min_replicas: int = key(1, "a step commits only with at least this many groups in its quorum")
+    inner: str = key("ddp", "inside a group of several ranks: ddp (replicated) | fsdp (FSDP2-sharded: HSDP)")
+    nproc_per_node: int = key(1, "ranks per group (> 1: the group's own elastic agent restarts them together)")
+    backend: str = key("auto", "of a group's own process group: gloo on CPU, cpu:gloo,cuda:nccl on GPUs")
+    oversubscribe: bool = key(
+        False,
+        "allow more processes (replicas x nproc_per_node) than this machine's cores "
+        "(or a group's nproc_per_node more than its GPUs)",
+    )
+    shard: Any = key("auto", "inner=fsdp: as strategy=fsdp's")
+    reshard_after_forward: bool = key(True, "inner=fsdp: as strategy=fsdp's")
+    mixed_precision: Optional[str] = key("${trainer.precision}", "inner=fsdp: as strategy=fsdp's")
+    timeout: float = key(10.0, "seconds: a collective or commit that waits longer fails the step (discarded)")
+    heartbeat_ms: int = key(250, "a group silent this long leaves the quorum (bounds a healthy group's pause)")
+    quorum_timeout: float = key(60.0, "seconds a group waits for a quorum (min_replicas groups) before it fails")
+    max_restarts: int = key(5, "restarts per group (each restarts alone and heals from a live peer)")
 
 
 # ---- fault ---------------------------------------------------------------------------------------------
@@ -200,42 +248,80 @@ class MLflow(NullLogger):
 
 @dataclass
 class Hang:
-    enabled: bool = MISSING
-    factor: float = MISSING
-    min_seconds: float = MISSING
-    first_seconds: float = MISSING
-    grace_seconds: float = MISSING
+    """``trainer.hang``: a phase (setup, restore, step, eval, checkpoint) that runs far longer than it ever did ends
+    the attempt, so that it restarts (``pitstop/resilience/watchdog.py``)."""
+
+    enabled: bool = key(True, "detect hangs")
+    factor: float = key(10.0, "limit = factor x the longest run of that phase in this attempt ...")
+    min_seconds: float = key(60.0, "... but at least this (a remote store's retries, a slow epoch start)")
+    first_seconds: float = key(900.0, "limit of a phase's first run (compilation, cold caches, peers starting)")
+    grace_seconds: float = key(
+        30.0,
+        "for reporting a hang; also how far past a limit the native backstop fires "
+        "when the watcher itself cannot run (a thread stuck in native code holding the GIL)",
+    )
 
 
 @dataclass
 class Profile:
-    steps: Optional[Any] = MISSING  # null | [start, end]
-    memory: bool = MISSING
+    """``trainer.profile``: a torch.profiler trace of a window of steps in ``RUN_DIR/profile/`` (off: no cost)."""
+
+    steps: Optional[Any] = key(None, "[start, end], e.g. [20, 25]; null: off")
+    memory: bool = key(False, "allocations in the trace too; on CUDA also a memory snapshot (memory_viz)")
 
 
 @dataclass
 class Trainer:
-    epochs: Optional[int] = MISSING
-    max_steps: Optional[int] = MISSING
-    batch_size: int = MISSING
-    eval_split: str = MISSING
-    eval_every_steps: Optional[int] = MISSING
-    eval_max_batches: Optional[int] = MISSING
-    log_every_steps: int = MISSING
-    grad_clip: Optional[float] = MISSING
-    deterministic: bool = MISSING
-    progress_bar: Any = MISSING  # auto | true | false
-    max_restarts: int = MISSING
-    warm_restarts: bool = MISSING
-    preempt_signals: Any = MISSING  # [SIGTERM, SIGUSR1, SIGUSR2]
-    preempt_grace_seconds: float = MISSING
+    """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
+    ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
+
+    epochs: Optional[int] = key(15, "used when max_steps is null")
+    max_steps: Optional[int] = key(None, "total optimizer steps (overrides epochs)")
+    batch_size: int = key(64, "per rank")
+    eval_split: str = key("val", "the split evaluated")
+    eval_every_steps: Optional[int] = key(None, "null: at the end of every epoch (and always at the last step)")
+    eval_max_batches: Optional[int] = key(None, "cap evaluation batches (null: the whole split)")
+    log_every_steps: int = key(10, "tracker cadence; metrics.jsonl gets every step")
+    grad_clip: Optional[float] = key(None, "max grad norm (null: no clipping)")
+    deterministic: bool = key(
+        True,
+        "deterministic kernels (torch.use_deterministic_algorithms, cuDNN "
+        "deterministic, CUBLAS_WORKSPACE_CONFIG): same seed => bitwise-identical losses",
+    )
+    progress_bar: Any = key("auto", "auto (only on an interactive terminal) | true | false")
+    max_restarts: int = key(
+        0,
+        "restart a failed job (it resumes from its newest checkpoint): a supervisor "
+        "process for strategy=single, the elastic agent for ddp/fsdp",
+    )
+    warm_restarts: bool = key(
+        True, "attempts (single) and ranks (ddp/fsdp, via the elastic agent) fork from a copy of the launcher"
+    )
+    preempt_signals: Any = key(
+        ["SIGTERM", "SIGUSR1", "SIGUSR2"],
+        "preemption notices: finish the step, save, "
+        "exit 75 (requeue); SIGUSR2 is submitit's: its requeue runs after the save",
+    )
+    preempt_grace_seconds: float = key(
+        30.0, "save on a notice only if a measured save takes less (else keep the newest checkpoint)"
+    )
     hang: Hang = field(default_factory=Hang)
-    precision: str = MISSING  # fp32 | bf16 | fp16
-    compile: bool = MISSING
-    compile_backend: str = MISSING
-    compile_mode: Optional[str] = MISSING
-    channels_last: bool = MISSING
-    grad_accum_steps: int = MISSING
+    precision: str = key(
+        "fp32",
+        "fp32 | bf16 | fp16: autocast for forward + loss (fp16: CUDA only, with a "
+        "GradScaler whose state is checkpointed); strategy=fsdp: its MixedPrecisionPolicy instead",
+    )
+    compile: bool = key(False, "torch.compile the model in place (its compile time: ledger bucket `compile`)")
+    compile_backend: str = key("inductor", "any of torch._dynamo.list_backends()")
+    compile_mode: Optional[str] = key(
+        None, "null | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs"
+    )
+    channels_last: bool = key(False, "NHWC memory format for the model and every 4-D input (convnets on GPUs)")
+    grad_accum_steps: int = key(
+        1,
+        "micro-batches per optimizer step: effective batch = batch_size x this x "
+        "ranks (gradients are reduced across ranks on the last micro-batch only)",
+    )
     profile: Profile = field(default_factory=Profile)
 
 

@@ -37,7 +37,7 @@ class DDP(Single):
         """``launch_keys``: the keys of ``strategy=ddp`` that say how the job is launched (``max_restarts``,
         ``nnodes``, ``rdzv_endpoint``, ``master_port``, ``last_call_seconds``, ``oversubscribe``): the launcher
         reads them, typed, from the same config node (``pitstop.launch.plan``); the strategy does not use them.
-        Their defaults live in ``conf/strategy/ddp.yaml``."""
+        Their defaults live in the DDP schema (``pitstop.config.schema``)."""
         super().__init__(device=device, cpu_threads=cpu_threads)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
         self._ckpt_group = self._control_group = None

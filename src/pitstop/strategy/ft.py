@@ -82,7 +82,7 @@ class FT(Strategy, ReplicaGroups):
         cpu_threads: Any,
         device: str,
     ):
-        """Every key of ``strategy=ft`` (``conf/strategy/ft.yaml`` holds their defaults, and their meaning)."""
+        """Every key of ``strategy=ft`` (the FT schema, ``pitstop.config.schema``, holds their defaults and meaning)."""
         check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
         self.cpu_threads = cpu_threads_key(cpu_threads)
         self.nproc_per_node = int(nproc_per_node)
