@@ -6,10 +6,9 @@ Each YAML option of ``ckpt``, ``loader``, ``strategy``, ``fault``, ``logger`` an
 ignored. Value ranges and rules that relate two keys stay in code (``pitstop.launch.plan`` for the launch keys,
 ``pitstop.config.validate`` and the components), as one-line ``ConfigError``s.
 
-``trainer`` and ``strategy`` are typed once, here, with each key's default and one-line doc (:func:`key`): their
-YAML options set nothing else (an option is its schema, named). A schema of another group still defaults every
-field to ``???`` (MISSING), its values in the YAML, so that merging it never overrides a value an option set: an
-option that extends another (``async_dcp`` extends ``sync_dcp``) adds its own schema after the parent's.
+Each key is typed once, here, with its default and its one-line doc (:func:`key`): the one home of each default.
+A YAML option is its schema, named; it sets only what differs (``ckpt=async_dcp_pinned``: ``pinned: true``), and
+keeps the comments that say why an option is what it is. A required key defaults to ``???`` (``fault.step``).
 ``register()`` runs on import of ``pitstop.config`` (the entry points and tests import it).
 """
 
@@ -29,45 +28,79 @@ def key(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+PHASE = (
+    "where it fires: step (the end of step N), eval (inside the first evaluation at or after step N), restore "
+    "(as the first restore of a checkpoint of step N or later reads it), heal (strategy=ft: as the group applies "
+    "the state a peer sent, at step N or later)"
+)
+
 # ---- ckpt ----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class LocalTier:
-    dir: Optional[str] = MISSING  # null (off) | auto | PATH
-    interval_steps: Optional[int] = MISSING
-    interval_seconds: Optional[float] = MISSING
-    interval: Optional[str] = MISSING  # auto | null
-    keep_last_k: int = MISSING
+    """``ckpt.local``: a second, fast tier next to ``ckpt.dir`` (tmpfs, node-local NVMe); off while ``dir`` is null."""
+
+    dir: Optional[str] = key(None, "e.g. /dev/shm/pitstop, or auto (= /dev/shm/pitstop); the run's own subdir is made")
+    interval_steps: Optional[int] = key(None, "save there every N steps ...")
+    interval_seconds: Optional[float] = key(None, "... and/or every N seconds")
+    interval: Optional[str] = key(
+        None, "auto: Young-Daly from this tier's own measured save cost (replaces the two above)"
+    )
+    keep_last_k: int = key(2, "newest complete local checkpoints kept")
 
 
 @dataclass
 class Ckpt:
-    _target_: str = MISSING
-    dir: str = MISSING
-    interval_steps: Optional[int] = MISSING
-    interval_seconds: Optional[float] = MISSING
-    interval: Optional[str] = MISSING  # auto | null
-    mtbf_seconds: Optional[float] = MISSING
-    keep_last_k: int = MISSING
-    save_last: bool = MISSING
-    load: Any = MISSING  # auto | none | STEP | PATH
-    load_model_only: bool = MISSING
-    on_error: str = MISSING  # raise | warn
-    throttle_mbps: Optional[float] = MISSING
-    storage_options: Any = MISSING  # fsspec options for a URL ckpt.dir (never credentials)
+    """``ckpt=sync_save`` (and every backend's common keys): rank 0 gathers the full state and ``torch.save``s one
+    file, synchronously, in the loop."""
+
+    _target_: str = "pitstop.ckpt.sync_save.SyncSave"
+    dir: str = key("${run_dir}/checkpoints", "one step_{:08d}/ dir per checkpoint; s3://... too")
+    interval_steps: Optional[int] = key(50, "save every N steps (null: off)")
+    interval_seconds: Optional[float] = key(None, "and/or every N seconds of wall clock")
+    interval: Optional[str] = key(
+        None, "auto: Young-Daly sqrt(2 x save cost x MTBF), measured (replaces the two above)"
+    )
+    mtbf_seconds: Optional[float] = key(
+        None, "for interval=auto (else fault.mtbf_seconds, else failures seen in this run dir)"
+    )
+    keep_last_k: int = key(3, "newest complete checkpoints kept (0: all); async: >= 2, the newest may be in flight")
+    save_last: bool = key(True, "save at the final step")
+    load: Any = key("auto", "auto (newest complete) | none | PATH | STEP")
+    load_model_only: bool = key(False, "true: take only model weights from ckpt.load (fine-tune, changed config)")
+    on_error: str = key("raise", "a failed save: raise | warn (the last save failing always fails the run)")
+    throttle_mbps: Optional[float] = key(
+        None, "cap write bandwidth (MB/s): stand-in for a network volume in benchmarks"
+    )
+    storage_options: Any = key(
+        {},
+        "for dir=s3://...: fsspec options, e.g. {client_kwargs: {endpoint_url: URL}}; "
+        "credentials only from the environment (AWS_ACCESS_KEY_ID, ...)",
+    )
     local: LocalTier = field(default_factory=LocalTier)
 
 
 @dataclass
 class DcpCkpt(Ckpt):
-    format: str = MISSING  # raw | torch_save
+    """``ckpt=sync_dcp``: torch.distributed.checkpoint, every rank writes its own shard, rank 0 ``.metadata``
+    last."""
+
+    _target_: str = "pitstop.ckpt.sync_dcp.SyncDCP"
+    format: str = key(
+        "raw",
+        "how each tensor is stored: raw (its bytes) | torch_save (DCP's own format, for tools "
+        "that read DCP checkpoints with torch's FileSystemReader); pitstop reads both",
+    )
 
 
 @dataclass
 class AsyncCkpt(DcpCkpt):
-    pinned: bool = MISSING
-    checkpointer: str = MISSING  # auto | thread | process
+    """``ckpt=async_dcp``: dcp.async_save; the loop pays only for a snapshot."""
+
+    _target_: str = "pitstop.ckpt.async_dcp.AsyncDCP"
+    pinned: bool = key(False, "pinned (CUDA) and shared host buffers, written by a checkpoint process")
+    checkpointer: str = key("auto", "auto (a thread; pinned: a process) | thread | process")
 
 
 # ---- loader --------------------------------------------------------------------------------------------
@@ -75,30 +108,46 @@ class AsyncCkpt(DcpCkpt):
 
 @dataclass
 class Loader:
-    _target_: str = MISSING
-    num_workers: int = MISSING
-    prefetch_factor: int = MISSING
-    partitions: Optional[int] = MISSING
-    shuffle: bool = MISSING
-    shuffle_shards_window: int = MISSING  # 1, or K shards mixed by each reader
-    drop_last: bool = MISSING
-    timeout: float = MISSING
-    retries: int = MISSING
-    backoff: float = MISSING
-    read_timeout: float = MISSING
-    download_parts: Any = MISSING  # auto | N ranged requests per shard download
-    allow_pipe: bool = MISSING
-    eval_in_memory: Any = MISSING  # bytes, "256MB", or 0
-    storage_options: Any = MISSING  # fsspec options for a URL data.root (never credentials)
+    """``loader=plain``: every rank reads its shards from ``data.root`` (local or remote) in worker processes."""
+
+    _target_: str = "pitstop.data.loader.plain.PlainLoader"
+    num_workers: int = key(2, "worker processes per rank (0: read in the training process)")
+    prefetch_factor: int = key(4, "batches each worker prepares ahead")
+    partitions: Optional[int] = key(None, "fixed logical partitions of the shards (null: one per shard)")
+    shuffle: bool = key(True, "shard and in-shard order from (seed, epoch): the same after any restart")
+    shuffle_shards_window: int = key(
+        1, "K > 1: each reader mixes the samples of K shards at a time (class-sorted shards)"
+    )
+    drop_last: bool = key(False, "drop an epoch's last partial batch")
+    timeout: float = key(0.0, "seconds to wait for a worker batch (0: forever)")
+    retries: int = key(3, "remote reads: attempts after the first (local files: none)")
+    backoff: float = key(0.5, "seconds before the first retry, doubling each time")
+    read_timeout: float = key(60.0, "seconds per request (connect and each read)")
+    download_parts: Any = key("auto", "ranged requests per remote shard at once: auto (one per 2 MB, <= 8), N")
+    allow_pipe: bool = key(False, "pipe:CMD shard URLs run shell commands; refused unless true")
+    eval_in_memory: Any = key(
+        "256MB", "keep a rank's evaluation batches in memory after the first pass if they fit (0: never)"
+    )
+    storage_options: Any = key(
+        {},
+        "for data.root=s3://...: fsspec options, e.g. {client_kwargs: {endpoint_url: "
+        "URL}}; credentials only from the environment (AWS_ACCESS_KEY_ID, ...), never here",
+    )
 
 
 @dataclass
 class CachedLoader(Loader):
-    cache_dir: str = MISSING
-    cache_limit: Any = MISSING  # bytes, "50GB", or null
-    prefetch_shards: Any = MISSING  # auto | shards ahead
-    verify: str = MISSING  # sha256 | size
-    cache_policy: str = MISSING  # future | lru
+    """``loader=cached``: shards downloaded ahead into a local cache that every rank and worker on the machine
+    shares."""
+
+    _target_: str = "pitstop.data.loader.cached.CachedLoader"
+    cache_dir: str = key("${paths.cache_dir}", "local NVMe/SSD; shared by every rank and worker on the machine")
+    cache_limit: Any = key(None, "bytes or e.g. 50GB (null: the disk's size); idle shards are evicted by cache_policy")
+    prefetch_shards: Any = key(
+        "auto", "shards each reader downloads ahead in threads: auto (as deep as downloads need), N, 0"
+    )
+    verify: str = key("sha256", "check each download against the index: sha256 (and size) | size")
+    cache_policy: str = key("future", "future (the shard read furthest ahead goes first: the order is known) | lru")
 
 
 # ---- strategy ------------------------------------------------------------------------------------------
@@ -191,40 +240,63 @@ class FT(Single):
 
 @dataclass
 class NoFault:
-    _target_: str = MISSING
-    replica: Any = MISSING  # strategy=ft: null | K | any
+    """``fault=none``: nothing injected."""
+
+    _target_: str = "pitstop.resilience.fault.NoFault"
+    replica: Any = key(None, "strategy=ft: K = aimed at replica group K; null or any: every group")
 
 
 @dataclass
 class AtStep(NoFault):
-    step: int = MISSING
-    rank: int = MISSING
+    """A fault at a step (``fault=during_save``, ``during_heal`` and the kinds below)."""
+
+    step: int = key(MISSING, "the step it fires at (or the first save or heal at or after it)")
+    rank: int = key(0, "which rank")
 
 
 @dataclass
 class Crash(AtStep):
-    micro_batch: Optional[int] = MISSING
-    phase: str = MISSING  # step | eval | restore | heal
+    """``fault=crash_at_step``: a rank kills itself (SIGKILL) at a step."""
+
+    _target_: str = "pitstop.resilience.fault.CrashAtStep"
+    micro_batch: Optional[int] = key(
+        None, "K: inside step `step`, after its K-th micro-batch (trainer.grad_accum_steps > K)"
+    )
+    phase: str = key("step", PHASE)
 
 
 @dataclass
 class Preempt(AtStep):
-    signal: str = MISSING
-    phase: str = MISSING  # step | eval | restore | heal
+    """``fault=preempt``: a rank gets a preemption notice at a step (every rank stops at the same step)."""
+
+    _target_: str = "pitstop.resilience.fault.PreemptAtStep"
+    signal: str = key("SIGTERM", "the notice; SIGUSR2: what submitit has SLURM send under hydra/launcher=slurm")
+    phase: str = key("step", PHASE)
 
 
 @dataclass
 class Stall(AtStep):
-    seconds: float = MISSING
-    hold_gil: bool = MISSING
-    phase: str = MISSING  # step | eval | restore | heal
+    """``fault=stall``: a rank sleeps at a step (hang detection's case)."""
+
+    _target_: str = "pitstop.resilience.fault.StallAtStep"
+    rank: int = key(1, "which rank stalls")
+    seconds: float = key(3600.0, "how long it sleeps")
+    hold_gil: bool = key(
+        False,
+        "sleep in native code holding the GIL (as a fork stuck in a C library's at-fork "
+        "handler does): the Python watcher cannot run; its native backstop ends it",
+    )
+    phase: str = key("step", PHASE)
 
 
 @dataclass
 class RandomFault(NoFault):
-    mtbf_seconds: float = MISSING
-    seed: int = MISSING
-    rank: int = MISSING
+    """``fault=random``: a rank is killed at random times (a seeded Poisson stream)."""
+
+    _target_: str = "pitstop.resilience.fault.RandomFault"
+    mtbf_seconds: float = key(MISSING, "mean time between failures (seconds of wall clock)")
+    seed: int = key("${seed}", "the same seed gives the same failure times (attempt by attempt)")
+    rank: int = key(0, "which rank is killed (the others follow: the job restarts as a whole)")
 
 
 # ---- logger --------------------------------------------------------------------------------------------
@@ -232,15 +304,20 @@ class RandomFault(NoFault):
 
 @dataclass
 class NullLogger:
-    _target_: str = MISSING
+    """``logger=none``: no tracker (metrics.jsonl and summary.json are always written)."""
+
+    _target_: str = "pitstop.telemetry.logger.base.NullLogger"
 
 
 @dataclass
 class MLflow(NullLogger):
-    tracking_uri: str = MISSING
-    experiment: str = MISSING
-    run_name: Optional[str] = MISSING
-    flush_every_seconds: float = MISSING
+    """``logger=mlflow``: params, metrics, goodput and artifacts in an MLflow tracking store."""
+
+    _target_: str = "pitstop.telemetry.logger.mlflow.MLflowLogger"
+    tracking_uri: str = key("sqlite:///${paths.output_dir}/mlflow.db", "any MLflow URI (http://..., databricks, ...)")
+    experiment: str = key("pitstop", "the MLflow experiment")
+    run_name: Optional[str] = key("${run_name}", "the tracker run's name")
+    flush_every_seconds: float = key(2.0, "metrics are sent in batches this often (off the loop's thread)")
 
 
 # ---- trainer -------------------------------------------------------------------------------------------
