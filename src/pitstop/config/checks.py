@@ -9,15 +9,15 @@ from typing import Any
 from pitstop.errors import ConfigError
 
 
-def is_integer(value: Any) -> bool:
+def is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def integer(key: str, value: Any, *, at_least: int = 1, optional: bool = False, note: str = "") -> Any:
+def integer(key: str, value: object, *, at_least: int = 1, optional: bool = False, note: str = "") -> Any:
     """An integer >= ``at_least`` ("a positive integer" when 1); None passes when ``optional``."""
     if value is None and optional:
         return None
@@ -27,7 +27,7 @@ def integer(key: str, value: Any, *, at_least: int = 1, optional: bool = False, 
     return value
 
 
-def positive(key: str, value: Any, *, optional: bool = False, what: str = "a positive number",
+def positive(key: str, value: object, *, optional: bool = False, what: str = "a positive number",
              or_null: bool = False) -> Any:  # fmt: skip
     """A number > 0; None passes when ``optional`` (``or_null``: the message says so)."""
     if value is None and optional:
@@ -37,7 +37,7 @@ def positive(key: str, value: Any, *, optional: bool = False, what: str = "a pos
     return value
 
 
-def at_least_zero(key: str, value: Any, *, what: str = "a number >= 0") -> Any:
+def at_least_zero(key: str, value: object, *, what: str = "a number >= 0") -> Any:
     """A number >= 0."""
     if not is_number(value) or value < 0:
         raise ConfigError(f"{key} must be {what}, got {value!r}")

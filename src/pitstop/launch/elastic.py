@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,6 +19,10 @@ from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.resilience.watchdog import HUNG_EXIT
 from pitstop.parts import launch_facts
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig
 
 log = logging.getLogger("pitstop.launch")
 
@@ -81,7 +85,7 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     return results[min(results)]  # keyed by global rank: this node's first
 
 
-def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_dir: str) -> Any:
+def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_dir: str) -> LaunchConfig:
     """Torch's ``LaunchConfig`` for this node's agent. Preemption notices are the job's: the agent stops on the
     first (ours, from the scheduler or handed on by a rank), gives every rank the same signal and waits for their
     saves; it never restarts a preempted rank (torch handles the other termination signals)."""
@@ -121,7 +125,7 @@ def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_d
     )
 
 
-def rank_failed(e: Any, job: LaunchPlan, run_dir: str, run_id: str) -> BaseException:
+def rank_failed(e: ChildFailedError, job: LaunchPlan, run_dir: str, run_id: str) -> BaseException:
     """The one error that explains a ``ChildFailedError``: a preemption, a hang, or the rank whose failure explains
     the others (a rank killed without an error of its own, when its peers only lost it)."""
     rank, failure = root_failure(e.failures)

@@ -4,9 +4,12 @@ peer that only lost the rank that really died."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pitstop.resilience.preempt import PREEMPTED_EXIT
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from pitstop.resilience.watchdog import HUNG_EXIT
 
 
@@ -56,7 +59,7 @@ def silent_ranks(log_dir: str, run_id: str, n: int, reported: int) -> list[int]:
     return [r for r in range(n) if r != reported and not os.path.exists(os.path.join(last, str(r), "error.json"))]
 
 
-def first_line(failure: Any) -> str:
+def first_line(failure: ProcessFailure) -> str:
     msg = getattr(failure, "message", None) or ""
     if isinstance(msg, dict):
         msg = msg.get("message", "") or str(msg)

@@ -32,7 +32,8 @@ import secrets
 import signal
 import threading
 import time
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,6 +44,9 @@ from pitstop.launch.supervisor import _exit_on_signal, attempts
 from pitstop.resilience.preempt import LauncherNotice, Preempted
 from pitstop.telemetry.metrics import write_json_atomic
 from pitstop.parts import launch_facts
+
+if TYPE_CHECKING:
+    from torchft.coordination import LighthouseServer
 
 log = logging.getLogger("pitstop.launch")
 
@@ -62,7 +66,7 @@ class LocalLighthouse:
     """A torchft Lighthouse on loopback, and the address its groups reach it by (``http://127.0.0.1:PORT``;
     torchft's own ``address()`` names the host, which a server on loopback does not answer on)."""
 
-    def __init__(self, server: Any):
+    def __init__(self, server: LighthouseServer):
         self._server = server
         self._port = int(server.address().rstrip("/").rsplit(":", 1)[1])
 
@@ -143,14 +147,14 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     grace = job.grace
     results: dict[int, dict] = {}
     errors: dict[int, BaseException] = {}
-    children: list[Any] = []
+    children: list[BaseProcess] = []
     started: dict[int, int] = {k: 0 for k in range(groups)}
 
     def group(k: int) -> None:
         own = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         own.strategy.replica_id, own.strategy.lighthouse = k, address
 
-        def seen(child: Any) -> None:
+        def seen(child: BaseProcess) -> None:
             children.append(child)
             started[k] += 1
 
@@ -203,7 +207,7 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     return out
 
 
-def stop_all(children: list[Any], patience: float) -> None:
+def stop_all(children: list[BaseProcess], patience: float) -> None:
     """On the way out of the launcher (finished, or interrupted): a notice to every group still running, then a
     kill for those still alive after ``patience`` seconds."""
     for child in children:
@@ -234,7 +238,8 @@ def write_job_summary(run_dir: str, groups: int, ranks: int, results: dict[int, 
     return out
 
 
-def agent_group(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int, started: Any, notice: Any) -> dict:
+def agent_group(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int, started: Callable[[BaseProcess], None],
+                notice: LauncherNotice) -> dict:  # fmt: skip
     """Replica group ``k`` of several ranks: a fresh process runs torch's elastic agent for them (its signal
     handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them. The
     agent starts with the scheduler's notices blocked: one that comes before its handlers are in waits for them

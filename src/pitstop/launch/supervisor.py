@@ -7,7 +7,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,7 +40,7 @@ def supervise(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     job_start = launch_facts.job_start()
     main = threading.current_thread() is threading.main_thread()
-    children: list[Any] = []
+    children: list[BaseProcess] = []
     notice = LauncherNotice(job.trainer.preempt_signals, lambda: children)  # (USR1/USR2: to the attempt)
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None  # SIGTERM -> the finally runs
     try:
@@ -53,14 +56,14 @@ def supervise(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
 
 
 def attempts(
-    ctx: Any,
+    ctx: BaseContext,
     cfg_yaml: str,
     run_dir: str,
     job: LaunchPlan,
     job_start: float,
-    started: Any = None,
+    started: Callable[[BaseProcess], None] | None = None,
     name: str = "attempt",
-    notice: Any = None,
+    notice: LauncherNotice | None = None,
 ) -> dict:
     """Run attempts of one job (or one replica group) in ``run_dir`` until one finishes, restarting a failed one up
     to ``job.restarts`` times; ``started(process)``
@@ -134,5 +137,5 @@ def attempts(
     )
 
 
-def _exit_on_signal(signum: int, frame: Any) -> None:
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)

@@ -9,10 +9,9 @@ too early, or sit at its floor for the rest of the run)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 
 class WarmupCosine:
@@ -61,13 +60,13 @@ def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, Constant())
 
 
-def planned_steps(scheduler: Any) -> int | None:
+def planned_steps(scheduler: LRScheduler) -> int | None:
     """The step a schedule's plan ends at (as saved with the checkpoint); None if it has no such plan."""
     factors = getattr(scheduler, "lr_lambdas", None) or [None]
     return getattr(factors[0], "total_steps", None)
 
 
-def replan(scheduler: Any, step: int, total_steps: int) -> bool:
+def replan(scheduler: LRScheduler, step: int, total_steps: int) -> bool:
     """Re-plan a schedule for ``total_steps`` from ``step`` on; False if it cannot be (not one of these)."""
     factors = getattr(scheduler, "lr_lambdas", None)
     if not factors or not all(hasattr(f, "replan") for f in factors):

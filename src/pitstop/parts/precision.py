@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import ContextManager
 
 import torch
 
@@ -42,7 +42,7 @@ class Precision:
             raise ConfigError(f"trainer.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp16")
         self.name, self.device, self.dtype = name, device, DTYPES[name]
         self.autocasts = self.dtype is not None and not strategy_casts
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
         if name == "fp16":
             if strategy_casts:  # sharded gradients: "found inf" must be agreed over ranks
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -58,12 +58,12 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def unscale(self, optimizer: Any) -> None:
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Before anything reads the gradients' values (clipping)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: Any) -> None:
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is None:
             optimizer.step()
         else:  # skipped when the gradients overflowed; the scale backs off or grows

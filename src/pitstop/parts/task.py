@@ -6,12 +6,22 @@ Nothing here knows about images: the loss and the metrics come from the config (
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import nn
 
 from pitstop.errors import ConfigError
+
+
+class Task(Protocol):
+    """The contract of a ``task``: the training loss of a batch, and the metrics of an evaluation pass."""
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+
+    def evaluate(
+        self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable, device: torch.device
+    ) -> dict[str, float]: ...
 
 
 class Supervised:

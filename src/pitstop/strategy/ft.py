@@ -37,10 +37,12 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
+from torch.distributed import TCPStore
 
 from pitstop.errors import ConfigError, Interrupt, PitstopError
 from pitstop.strategy.base import Strategy
@@ -49,6 +51,9 @@ from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ddp import DDP
 from pitstop.strategy.single import Single, cpu_threads_key
 from pitstop.parts.batch import local_shard
+
+if TYPE_CHECKING:
+    from torchft import Manager
 
 log = logging.getLogger("pitstop.strategy")
 
@@ -104,8 +109,8 @@ class FT(Strategy, ReplicaGroups):
         self.replica_id = None if replica_id is None else int(replica_id)
         self.lighthouse = lighthouse
         self.timeout, self.quorum_timeout, self.heartbeat_ms = float(timeout), float(quorum_timeout), int(heartbeat_ms)
-        self.manager: Any = None
-        self._store: Any = None
+        self.manager: Manager | None = None
+        self._store: TCPStore | None = None
         self._sections: dict[str, str] = {}  # the config's top-level sections -> a digest (expect_config)
         self._code = "-"  # their digests, in order: what a peer's id must carry
         self._twins: dict[str, int] = {}  # another process's id with this group's replica_id -> quorums seen in
@@ -132,7 +137,7 @@ class FT(Strategy, ReplicaGroups):
         return True
 
     # ---- joining ------------------------------------------------------------------------------------
-    def expect_config(self, cfg: Any) -> None:
+    def expect_config(self, cfg: DictConfig) -> None:
         """The job's config, as a digest per top-level section (the keys a group may set on its own left out:
         node-local ones, ``strategy.replica_id`` and ``strategy.lighthouse``). It travels in this group's
         replica id, so each quorum shows every group's, and a group started with another config is refused."""
@@ -259,7 +264,6 @@ class FT(Strategy, ReplicaGroups):
                 f"that has it); the launcher makes one; for several machines export the same value on each"
             )
         try:
-            from torch.distributed import TCPStore
             from torchft import Manager, ProcessGroupGloo
         except ImportError as e:
             raise ConfigError(f"strategy=ft needs torchft ({e}): pip install -e '.[ft]'") from None

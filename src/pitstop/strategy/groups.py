@@ -12,8 +12,9 @@ applies), ``join`` or ``restored`` (restore), then per step ``begin_step``, ``re
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Callable
 
+from omegaconf import DictConfig
 from torch import nn
 
 from pitstop.config import checks
@@ -26,7 +27,7 @@ class ReplicaGroups:
     replica_id: int | None = None  # this process's group (None: no replica groups)
     replicas: int = 1  # the job's groups
 
-    def expect_config(self, cfg: Any) -> None:
+    def expect_config(self, cfg: DictConfig) -> None:
         """Before ``setup``: the job's config, which every group must share (replica groups, which meet only at
         their coordinator, compare theirs in each quorum)."""
 

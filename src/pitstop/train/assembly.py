@@ -23,7 +23,14 @@ from pitstop.data.dataset import build_dataset
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import IntervalPolicy
 from pitstop.goodput.ledger import GoodputLog, Ledger
-from pitstop.resilience.fault import FaultContext
+from pitstop.ckpt.contract import Checkpointer
+from pitstop.config.schema import Hang
+from pitstop.data.dataset import ShardedDataset
+from pitstop.data.loader.base import ShardLoader
+from pitstop.parts.task import Task
+from pitstop.resilience.fault import Fault, FaultContext
+from pitstop.telemetry.logger.base import Logger
+from torch import nn
 from pitstop.resilience.watchdog import Watchdog
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.groups import ReplicaGroups
@@ -35,6 +42,7 @@ from pitstop.parts.launch_facts import LaunchFacts
 from pitstop.train.metering import StepMeter
 from pitstop.parts.precision import DTYPES, Precision
 from pitstop.train.sample_log import SampleLog
+from pitstop.train.state import TrainLoader
 from pitstop.telemetry.throughput import Throughput
 
 NULL_LOGGER = {"_target_": "pitstop.telemetry.logger.base.NullLogger"}
@@ -44,13 +52,13 @@ NULL_LOGGER = {"_target_": "pitstop.telemetry.logger.base.NullLogger"}
 class StepParts:
     precision: Precision
     accum: int
-    data: Any
-    task: Any
-    model: Any
+    data: ShardedDataset
+    task: Task
+    model: nn.Module
     compile_clock: compiler.CompileClock | None
-    optimizer: Any
-    loader: Any
-    eval_loader: Any
+    optimizer: torch.optim.Optimizer
+    loader: TrainLoader
+    eval_loader: ShardLoader
 
 
 def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups, fresh: bool = True) -> StepParts:
@@ -98,7 +106,7 @@ def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups,
     )
 
 
-def watchdog(hang: Any) -> Watchdog:
+def watchdog(hang: Hang) -> Watchdog:
     """The hang detector from ``trainer.hang``."""
     return Watchdog(
         enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
@@ -109,13 +117,13 @@ def watchdog(hang: Any) -> Watchdog:
 @dataclass
 class Telemetry:
     metrics_file: MetricsFile
-    logger: Any  # the tracker; a NullLogger on ranks other than the main one
+    logger: Logger  # the tracker; a NullLogger on ranks other than the main one
     profiler: StepProfiler
     throughput: Throughput
     meter: StepMeter
 
 
-def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: int, hold: ExitStack) -> Telemetry:
+def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Strategy, total_steps: int, hold: ExitStack) -> Telemetry:
     """``metrics.jsonl``, the tracker, the profiler and the step meter (``hold`` closes the file and the profiler;
     the tracker run is ended by its owner, who knows how the run ended)."""
     t, main = cfg.trainer, strategy.is_main
@@ -129,7 +137,7 @@ def build_telemetry(cfg: DictConfig, run_dir: str, strategy: Any, total_steps: i
     return Telemetry(metrics_file, logger, profiler, throughput, meter)
 
 
-def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Any, launch: LaunchFacts) -> GoodputLog:
+def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Strategy, launch: LaunchFacts) -> GoodputLog:
     """This attempt's line in ``RUN_DIR/goodput.jsonl`` (written by the main rank); under ``strategy=ft`` it
     carries the attempt's heals and discarded steps."""
     groups = strategy.groups
@@ -138,8 +146,9 @@ def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Any, launch: Launc
                       extra=(lambda: {"ft": groups.stats()}) if groups.stats() is not None else None)  # fmt: skip
 
 
-def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Any, accum: int, taking: Callable[[], tuple[int, int]],
-                     loader: Any, hold: ExitStack) -> SampleLog | None:  # fmt: skip
+def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Strategy, accum: int,
+                     taking: Callable[[], tuple[int, int]], loader: TrainLoader,
+                     hold: ExitStack) -> SampleLog | None:  # fmt: skip
     """``data.record_sample_ids``: every sample each step takes, per rank and attempt (the exactly-once proof);
     ``taking()`` names the step and micro-batch being taken."""
     if not cfg.data.get("record_sample_ids"):
@@ -160,7 +169,7 @@ def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> Inter
 
 
 def build_fault(cfg: DictConfig, run_dir: str, strategy: Strategy, groups: ReplicaGroups, total_steps: int,
-                start_wall: float, ckpt: Any, accum: int, hold: ExitStack) -> Any:  # fmt: skip
+                start_wall: float, ckpt: Checkpointer | None, accum: int, hold: ExitStack) -> Fault:  # fmt: skip
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
     (``strategy=ft``) aims it at replica groups (``ReplicaGroups.aim_fault``)."""
     fault = build(OmegaConf.create(groups.aim_fault(OmegaConf.to_container(cfg.fault, resolve=True))))
@@ -185,7 +194,7 @@ def build_fault(cfg: DictConfig, run_dir: str, strategy: Strategy, groups: Repli
     return fault
 
 
-def strategy_casts(strategy: Any, precision: str) -> bool:
+def strategy_casts(strategy: Strategy, precision: str) -> bool:
     """The strategy applies ``trainer.precision`` itself (FSDP's mixed-precision policy): it must agree."""
     casts = strategy.compute_dtype
     if casts is not None and casts != DTYPES.get(precision):
@@ -196,7 +205,7 @@ def strategy_casts(strategy: Any, precision: str) -> bool:
     return casts is not None
 
 
-def fingerprint(cfg: DictConfig, data: Any, accum: int) -> dict:
+def fingerprint(cfg: DictConfig, data: ShardedDataset, accum: int) -> dict:
     """Config parts that must not change across a resume."""
     fp = {
         **data.fingerprint(),

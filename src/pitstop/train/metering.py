@@ -14,13 +14,20 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from omegaconf import OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from pitstop.telemetry.logger.base import Logger
 
 from pitstop.telemetry.metrics import MetricsFile
 from pitstop.parts.batch import map_tensors
 from pitstop.telemetry.throughput import Throughput, cached_count, count_step_flops
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger("pitstop")
 
@@ -65,7 +72,13 @@ class StepMeter:
         self.window.add(samples, fetch, compute)
 
     def count_flops(
-        self, cfg: Any, task_loss: Any, build_model: Callable[[], Any], run_dir: str, is_main: bool, accum: int
+        self,
+        cfg: DictConfig,
+        task_loss: Callable[[nn.Module, Any], torch.Tensor],
+        build_model: Callable[[], nn.Module],
+        run_dir: str,
+        is_main: bool,
+        accum: int,
     ) -> None:
         """FLOPs of one optimizer step on this rank (forward + backward of each micro-batch), once per attempt."""
         batch, self._first_batch, self.flops_counted = self._first_batch, None, True
@@ -99,8 +112,8 @@ class StepMeter:
         lr: float,
         fetch: float,
         compute: float,
-        logger: Any,
-        bar: Any,
+        logger: Logger | None,
+        bar: tqdm | None,
         io: Callable[[], dict[str, float]],
     ) -> None:
         """This step in ``metrics.jsonl`` (and the progress bar); every ``log_every`` steps (and the last), the
@@ -153,7 +166,7 @@ class StepMeter:
             window.reset(now)
 
 
-def progress_bar(mode: Any, is_main: bool, total: int, initial: int) -> Any:
+def progress_bar(mode: bool | str, is_main: bool, total: int, initial: int) -> tqdm | None:
     """A tqdm bar on the main rank: ``trainer.progress_bar`` true, or auto when stderr is a terminal."""
     if not is_main or mode is False or (mode == "auto" and not sys.stderr.isatty()):
         return None

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
+from pitstop.ckpt.contract import Target
+from pitstop.data.loader.base import ShardLoader
+from pitstop.data.loader.replica import ReplicaLoader
 from pitstop.resilience.watchdog import DataStall, Watchdog
 from pitstop.parts.batch import local_shard, map_tensors
 from pitstop.parts.precision import Precision
 from pitstop.parts.seed import rng_state, set_rng_state
 
 log = logging.getLogger("pitstop")
+
+TrainLoader = Union[ShardLoader, ReplicaLoader]  # the training batches: a rank's share, or replica groups' cut
 
 
 @dataclass
@@ -31,7 +37,8 @@ class Progress:
 class TrainState:
     """Everything besides model and optimizer tensors that a checkpoint must restore (``Stateful``)."""
 
-    def __init__(self, progress: Progress, loader: Any, scheduler: Any, fingerprint: dict, precision: Precision):
+    def __init__(self, progress: Progress, loader: TrainLoader, scheduler: LRScheduler, fingerprint: dict,
+                 precision: Precision):  # fmt: skip
         self.progress, self.loader, self.scheduler, self._fingerprint = progress, loader, scheduler, fingerprint
         self.precision = precision
 
@@ -66,7 +73,7 @@ class TrainState:
         set_rng_state(state["rng"])
 
 
-def live_state(target: Any) -> dict:
+def live_state(target: Target) -> dict:
     """The whole live state of a run, as a peer heals from it (``strategy=ft``). Parameters and optimizer state
     by reference (they change only at the optimizer step, after the peer's heal has ended: it takes part in the
     step's all-reduce); buffers copied (the forward that runs meanwhile updates BatchNorm's statistics). A sharded
@@ -81,7 +88,7 @@ def live_state(target: Any) -> dict:
     }
 
 
-def load_live_state(target: Any, state: dict) -> None:
+def load_live_state(target: Target, state: dict) -> None:
     current = target.model.state_dict()
     target.model.load_state_dict({k: _like(v, current.get(k)) for k, v in state["model"].items()})
     optimizer = state["optimizer"]
@@ -127,7 +134,7 @@ class Batches:
     restarted from the current data position and the fetch is tried again (a second stall in the same fetch
     propagates, and the attempt ends)."""
 
-    def __init__(self, loader: Any, watchdog: Watchdog):
+    def __init__(self, loader: TrainLoader, watchdog: Watchdog):
         self.loader, self.watchdog = loader, watchdog
         self.it = iter(loader)
 

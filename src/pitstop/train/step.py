@@ -17,17 +17,16 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from pitstop.ckpt.contract import Checkpointer
 from pitstop.data.dataset import ShardedDataset
-from pitstop.data.loader.base import ShardLoader
-from pitstop.data.loader.replica import ReplicaLoader
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.precision import Precision
+from pitstop.parts.task import Task
 from pitstop.resilience.fault import Fault
 from pitstop.resilience.watchdog import Watchdog
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.groups import ReplicaGroups
 from pitstop.train.assembly import channels_last
 from pitstop.train.metering import StepMeter
-from pitstop.train.state import Batches, Progress, StepResult
+from pitstop.train.state import Batches, Progress, StepResult, TrainLoader
 
 
 @dataclass
@@ -41,9 +40,9 @@ class Stepper:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
     precision: Precision
-    task: Any  # the task (``parts.task.Supervised`` or a user's): ``loss(model, batch)``
+    task: Task
     data: ShardedDataset  # its ``on_device`` runs on each batch once it is on the device
-    loader: ShardLoader | ReplicaLoader
+    loader: TrainLoader
     ckpt: Checkpointer
     fault: Fault
     ledger: Ledger

@@ -5,22 +5,33 @@ re-planned to decay over the steps left; and after which steps the loop evaluate
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from pitstop.config.schema import Trainer
+from pitstop.data.loader.base import ShardLoader
 from pitstop.errors import ConfigError
 from pitstop.parts.lr import planned_steps, replan
+from pitstop.parts.precision import Precision
+from pitstop.parts.task import Task
+from pitstop.strategy.base import Strategy
 from pitstop.strategy.groups import ReplicaGroups
+from pitstop.train.state import TrainLoader
+
+T = TypeVar("T")
 
 log = logging.getLogger("pitstop")
 
 
-def batches_left(loader: Any, epochs: int) -> int:
+def batches_left(loader: TrainLoader, epochs: int) -> int:
     """Batches each rank has left of ``epochs`` from the loader's position, at this world size."""
     left = max(0, loader.steps_per_epoch() - loader.batches) if loader.epoch < epochs else 0
     return left + sum(loader.steps_per_epoch(e) for e in range(loader.epoch + 1, epochs))
 
 
-def total_steps(trainer: Any, loader: Any, accum: int) -> int:
+def total_steps(trainer: Trainer, loader: TrainLoader, accum: int) -> int:
     if trainer.max_steps is not None:
         return int(trainer.max_steps)
     # (with gradient accumulation a step takes grad_accum_steps batches; a window may span two epochs)
@@ -33,7 +44,8 @@ def total_steps(trainer: Any, loader: Any, accum: int) -> int:
     return batches // accum
 
 
-def after_resume(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, world_size: int,
+def after_resume(step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int,
+                 world_size: int,
                  groups: ReplicaGroups) -> int:  # fmt: skip
     """``trainer.epochs`` after a resume: the run's new bound. Under replica groups (a loader that cuts one global
     order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed schedule's
@@ -45,7 +57,7 @@ def after_resume(step: int, loader: Any, epochs: int, accum: int, scheduler: Any
 
 
 def steps_at_this_world_size(
-    step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, world_size: int
+    step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int, world_size: int
 ) -> int:
     """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
     size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
@@ -69,7 +81,7 @@ def steps_at_this_world_size(
     return new_total
 
 
-def after_step(step: int, loader: Any, trainer: Any, accum: int, scheduler: Any, total: int,
+def after_step(step: int, loader: TrainLoader, trainer: Trainer, accum: int, scheduler: LRScheduler, total: int,
                groups: ReplicaGroups) -> int:  # fmt: skip
     """The run's bound after a committed step: unchanged, but under replica groups with ``trainer.epochs``, where
     the epochs end where the data position says (:func:`steps_with_groups`)."""
@@ -78,7 +90,8 @@ def after_step(step: int, loader: Any, trainer: Any, accum: int, scheduler: Any,
     return steps_with_groups(step, loader, int(trainer.epochs), accum, scheduler, total, groups.participants)
 
 
-def steps_with_groups(step: int, loader: Any, epochs: int, accum: int, scheduler: Any, total: int, groups: int) -> int:
+def steps_with_groups(step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int,
+                      groups: int) -> int:  # fmt: skip
     """``strategy=ft`` with ``trainer.epochs``: the steps left are the fetches left of the epochs from the committed
     data position, over ``accum``, if the ``groups`` of the last step stay (a missing group's share makes an epoch
     take more steps; a group that comes back, fewer). Whenever that differs from the LR schedule's own plan, the
@@ -100,7 +113,7 @@ class EvalSchedule:
     """After which steps the loop evaluates: every ``trainer.eval_every_steps``, else when an epoch has ended
     (with accumulation an epoch can end inside a step); and after the last step."""
 
-    def __init__(self, every: int | None, loader: Any):
+    def __init__(self, every: int | None, loader: TrainLoader):
         self.every, self.loader, self.evaluated_epochs = every, loader, 0
 
     def epochs_ended(self) -> int:
@@ -119,8 +132,9 @@ class EvalSchedule:
         return due
 
 
-def evaluate(model: Any, task: Any, loader: Any, max_batches: int | None, strategy: Any, precision: Any,
-             to_device: Any, on_batch: Callable[[int], None] | None = None) -> dict[str, float]:  # fmt: skip
+def evaluate(model: nn.Module, task: Task, loader: ShardLoader, max_batches: int | None, strategy: Strategy,
+             precision: Precision, to_device: Callable[[Any], Any],
+             on_batch: Callable[[int], None] | None = None) -> dict[str, float]:  # fmt: skip
     """One pass over the evaluation split (at most ``max_batches``): the task's metrics, reduced over ranks.
     Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see ``iterate_once``.
     ``on_batch(i)``: called as the i-th batch (1-based) is handed on, after the one before it was computed."""
@@ -132,7 +146,7 @@ def evaluate(model: Any, task: Any, loader: Any, max_batches: int | None, strate
         return task.evaluate(model, batches, strategy.all_reduce_sum, strategy.device)
 
 
-def _told(items: Any, on_item: Callable[[int], None]) -> Any:
+def _told(items: Iterator[T], on_item: Callable[[int], None]) -> Iterator[T]:
     for i, item in enumerate(items, 1):
         if i > 1:
             on_item(i - 1)

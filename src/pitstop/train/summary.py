@@ -6,6 +6,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import DictConfig
+
 from pitstop.config import secrets
 from pitstop.goodput.ledger import table
 from pitstop.telemetry.metrics import write_json_atomic
@@ -67,7 +69,7 @@ class RunView:
         return self._runner.strategy.is_main
 
 
-def run_tags(cfg: Any, strategy: str, ckpt: str, loader: str) -> dict[str, str]:
+def run_tags(cfg: DictConfig, strategy: str, ckpt: str, loader: str) -> dict[str, str]:
     """The tracker run's tags: the options compared most, and the sweep a job belongs to (in the mlflow ui,
     filter ``tags.sweep = '<id>'`` to compare a sweep's jobs side by side)."""
     tags = {"strategy": strategy, "ckpt": ckpt, "loader": loader}
