@@ -2,6 +2,7 @@
 # make test    — create .venv, install pitstop + test deps, run the whole test suite (PYTEST_ARGS="-k ...")
 # make test-fast — the same without the tests marked slow (subprocesses, several ranks, kills): the edit loop
 # make test-unit — tests/unit only: pure logic, seconds
+# make docs    — build the docs site into site/ (MkDocs, --strict: a broken link fails it); make docs-serve serves it
 # make lint    — ruff (lint + format check, 120 columns) and lint-imports (the layers in .importlinter)
 PYTHON ?= python3
 # pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker): one per core
@@ -16,7 +17,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-unit test-fast lint format bench clean
+.PHONY: install train test test-unit test-fast lint format bench clean docs docs-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 format: $(STAMP)
 	$(BIN)/ruff format .
