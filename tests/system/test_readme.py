@@ -1,11 +1,11 @@
-"""Every command in README.md, run for real, in README order, in one fresh project dir — as a new user would.
+"""Every command of the manual (README.md, then the docs site's guides in their nav order), run for real, in that
+order, in one fresh project dir — as a new user would.
 
-Commands are extracted from README.md (fenced blocks and inline code): every ``python -m recipe.*`` and
-``python -m pitstop.*`` line.  Only size-shrinking overrides are added (``trainer.max_steps``, smaller synthetic
-data); the trainer, loader (2 workers per rank), evaluation and tracker settings are the defaults users get:
-no ``debug=tiny`` here.  Placeholders (``DIR``, ``K``, the slowstore's port) are filled in; a command that needs
-something this machine cannot give is in ``SKIP`` with the reason.
-"""
+Commands are extracted from those pages (fenced blocks and inline code: ``conftest.readme_commands``): every
+``python -m recipe.*`` and ``python -m pitstop.*`` line. Only size-shrinking overrides are added
+(``trainer.max_steps``, smaller synthetic data); the trainer, loader (2 workers per rank), evaluation and tracker
+settings are the defaults users get: no ``debug=tiny`` here. Placeholders (``DIR``, ``K``, the slowstore's port) are
+filled in; a command that needs something this machine cannot give is in ``SKIP`` with the reason."""
 
 from __future__ import annotations
 

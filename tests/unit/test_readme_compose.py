@@ -1,6 +1,6 @@
-"""Every ``python -m recipe.train`` command of README.md composes from the real conf/ and passes validation, in
-the fast tier: the system tier runs them for real (tests/system/test_readme.py), except the few it lists as
-composed only, which this test still covers."""
+"""Every ``python -m recipe.train`` command of the manual (README.md and the guides) composes from the real conf/ and
+passes validation, in the fast tier: the system tier runs them for real (tests/system/test_readme.py), except the
+few it lists as composed only, which this test still covers."""
 
 from __future__ import annotations
 
