@@ -6,6 +6,9 @@
     python -m recipe.goodput --mtbf 8 --interval 2.5 --save-cost 0.05 --recovery-gap 0.5 --program-start 0 \
         --init 0.3 --restore 0.1 --local-interval 0.4 --local-cost 0.02 --local-share 1
 
+A run's time line (its attempts on one clock, coloured by the ledger's buckets; also for a killed run):
+    python -m recipe.goodput --timeline outputs/runs/RUN
+
 At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
     python -m recipe.goodput --nodes --ft --save-cost 60 --restart-cost 10min --step-time 2 --ft-pause 1
@@ -72,7 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ft-heal", default="0.1", help="--ft: a restarted group's heal from a live peer (bench/ft.py)")
     p.add_argument("--step-time", default="1", help="--ft: seconds per step (a failure discards the step in flight)")
     p.add_argument("--ft-quorum", default="0", help="--ft: each step's quorum cost, seconds")
+    p.add_argument("--timeline", metavar="RUN_DIR", default=None,
+                   help="draw this run's time line (attempts, buckets, steps, saves, evaluations, failures, heals) "
+                   "into RUN_DIR/timeline.png (or --out), also for a killed run")  # fmt: skip
+    p.add_argument("--out", default=None, help="--timeline: the PNG to write (default RUN_DIR/timeline.png)")
     a = p.parse_args(argv)
+    if a.timeline is not None:
+        from pitstop.goodput.timeline import draw
+
+        try:
+            print(draw(a.timeline, a.out))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--timeline {a.timeline}: {type(e).__name__}: {e}")
+        return
     if a.nodes is not None:
         return scale(p, a)
     try:

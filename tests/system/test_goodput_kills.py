@@ -196,6 +196,16 @@ def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_pat
     assert s["params_sha256"] == reference[40]
     assert [a["resumed_from"] for a in doc["attempts"]] == [None, 30] and not doc["attempts"][1]["auto_restart"]
     check_account(doc)
+    # its time line, from the run dir alone: the killed attempt, the rerun from step 30, the steps and saves
+    from pitstop.goodput.timeline import read
+    from recipe.goodput import main
+
+    main(["--timeline", str(run_dir)])
+    assert (run_dir / "timeline.png").stat().st_size > 0
+    line = read(str(run_dir))
+    assert [(a.status, a.resumed_from) for a in line.attempts] == [("running", None), ("finished", 30)]
+    assert line.attempts[0].end <= line.attempts[1].start and {s for _, s in line.saves} >= {10, 20, 30, 40}
+    assert max(s for _, s in line.steps) == 40 and 33 in {s for _, s in line.steps}  # (step 33 ran, then was redone)
 
 
 @pytest.mark.slow

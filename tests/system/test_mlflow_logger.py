@@ -4,6 +4,8 @@ in the system tier)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import check_run, train
@@ -36,6 +38,12 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
     ):
         assert key in run.data.metrics, key
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4, 8, 12]
+    # where its time went, as a picture in the run dir and on the run
+    assert (
+        summary["mlflow_timeline"] == f"{cfg.run_dir}/timeline.png"
+        and (Path(cfg.run_dir) / "timeline.png").stat().st_size
+    )
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["timeline.png"]
     # a training experiment to MLflow's UI (opened on its runs, not on the GenAI overview)
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 

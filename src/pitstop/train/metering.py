@@ -126,6 +126,7 @@ class StepMeter:
                 "lr": lr,
                 "fetch_seconds": round(fetch, 6),
                 "compute_seconds": round(compute, 6),
+                "time": round(time.time(), 3),  # (wall clock: the run's time line places the step by it)
             }
         )
         if bar is not None:

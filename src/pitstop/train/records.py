@@ -4,6 +4,7 @@ log (the exactly-once proof) and this attempt's line in the goodput log, which s
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from pitstop.errors import ConfigError, FingerprintMismatch
@@ -31,7 +32,7 @@ class Records:
         """Metrics of a step or of a component (e.g. a save's costs): the tracker and ``metrics.jsonl``."""
         if self.logger is not None:  # (None once the run has ended)
             self.logger.log_metrics(metrics, step)
-        self.metrics_file.write({"step": step, **metrics})
+        self.metrics_file.write({"step": step, **metrics, "time": round(time.time(), 3)})
 
     def started(self, step: int, resumed_from: int | None, healed: bool, world_size: int, samples: int,
                 epochs: int | None) -> None:  # fmt: skip

@@ -135,6 +135,8 @@ def _serve() -> None:
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
+    # (the run's time line is drawn at the end: matplotlib imported meanwhile, in this niced process)
+    threading.Thread(target=_import_matplotlib, daemon=True).start()
     first = lines.get()
     if first is None:
         return
@@ -168,12 +170,36 @@ def _serve() -> None:
                 status = item[1]
             break
     if client is not None and state["mlflow_run_id"]:
+        state["mlflow_timeline"] = _log_timeline(client, state["mlflow_run_id"], hello["run_dir"])
         try:
             client.set_terminated(state["mlflow_run_id"], status=status)
         except Exception as e:  # noqa: BLE001
             state["error"] = f"{type(e).__name__}: {e}"
     state["mlflow_send_seconds"] = round(state["mlflow_send_seconds"], 4)
     print(json.dumps(state), flush=True)
+
+
+def _import_matplotlib() -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _log_timeline(client, run_id: str, run_dir: str) -> str:
+    """Draw the run's time line (``RUN_DIR/timeline.png``, this attempt and those before it) and log it as the run's
+    artifact; what went wrong instead, in one line (the run's metrics are sent already: nothing else is lost)."""
+    try:
+        from pitstop.goodput.timeline import draw
+
+        path = draw(run_dir)
+        client.log_artifact(run_id, path)
+        return path
+    except Exception as e:  # noqa: BLE001 - a picture that cannot be drawn or sent fails nothing else
+        return f"not logged: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
