@@ -1,8 +1,14 @@
-"""Helpers shared by the benchmarks: compose the real conf/ the way tests do, prepare data once."""
+"""Helpers shared by the benchmarks: compose the real conf/ the way tests do, prepare data once, and write a
+benchmark's figures as a result file (``bench/results/<name>.json``) that the docs site reads at build time."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,3 +34,41 @@ def median(xs):
 
 def fmt_row(cols, widths):
     return "  ".join(str(c).ljust(w) for c, w in zip(cols, widths))
+
+
+def machine() -> dict:
+    """Where a figure was measured: cores, CPU, GPU (or none), torch."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "torch": torch.__version__}
+
+
+def save_result(name: str, figures: dict, argv: list[str] | None = None) -> Path:
+    """``bench/results/<name>.json``: the figures, the command that printed them, the commit, the date and the
+    machine. The docs show a figure only from such a file (docs/hooks.py), with its command, date and machine."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    args = sys.argv[1:] if argv is None else argv
+    doc = {
+        "name": name,
+        "command": " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *args]),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "figures": figures,
+    }
+    out = ROOT / "bench" / "results" / f"{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"(figures written to {out.relative_to(ROOT)})")
+    return out

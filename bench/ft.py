@@ -1,9 +1,12 @@
 """Replica groups (strategy=ft) against elastic DDP restarts, under the same failures, side by side in one run.
 
-    python bench/ft.py [--steps 600] [--mtbf 8] [--seed 7] [--nproc 1]   # needs torchft (the dev or ft extra)
+    python bench/ft.py [--epochs 50] [--mtbf 8] [--seed 7] [--nproc 1]   # needs torchft (the dev or ft extra)
 
-The recovery bench's job (SmallCNN on digits, ``--steps`` steps of batch 64 per process, ``ckpt=async_dcp``
-every 7 steps), two processes either way:
+The recovery bench's job (SmallCNN on digits, ``--epochs`` epochs at batch 64 per process, ``ckpt=async_dcp``
+every 7 steps), two processes either way. Both do the same work, the same epochs of samples: while a group is down,
+ft's other group takes the whole of each step's data, so ft needs more (smaller) steps for the epochs, where a run of
+``trainer.max_steps`` would book a half-size step as a whole one. The summaries' ``samples_seen`` are printed side by
+side to show it. What it leaves out: one machine's 2 cores (groups and ranks share them), gloo, a small model.
 - ``ft``:  ``strategy=ft strategy.replicas=2``: a SIGKILLed group is restarted alone by its supervisor and heals
   from the other group, which goes on.
 - ``ddp``: ``strategy=ddp strategy.nproc_per_node=2`` with ``trainer.max_restarts``: torch's elastic agent restarts
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, ensure_data
+from common import ROOT, ensure_data, save_result
 
 JOB = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=64", "trainer.eval_every_steps=null",
        "loader.num_workers=0", "ckpt=async_dcp", "ckpt.interval_steps=7", "data.record_sample_ids=true"]  # fmt: skip
@@ -166,6 +169,12 @@ def ft_failures(run: str, groups: int, killed: list[tuple[float, int]]) -> dict:
             "heals": heals}  # fmt: skip
 
 
+def samples_seen(run: str) -> int:
+    """The job's samples trained (its summary.json; ft: the job's, every group's steps together)."""
+    with open(os.path.join(run, "summary.json")) as f:
+        return int(json.load(f)["samples_seen"])
+
+
 def goodput_ft(run: str, groups: int) -> float:
     docs = [ledger(os.path.join(run, f"replica{k}"))["totals"] for k in range(groups)]
     return sum(d["productive"] for d in docs) / sum(d["total"] for d in docs)
@@ -173,14 +182,14 @@ def goodput_ft(run: str, groups: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--epochs", type=int, default=50, help="the work of each job (digits: ~11 ddp(2) steps each)")
     ap.add_argument("--mtbf", type=float, default=8.0, help="mean seconds between failures of the job")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--nproc", type=int, default=1, help="ranks per replica group (ddp gets twice as many)")
     a = ap.parse_args()
     ensure_data()
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ft-")
-    steps = [f"trainer.max_steps={a.steps}"]
+    steps = [f"trainer.epochs={a.epochs}", "trainer.max_steps=null"]
     ft = ["strategy=ft", "strategy.replicas=2", f"strategy.nproc_per_node={a.nproc}", "strategy.max_restarts=100"]
     ddp = ["strategy=ddp", f"strategy.nproc_per_node={2 * a.nproc}", "trainer.max_restarts=100"]
     if a.nproc > 1:  # (more processes than this machine's cores: allowed for the comparison)
@@ -202,16 +211,18 @@ def main() -> None:
     d = ledger(f"{tmp}/ddp")
     g_ft, g_ddp = goodput_ft(f"{tmp}/ft", 2), d["goodput"]
     clean_ft, clean_ddp = goodput_ft(f"{tmp}/ft_clean", 2), ledger(f"{tmp}/ddp_clean")["goodput"]
-    print(f"strategy=ft (2 replica groups of {a.nproc}) vs ddp({2 * a.nproc}) with elastic restarts: {a.steps} steps, "
-          f"async_dcp every 7, the same SIGKILLs at seeded times (gaps ~ Exponential({a.mtbf:g} s), seed {a.seed}); "
-          f"2 CPU cores, gloo")  # fmt: skip
+    print(f"strategy=ft (2 replica groups of {a.nproc}) vs ddp({2 * a.nproc}) with elastic restarts: {a.epochs} "
+          f"epochs, async_dcp every 7, the same SIGKILLs at seeded times (gaps ~ Exponential({a.mtbf:g} s), "
+          f"seed {a.seed}); 2 CPU cores, gloo")  # fmt: skip
     print("| | ft | ddp | target |\n|---|---|---|---|")
     print(f"| goodput | {g_ft:.1%} | {g_ddp:.1%} | ft >= ddp + 15 points ({(g_ft - g_ddp) * 100:+.1f}) |")
     print(f"| goodput without failures | {clean_ft:.1%} | {clean_ddp:.1%} | |")
     print(f"| failures (SIGKILLs) | {len(kills_ft)} | {len(kills_ddp)} | the same times |")
     per = [(clean_ft - g_ft) / max(len(kills_ft), 1), (clean_ddp - g_ddp) / max(len(kills_ddp), 1)]
     print(f"| goodput lost per failure | {per[0] * 100:.2f} points | {per[1] * 100:.2f} points | |")
-    print(f"| wall seconds | {walls['ft']:.1f} | {walls['ddp']:.1f} | |")
+    print(f"| wall seconds for the same epochs | {walls['ft']:.1f} | {walls['ddp']:.1f} | |")
+    seen_ft, seen_ddp = samples_seen(f"{tmp}/ft"), samples_seen(f"{tmp}/ddp")
+    print(f"| samples trained (equal work) | {seen_ft} | {seen_ddp} | the same epochs |")
     pause = statistics.median(f["pauses"]) if f["pauses"] else float("nan")
     print(f"| healthy group's pause per failure, median (max) | {pause:.2f} s ({max(f['pauses'], default=0):.2f}) "
           f"| every rank restarts: R = {d.get('restart_seconds') or 0:.2f} s | <= 1 s |")  # fmt: skip
@@ -222,6 +233,15 @@ def main() -> None:
     print(f"| heal (quorum + state from the peer), median | {heal:.2f} s | restore from a checkpoint | |")
     print(f"| no-failure step rate | {rate_ft:.1f}/s | {rate_ddp:.1f}/s | ft / ddp >= 0.9 ({rate_ft / rate_ddp:.2f}) |")
     print(f"(runs in {tmp})")
+    save_result("ft", {
+        "epochs": a.epochs, "mtbf_seconds": a.mtbf, "seed": a.seed, "ranks_per_group": a.nproc,
+        "goodput": {"ft": g_ft, "ddp": g_ddp}, "goodput_without_failures": {"ft": clean_ft, "ddp": clean_ddp},
+        "failures": {"ft": len(kills_ft), "ddp": len(kills_ddp)},
+        "wall_seconds": {"ft": walls["ft"], "ddp": walls["ddp"]},
+        "samples_seen": {"ft": seen_ft, "ddp": seen_ddp}, "pause_median_seconds": pause,
+        "healthy_restarts": f["healthy_restarts"], "lost_steps_per_failure": lost, "heal_median_seconds": heal,
+        "no_failure_step_rate": {"ft": rate_ft, "ddp": rate_ddp},
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@
   (``pitstop.config.reference``).
 - ``<!-- generated: test-counts -->``: test functions and cases per file and per tier, from
   ``pytest --collect-only`` (all, then ``-m slow``).
+- ``<!-- generated: benchmarks -->``: every result file in ``bench/results/`` with its command, commit, date and
+  machine, and its figures.
+- ``{{ fig NAME KEY FORMAT }}`` anywhere: the figure ``KEY`` (dotted) of ``bench/results/NAME.json``, formatted
+  (e.g. ``.3f``, ``.1%``), linked to its row on the benchmarks page. A figure no file backs fails the build: the
+  site prints no figure that a command did not measure.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import subprocess
 import sys
 from collections import defaultdict
 
+import json
+
 CONFIG, COUNTS = "<!-- generated: config-reference -->", "<!-- generated: test-counts -->"
+BENCHMARKS, FIGURE = "<!-- generated: benchmarks -->", re.compile(r"\{\{\s*fig\s+(\w+)\s+([\w.]+)(?:\s+(\S+))?\s*\}\}")
+PAGE = "reference/benchmarks.md"
 
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - MkDocs' hook signature
@@ -25,7 +34,51 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - M
         markdown = markdown.replace(CONFIG, render(os.path.join(root, "conf")))
     if COUNTS in markdown:
         markdown = markdown.replace(COUNTS, test_counts(root))
-    return markdown
+    if BENCHMARKS in markdown:
+        markdown = markdown.replace(BENCHMARKS, benchmarks(root))
+    here = os.path.dirname(page.file.src_uri)
+    return FIGURE.sub(lambda m: figure(root, here, m.group(1), m.group(2), m.group(3)), markdown)
+
+
+def result(root: str, name: str) -> dict:
+    path = os.path.join(root, "bench", "results", f"{name}.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"a page shows a figure of {name}, but {path} is missing: run its benchmark")
+    with open(path) as f:
+        return json.load(f)
+
+
+def figure(root: str, here: str, name: str, key: str, spec: str | None) -> str:
+    value: object = result(root, name)["figures"]
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"bench/results/{name}.json has no figure {key!r}")
+        value = value[part]
+    text = format(value, spec) if spec else str(value)
+    return f"{text}<sup>[{name}]({os.path.relpath(PAGE, here or '.')}#{name})</sup>"
+
+
+def flat(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k, v in figures.items():
+        out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return out
+
+
+def benchmarks(root: str) -> str:
+    parts = []
+    folder = os.path.join(root, "bench", "results")
+    for name in sorted(n[:-5] for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []:
+        r = result(root, name)
+        m = r["machine"]
+        where = f"{m['cores']} cores ({m['cpu']}), {m['gpu'] or 'no GPU'}, torch {m['torch']}"
+        parts.append(f"## {name}\n\n`{r['command']}` at commit `{r['commit']}` on {r['date']}: {where}.\n")
+        parts.append("| figure | value |\n|---|---|")
+        for key, value in flat(r["figures"]):
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            parts.append(f"| `{key}` | {shown} |")
+        parts.append("")
+    return "\n".join(parts) or "No result file yet: run a benchmark (`python bench/overhead.py`)."
 
 
 def collected(root: str, *args: str) -> list[str]:

@@ -116,6 +116,13 @@ class MLflowLogger(Logger):
         self.proc = None
         if out.get("error"):
             log.warning("MLflow logging failed: %s", out["error"])
+        elif out.get("mlflow_run_id") and out.get("mlflow_experiment_id"):
+            # (MLflow 3's UI opens an experiment on its GenAI view whatever its kind: the link asks for the runs)
+            log.info(
+                "MLflow run %s: `mlflow ui --backend-store-uri %s`, then open "
+                "http://127.0.0.1:5000/#/experiments/%s/runs/%s?workflowType=machine_learning",
+                out["mlflow_run_id"], self.opts["tracking_uri"], out["mlflow_experiment_id"], out["mlflow_run_id"],
+            )  # fmt: skip
         out["mlflow_enqueue_seconds"] = round(self.enqueue_seconds, 6)
         return out
 
@@ -142,6 +149,7 @@ def _serve() -> None:
         return
     hello = json.loads(first)
     opts = hello["opts"]
+    attempts = _attempts(hello["run_dir"])  # (on record as this attempt started: its own is the last)
     state = {"mlflow_run_id": None, "mlflow_metrics_sent": 0, "mlflow_send_seconds": 0.0, "error": None}
     try:
         client = _open(opts, hello["run_dir"], hello["params"], hello["tags"], state)
@@ -149,7 +157,7 @@ def _serve() -> None:
         state["error"], client = f"{type(e).__name__}: {e}", None
     pending: list = []
     last = time.monotonic()
-    status = "FAILED"  # unless told otherwise: stdin closing without "close" means the trainer died
+    status, told = "FAILED", False  # unless told otherwise: stdin closing without "close" means the trainer died
     while True:
         try:
             line = lines.get(timeout=max(0.05, opts["flush_every"] - (time.monotonic() - last)))
@@ -167,19 +175,40 @@ def _serve() -> None:
             last = time.monotonic()
         if closing:
             if item is not None:
-                status = item[1]
+                status, told = item[1], True
             break
-    if client is not None and state["mlflow_run_id"]:
-        state["mlflow_timeline"] = _log_timeline(client, state["mlflow_run_id"], hello["run_dir"])
+    if not told and _attempts(hello["run_dir"]) > attempts:
+        status = None  # (the trainer died and a later attempt of the run has begun: the run's status is that one's)
+    if client is not None and state["mlflow_run_id"] and status is not None:
+        if told:  # (a trainer that died says nothing more: its run is marked FAILED at once, before a restarted
+            # attempt reopens it; that attempt's end draws the whole time line)
+            state["mlflow_timeline"] = _log_timeline(client, state["mlflow_run_id"], hello["run_dir"])
         try:
             client.set_terminated(state["mlflow_run_id"], status=status)
         except Exception as e:  # noqa: BLE001
             state["error"] = f"{type(e).__name__}: {e}"
     state["mlflow_send_seconds"] = round(state["mlflow_send_seconds"], 4)
-    print(json.dumps(state), flush=True)
+    try:
+        print(json.dumps(state), flush=True)
+    except BrokenPipeError:  # (the trainer died: nobody reads it)
+        pass
+
+
+def _attempts(run_dir: str) -> int:
+    """The attempts of the run on record in its ``goodput.json`` (0 when there is none yet)."""
+    try:
+        with open(os.path.join(run_dir, "goodput.json")) as f:
+            return len(json.load(f).get("attempts", []))
+    except (OSError, ValueError):
+        return 0
 
 
 def _import_matplotlib() -> None:
+    """At the lowest priority (this thread's own nice value): only idle CPU, never the trainer's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
     try:
         import matplotlib
 
@@ -215,6 +244,7 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
         try:
             client.update_run(run_id, status="RUNNING")
             state["mlflow_run_id"] = run_id
+            state["mlflow_experiment_id"] = client.get_run(run_id).info.experiment_id
             state["mlflow_send_seconds"] += time.perf_counter() - t0
             return client
         except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
@@ -225,7 +255,7 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
     if exp is not None and EXPERIMENT_KIND not in exp.tags:  # (one made before, by hand or by an older pitstop)
         client.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING)
     run = client.create_run(exp_id, run_name=opts["run_name"], tags={"run_dir": run_dir, **tags})
-    state["mlflow_run_id"] = run.info.run_id
+    state["mlflow_run_id"], state["mlflow_experiment_id"] = run.info.run_id, exp_id
     with open(id_file, "w") as f:
         f.write(run.info.run_id)
     items = [Param(k[:250], str(v)[:6000]) for k, v in sorted(params.items())]
@@ -260,6 +290,9 @@ if __name__ == "__main__":
     import atexit
 
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):  # (the trainer died: nobody reads them)
+            pass
     os._exit(0)

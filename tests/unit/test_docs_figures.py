@@ -1,0 +1,39 @@
+"""The docs site shows a benchmark's figure only from its result file (docs/hooks.py): formatted, linked to the
+file's row, and a figure no file backs fails the build."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_figure_comes_from_its_result_file_or_the_build_fails(tmp_path):
+    hooks = _hooks()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    doc = {"name": "overhead", "command": "python bench/overhead.py", "commit": "abc1234", "date": "2026-12-04",
+           "machine": {"cores": 2, "cpu": "x", "gpu": None, "torch": "2.14.1"},
+           "figures": {"main": {"ratio_steady": 0.98765}}}  # fmt: skip
+    (tmp_path / "bench" / "results" / "overhead.json").write_text(json.dumps(doc))
+    root = str(tmp_path)
+    shown = hooks.FIGURE.sub(
+        lambda m: hooks.figure(root, "guides", *m.groups()), "ratio {{ fig overhead main.ratio_steady .3f }}"
+    )
+    assert shown == "ratio 0.988<sup>[overhead](../reference/benchmarks.md#overhead)</sup>"
+    with pytest.raises(KeyError, match="has no figure 'main.nope'"):
+        hooks.figure(root, "guides", "overhead", "main.nope", None)
+    with pytest.raises(FileNotFoundError, match="run its benchmark"):
+        hooks.figure(root, "guides", "ckpt", "x", None)
+    page = hooks.benchmarks(root)
+    assert "`python bench/overhead.py` at commit `abc1234` on 2026-12-04: 2 cores (x), no GPU" in page
+    assert "| `main.ratio_steady` | 0.9877 |" in page
