@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import warnings
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -238,7 +238,7 @@ class AsyncDCP(CheckpointManager):
 SHM = "/dev/shm"
 
 
-def _release_freed_memory(_: Any = None) -> None:
+def _release_freed_memory(_: Future | None = None) -> None:
     """DCP writes each save from a new thread, and glibc gives new threads their own malloc arenas; memory a
     write frees stays in them, so a thread-written run's RSS grew by ~350 MB over 50 ResNet-50 saves
     (bench/ckpt.py).  Handing freed arena memory back after each write (on the writer's own thread, off the
@@ -253,7 +253,7 @@ def _release_freed_memory(_: Any = None) -> None:
         _malloc_trim(0)
 
 
-_malloc_trim: Any = None
+_malloc_trim: Callable[[int], object] | bool | None = None
 WRITER_NICE = 10
 
 

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from pitstop.goodput.interval import IntervalPolicy
@@ -28,6 +28,37 @@ def save_errors() -> tuple[type[BaseException], ...]:
     DCP is loaded (a save that raised it had loaded it: nothing is imported here for it)."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return (Exception,) if api is None else (Exception, api.CheckpointException)
+
+
+T = TypeVar("T")
+
+
+class StrategyLike(Protocol):
+    """What a checkpointer uses of the job's strategy (a ``pitstop.strategy.base.Strategy``; its torch types are
+    left open here, as this module imports no torch)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> Any: ...  # a torch.device
+
+    def ckpt_group(self) -> Any: ...  # the process group for checkpoint collectives (a ProcessGroup), or None
+
+    def init_local_group(self, store_path: str) -> None: ...
+
+    def sync_buffers(self, model: Any) -> None: ...  # model: Target.model
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T: ...
+
+    def any(self, flag: bool) -> bool: ...
+
+    def agree(self, flag: bool) -> bool: ...
+
+    def barrier(self) -> None: ...
 
 
 class TrainStateLike(Protocol):
@@ -46,8 +77,8 @@ class TrainStateLike(Protocol):
 class Target:
     """What is saved and restored: the (wrapped) model, its optimizer and the rest of the train state."""
 
-    model: Any  # a torch.nn.Module, wrapped by the strategy
-    optimizer: Any
+    model: Any  # a torch.nn.Module, wrapped by the strategy (this module imports no torch)
+    optimizer: Any  # its torch.optim.Optimizer
     state: TrainStateLike
 
 
@@ -76,7 +107,7 @@ class Checkpointer(ABC):
 
     @abstractmethod
     def setup(
-        self, strategy: Any, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
     ) -> None:
         """Bind to the job: ``strategy`` (ranks, collectives), ``report(metrics, step)`` (per-save costs),
         ``intervals``: what ``interval=auto`` knows of the job's failures (ignored by fixed intervals)."""

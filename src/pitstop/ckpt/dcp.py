@@ -3,7 +3,7 @@ pieces that make a save's state dicts without redoing the per-run analysis of th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -12,6 +12,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import _StateDictInfo
+
+    from pitstop.ckpt.contract import Target
 
 # DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
 ERRORS = (Exception, CheckpointException)
@@ -31,7 +36,7 @@ class StateDicts:
     def options(self) -> StateDictOptions:
         return StateDictOptions(full_state_dict=self.full_state, cpu_offload=self.full_state)
 
-    def info(self, target: Any) -> Any:
+    def info(self, target: Target) -> _StateDictInfo | None:
         """DCP's analysis of the (model, optimizer) pair, made once per pair (None where this torch lacks
         ``_verify_options``)."""
         key = (id(target.model), id(target.optimizer))
@@ -44,7 +49,7 @@ class StateDicts:
             self._info = (key, verify(target.model, (target.optimizer,), optim_only=False, options=self.options()))
         return self._info[1]
 
-    def get(self, target: Any) -> tuple[dict, dict]:
+    def get(self, target: Target) -> tuple[dict, dict]:
         try:
             from torch.distributed.checkpoint import state_dict as sd
 
@@ -59,7 +64,7 @@ class StateDicts:
             return get_state_dict(target.model, target.optimizer, options=self.options())
 
 
-def load(target: Any, model_sd: dict, optim_sd: dict, full: bool, model_only: bool = False) -> None:
+def load(target: Target, model_sd: dict, optim_sd: dict, full: bool, model_only: bool = False) -> None:
     """Load state dicts read from a checkpoint into the (wrapped) model and its optimizer; ``full``: they are
     the full state (rank 0's gather), not this rank's shards."""
     options = StateDictOptions(full_state_dict=full)

@@ -6,11 +6,12 @@ import io
 import json
 import os
 import pickle
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -26,7 +27,7 @@ STATE_FILE = "state.pt"
 TRAIN_PREFIX = "train.rank"
 
 
-def encode_json(obj: Any) -> torch.Tensor:
+def encode_json(obj: object) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
 
 
@@ -37,7 +38,7 @@ def decode_json(t: torch.Tensor, key: str = "train state") -> Any:
         raise CorruptCheckpoint(f"{key} is not the JSON pitstop wrote ({type(e).__name__})") from None
 
 
-def safe_torch_load(source: Any, what: str, **kw: Any) -> Any:
+def safe_torch_load(source: str | os.PathLike[str] | IO[bytes], what: str, **kw: Any) -> Any:
     """``torch.load(weights_only=True)``: torch's restricted unpickler; what it refuses is named as a refused file."""
     try:
         return torch.load(source, weights_only=True, **kw)
@@ -64,10 +65,10 @@ class Summed:
     """A writable file that checksums what passes through it: ``torch.save`` writes its archive in order, so the
     manifest gets the file's checksum without reading it back."""
 
-    def __init__(self, raw: Any):
+    def __init__(self, raw: IO[bytes]):
         self.raw, self.running = raw, integrity.Running()
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
         self.running.update(view)
@@ -77,7 +78,9 @@ class Summed:
         self.raw.flush()
 
 
-def read_checkpoint(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict[str, dict], Callable[[], tuple]]:
+def read_checkpoint(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
+) -> tuple[dict[str, dict], Callable[[], tuple]]:
     """Read any pitstop checkpoint: ``({"train.rankR": train state} of every saved rank, tensors)``, where
     ``tensors()`` reads ``(model_sd, optim_sd)``; the train states come first, so a changed config (the fingerprint
     they hold) is told before tensors of another shape fail to load."""
@@ -118,7 +121,9 @@ def to_torch_save(path: str, out: str) -> None:
     torch.save(sd, out)
 
 
-def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict[str, dict], Callable[[], tuple]]:
+def _read_dcp(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
+) -> tuple[dict[str, dict], Callable[[], tuple]]:
     meta = dcp_reader(path).read_metadata().state_dict_metadata
     keys = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
     small: dict[str, Any] = {k: torch.empty(meta[k].size, dtype=torch.uint8) for k in keys}
@@ -136,7 +141,13 @@ def _read_dcp(path: str, model: Any, optimizer: Any, group: Any) -> tuple[dict[s
 
 
 def write_torch_save(
-    app_state: dict, path: str, rank: int, world_size: int, group: Any, step: int, throttle_mbps: float | None
+    app_state: dict,
+    path: str,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    step: int,
+    throttle_mbps: float | None,
 ) -> None:
     """Rank 0 writes the full state as one file: temp name, fsync, rename, then the COMMITTED marker."""
     train_keys = [k for k in app_state if k.startswith("train.rank")]

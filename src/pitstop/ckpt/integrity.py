@@ -19,6 +19,7 @@ Pure functions of the files (no torch, no process groups): the verify command st
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any
@@ -40,7 +41,7 @@ READ_CHUNK = 8 << 20  # bytes read per call while verifying
 ENABLED = True
 
 
-def crc(data: Any, value: int = 0) -> int:
+def crc(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC32C of ``data`` (any buffer) continued from ``value``; the GIL is released for large buffers."""
     return _crc32c.crc32c(data, value)
 
@@ -53,7 +54,7 @@ class Running:
     def __init__(self) -> None:
         self.value, self.nbytes = 0, 0
 
-    def update(self, data: Any) -> None:
+    def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         self.value = crc(view, self.value)
         self.nbytes += len(view)
@@ -177,7 +178,7 @@ def _open(url_or_path: str) -> Any:
     return open(url_or_path, "rb", buffering=0)
 
 
-def stream_checksum(stream: Any) -> tuple[int, int]:
+def stream_checksum(stream: io.IOBase) -> tuple[int, int]:
     """``(length, crc)`` of what is left to read in a binary stream, read in chunks."""
     running = Running()
     while True:

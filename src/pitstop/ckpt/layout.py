@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any
 
 from pitstop import fsurl
 from pitstop.errors import CheckpointError
@@ -124,7 +123,7 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
     return sorted(out)
 
 
-def candidates(root: str, spec: Any) -> list[str]:
+def candidates(root: str, spec: int | str) -> list[str]:
     """The checkpoints to try for ``ckpt.load=spec``, newest first.  ``auto``: every complete one (partial
     dirs are logged and removed); a step or a path: exactly that one, which must be complete."""
     if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):

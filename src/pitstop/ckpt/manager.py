@@ -15,18 +15,29 @@ import threading
 import time
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
+from types import TracebackType
 from typing import Any, Callable
 
 from pitstop import fsurl
 from pitstop.ckpt import dcp, integrity, layout, orphans
 from pitstop.ckpt import restore as fallback
-from pitstop.ckpt.contract import Checkpointer, Pending, SaveRecord, SaveResult, Target, interrupt_in, one_line
+from pitstop.ckpt.contract import (
+    Checkpointer,
+    Pending,
+    SaveRecord,
+    SaveResult,
+    StrategyLike,
+    Target,
+    interrupt_in,
+    one_line,
+)
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
 from pitstop.config import checks
 from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
-from pitstop.goodput.interval import IntervalPolicy
+from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -45,14 +56,14 @@ class CheckpointManager(Checkpointer):
         interval_seconds: float | None = None,
         keep_last_k: int = 3,
         save_last: bool = True,
-        load: Any = "auto",
+        load: int | str = "auto",
         on_error: str = "raise",
         load_model_only: bool = False,
         throttle_mbps: float | None = None,
-        interval: Any = None,
+        interval: str | None = None,
         mtbf_seconds: float | None = None,
-        local: Any = None,
-        storage_options: Any = None,
+        local: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -104,7 +115,7 @@ class CheckpointManager(Checkpointer):
 
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(
-        self, strategy: Any, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
     ) -> None:
         self.strategy, self.report = strategy, report
         self.rank, self.world_size = strategy.rank, strategy.world_size
@@ -122,7 +133,7 @@ class CheckpointManager(Checkpointer):
         orphans.end_orphans(self.root, min(orphans.ORPHAN_WAIT, timeout / 3))
         self._setup_backend()
 
-    def _setup_local(self, make_auto: Callable[[], Any]) -> None:
+    def _setup_local(self, make_auto: Callable[[], AutoInterval]) -> None:
         """The local tier lives in ``<ckpt.local.dir>/<run id>``: the run id is kept in ``ckpt.dir``, so a run dir
         deleted and made again never resumes from a stale local checkpoint of the old one.  A local dir that
         cannot be written is not fatal: the run goes on with the durable tier only, and says so."""
@@ -341,7 +352,7 @@ class CheckpointManager(Checkpointer):
         with self._lock:
             self._done.append(record)
 
-    def _purge(self, purge: Callable[..., None], *args: Any) -> None:
+    def _purge(self, purge: Callable[..., None], *args: object) -> None:
         """Retention, in the purger's thread: a delete that fails is said in one line and counted (never silent:
         on a store, a retention that quietly stopped working would grow the bucket without bound)."""
         try:
@@ -411,7 +422,9 @@ class CheckpointManager(Checkpointer):
             # The final save failed (or failures must fail the run): never report success.
             raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
 
-    def _left_in_local(self, _func: Any, path: str, exc: Any) -> None:
+    def _left_in_local(
+        self, _func: Callable[..., object], path: str, exc: tuple[type[BaseException], BaseException, TracebackType]
+    ) -> None:
         if not issubclass(exc[0], FileNotFoundError):
             log.warning("the local tier could not be freed: %s stays (%s)", path, exc[1])
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from pitstop.ckpt.contract import Checkpointer, SaveResult, Target
+from pitstop.ckpt.contract import Checkpointer, SaveResult, StrategyLike, Target
+
+if TYPE_CHECKING:
+    from pitstop.goodput.interval import IntervalPolicy
 
 
 class NoCheckpoint(Checkpointer):
@@ -13,25 +16,27 @@ class NoCheckpoint(Checkpointer):
     def __init__(
         self,
         *,
-        dir: Any = None,
-        interval_steps: Any = None,
-        interval_seconds: Any = None,
-        interval: Any = None,
-        mtbf_seconds: Any = None,
-        keep_last_k: Any = None,
-        save_last: Any = None,
-        load: Any = None,
-        load_model_only: Any = None,
-        on_error: Any = None,
-        throttle_mbps: Any = None,
-        storage_options: Any = None,
-        local: Any = None,
+        dir: object = None,
+        interval_steps: object = None,
+        interval_seconds: object = None,
+        interval: object = None,
+        mtbf_seconds: object = None,
+        keep_last_k: object = None,
+        save_last: object = None,
+        load: object = None,
+        load_model_only: object = None,
+        on_error: object = None,
+        throttle_mbps: object = None,
+        storage_options: object = None,
+        local: object = None,
     ):
         """The saving backends' keys are accepted and unused: ``conf/ckpt/none.yaml`` carries them so that a sweep
         over ``ckpt=none,async_dcp ckpt.interval=auto`` composes. Any other key is refused."""
         self.root, self.last_started = None, None
 
-    def setup(self, strategy: Any, report: Callable[[dict, int], None], intervals: Any = None) -> None:
+    def setup(
+        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+    ) -> None:
         pass
 
     def restore(self, target: Target) -> int | None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import io
 import os
 import pickle
-from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -148,7 +148,7 @@ def page_regions(items: list) -> tuple[list, list]:
     return regions, rest
 
 
-def write_direct(path: str, name: str, regions: list, results: list, running: Any) -> int | None:
+def write_direct(path: str, name: str, regions: list, results: list, running: integrity.Running | None) -> int | None:
     """Write each region's span with ``O_DIRECT`` back to back from offset 0, append the tensors' results, add
     the bytes to the ``running`` checksum, and return the end offset; None where the file system refuses
     ``O_DIRECT`` (nothing written)."""
@@ -268,7 +268,7 @@ class _RawReads:
     """``read_data`` that reads raw items itself (one read per item, straight into a tensor of the stored
     chunk's dtype and shape) and hands every other item to DCP's reader."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         """DCP's ``read_metadata``, through the restricted unpickler (:mod:`pitstop.ckpt.unpickle`)."""
         path = self.fs.concat_path(self.path, METADATA)
         with self.fs.create_stream(path, "rb") as f:
@@ -280,7 +280,7 @@ class _RawReads:
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.tensor_metadata = metadata.state_dict_metadata
 
@@ -311,7 +311,7 @@ class _RawReads:
         fut.set_result(None)
         return fut
 
-    def _stored_chunk(self, index: MetadataIndex, stream: Any, info: _StorageInfo) -> torch.Tensor:
+    def _stored_chunk(self, index: MetadataIndex, stream: io.IOBase, info: _StorageInfo) -> torch.Tensor:
         md = self.tensor_metadata[index.fqn]
         chunks = md.chunks
         chunk = chunks[index.index] if index.index is not None and index.index < len(chunks) else None

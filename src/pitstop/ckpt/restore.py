@@ -17,13 +17,13 @@ import time
 from typing import Any, Callable
 
 from pitstop.ckpt import dcp, layout
-from pitstop.ckpt.contract import Target, interrupt_in, one_line
+from pitstop.ckpt.contract import StrategyLike, Target, interrupt_in, one_line
 from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
 log = logging.getLogger("pitstop.ckpt")
 
 
-def candidates(strategy: Any, root: str, local_root: str | None, spec: Any) -> list[str]:
+def candidates(strategy: StrategyLike, root: str, local_root: str | None, spec: int | str) -> list[str]:
     """The checkpoints ``spec`` names, newest first, the same on every rank (rank 0 decides and reports a bad
     ``spec`` for everyone)."""
     choice: Any = None
@@ -88,7 +88,7 @@ TRANSIENT_ERRNOS = {
 
 
 def first_loadable(
-    strategy: Any,
+    strategy: StrategyLike,
     choice: list[str],
     explicit: bool,
     load: Callable[[str], None],

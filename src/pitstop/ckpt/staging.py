@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def staged_leaves(state_dict: dict) -> list[tuple[tuple, torch.Tensor]]:
     return leaves
 
 
-def _leaves(obj: Any, path: tuple, out: list) -> None:
+def _leaves(obj: object, path: tuple, out: list) -> None:
     if isinstance(obj, dict):
         for k, v in obj.items():
             _leaves(v, (*path, k), out)
@@ -63,7 +64,7 @@ def _leaves(obj: Any, path: tuple, out: list) -> None:
         out.append((path, obj))
 
 
-def _skeleton(obj: Any, path: tuple, slots: list) -> Any:
+def _skeleton(obj: object, path: tuple, slots: list) -> object:
     """A copy of the containers of ``obj`` (scalars copied now: the optimizer's param_groups are live dicts
     that the scheduler changes after the save), with a slot ``(container, key, path)`` per tensor for its host
     copy, filled later."""
@@ -88,7 +89,7 @@ class _Tuple(list):
     """A tuple being filled in (made a tuple again once its tensors are in place)."""
 
 
-def _freeze(obj: Any) -> Any:
+def _freeze(obj: object) -> Any:
     if isinstance(obj, dict):
         for k, v in obj.items():
             obj[k] = _freeze(v)
@@ -209,12 +210,12 @@ class HostStager(AsyncStager):
         copy = "non-blocking on a side stream" if self.cuda else "in a background thread"
         return f"{memory} host buffers allocated once, copied {copy}"
 
-    def snapshot_in_call(self, tensors: Any) -> None:
+    def snapshot_in_call(self, tensors: Iterable[torch.Tensor]) -> None:
         """Tensors that change in forward (BatchNorm statistics): copied in :meth:`stage`, not in the background."""
         self._in_call = {t.data_ptr() for t in tensors if t.numel()}
 
     # ---- AsyncStager ----------------------------------------------------------------------------------
-    def stage(self, state_dict: dict, **_: Any) -> Future:
+    def stage(self, state_dict: dict, **_: object) -> Future:
         if self._pool is None:
             raise RuntimeError("the checkpoint stager is closed")
         self.synchronize_staging()  # one staging at a time (the manager allows one save in flight anyway)
@@ -237,7 +238,7 @@ class HostStager(AsyncStager):
         if self._pool is not None and self.layout is None:
             self._future, self._preparing = self._pool.submit(self._layout_for, staged_leaves(state_dict)), True
 
-    def _stage(self, leaves: list, sources: dict, slots: list, staged: dict, ready: Any) -> dict:
+    def _stage(self, leaves: list, sources: dict, slots: list, staged: dict, ready: torch.cuda.Event | None) -> dict:
         layout = self._layout_for(leaves)
         dst = [layout.views[p] for p in sources]
         src = list(sources.values())

@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 class ThrottledFile(io.RawIOBase):
     """A writable file that passes bytes through at most ``mbps`` MB/s (1 MB = 1e6 bytes)."""
 
-    def __init__(self, raw: Any, mbps: float):
+    def __init__(self, raw: IO[bytes], mbps: float):
         super().__init__()
         self.raw, self.rate = raw, float(mbps) * 1e6
         self.t0, self.sent = time.monotonic(), 0

@@ -5,11 +5,16 @@ schedule and the loop time spent in its saves."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from pitstop import fsurl
 from pitstop.config import checks
 from pitstop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pitstop.ckpt.schedule import SaveSchedule
+    from pitstop.goodput.interval import AutoInterval
 
 
 class Tier:
@@ -26,10 +31,10 @@ class Tier:
     ):
         self.name, self.root, self.keep_last_k = name, root, keep_last_k
         self.interval_steps, self.interval_seconds, self.save_last = interval_steps, interval_seconds, save_last
-        self.schedule: Any = None  # SaveSchedule, made in setup()
+        self.schedule: SaveSchedule | None = None  # made in setup()
         self.blocked_total = 0.0
 
-    def make_schedule(self, auto: Any) -> None:
+    def make_schedule(self, auto: AutoInterval | None) -> None:
         """``auto``: an AutoInterval for ``interval=auto`` (then the fixed intervals are null), else None."""
         from pitstop.ckpt.schedule import SaveSchedule
 
@@ -39,7 +44,7 @@ class Tier:
 LOCAL_AUTO_DIR = "/dev/shm/pitstop"
 
 
-def local_settings(local: Any, durable_root: str, is_async: bool) -> dict | None:
+def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async: bool) -> dict | None:
     """Check ``ckpt.local``; None when the local tier is off (``ckpt.local.dir`` null)."""
     local = dict(local or {})
     where = local.get("dir")

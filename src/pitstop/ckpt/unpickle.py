@@ -55,7 +55,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name}")
 
 
-def load_metadata(stream: Any, name: str) -> Any:
+def load_metadata(stream: io.IOBase, name: str) -> Any:
     """Unpickle DCP metadata from ``stream`` (``name``: the file, for the message); CorruptCheckpoint if it names
     anything outside the allowed classes, or is not a pickle at all."""
     try:

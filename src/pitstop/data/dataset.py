@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from pitstop.data.shards import ShardIndex
 from pitstop.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 # Keys of a ``data`` config that say how the shards are made, not how they are read: only ``recipe.prepare`` reads
 # them, and the data class is built without them (:func:`build_dataset`).
@@ -76,7 +80,7 @@ class ShardedDataset:
         return state
 
 
-def build_dataset(node: Any) -> ShardedDataset:
+def build_dataset(node: DictConfig | Mapping[str, Any]) -> ShardedDataset:
     """The data class of a ``data`` config node, built from its keys except :data:`PREPARE_KEYS`."""
     from omegaconf import DictConfig, OmegaConf
 

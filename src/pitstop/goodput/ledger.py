@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 from pitstop.telemetry.metrics import write_json_atomic
 
@@ -113,7 +113,7 @@ class GoodputLog:
         *,
         auto_restart: bool = False,
         start_method: str | None = None,
-        extra: Any = None,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ):
         """``auto_restart``: started by a supervisor or an agent after a failure (not by a person);
         ``start_method``: forkserver for a warm attempt (see ``LaunchFacts``); ``extra()``: more facts of the

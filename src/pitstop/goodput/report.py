@@ -16,13 +16,16 @@ import json
 import logging
 import os
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pitstop.goodput.ledger import JOB_BUCKETS
 from pitstop.telemetry.metrics import write_json_atomic, write_text_atomic
+
+if TYPE_CHECKING:
+    from hydra.core.utils import JobReturn
 
 log = logging.getLogger("pitstop.goodput.report")
 
@@ -131,7 +134,7 @@ def _ms(seconds: float | None) -> float | None:
     return seconds * 1e3 if seconds is not None else None
 
 
-def _fmt(v: Any, kind: str) -> str:
+def _fmt(v: str | float | None, kind: str) -> str:
     if v is None:
         return "n/a" if kind == "mfu" else "–"
     if kind == "mfu":
@@ -290,7 +293,7 @@ def _plot(rows: list[dict], path: str) -> None:
 class SweepReport(Callback):
     """Registered in ``conf/train.yaml`` under ``hydra.callbacks``; acts only in ``-m`` runs."""
 
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+    def on_job_end(self, config: DictConfig, job_return: JobReturn | None, **kwargs: object) -> None:
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
@@ -306,7 +309,7 @@ class SweepReport(Callback):
             )
         self._write(config.hydra.sweep.dir)
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
         rows = self._write(config.hydra.sweep.dir)
         if rows:
             log.info("sweep report: %s (and report.csv, report.png)", os.path.join(config.hydra.sweep.dir, "report.md"))

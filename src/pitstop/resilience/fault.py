@@ -16,10 +16,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pitstop.config import checks
 from pitstop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pitstop.ckpt.contract import Checkpointer
 
 log = logging.getLogger("pitstop.resilience.fault")
 
@@ -41,7 +44,7 @@ class FaultContext:
     total_steps: int
     max_restarts: int
     start_wall: float  # when this process started (time.time())
-    checkpointer: Any  # pitstop.ckpt.contract.Checkpointer: its root and the step of the newest save started
+    checkpointer: Checkpointer  # its root and the step of the newest save started
     grad_accum_steps: int = 1  # micro-batches per step
     # registers a call made (with the checkpoint's path) as a restore starts reading a checkpoint it verified
     on_restore: Callable[[Callable[[str], None]], None] | None = None
@@ -82,7 +85,7 @@ class NoFault(Fault):
     name = "none"
     rank = 0
 
-    def __init__(self, replica: Any = None):
+    def __init__(self, replica: int | str | None = None):
         self.replica = replica  # strategy=ft: which replica group it is aimed at (read by the runner's assembly)
 
     def bind(self, ctx: FaultContext) -> None:
@@ -117,7 +120,12 @@ class CrashAtStep(NoFault):
     name = "crash_at_step"
 
     def __init__(
-        self, step: int, rank: int = 0, micro_batch: int | None = None, replica: Any = None, phase: str = "step"
+        self,
+        step: int,
+        rank: int = 0,
+        micro_batch: int | None = None,
+        replica: int | str | None = None,
+        phase: str = "step",
     ):
         self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
@@ -257,7 +265,7 @@ class RandomFault(NoFault):
 
     name = "random"
 
-    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: Any = None):
+    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
         checks.positive("fault.mtbf_seconds", mtbf_seconds, what="a positive number of seconds")
         self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
@@ -299,7 +307,7 @@ class DuringSave(NoFault):
 
     name = "during_save"
 
-    def __init__(self, step: int = 1, rank: int = 0, replica: Any = None):
+    def __init__(self, step: int = 1, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
         self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
@@ -343,7 +351,7 @@ class DuringHeal(NoFault):
 
     name = "during_heal"
 
-    def __init__(self, step: int = 1, rank: int = 0, replica: Any = None):
+    def __init__(self, step: int = 1, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
         self.step, self.rank = checks.integer("fault.step", step), rank
 

@@ -19,10 +19,17 @@ import os
 import queue
 import signal
 import threading
-from typing import Any, Callable
+from collections.abc import Iterable
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable
 
 from pitstop.config import checks
 from pitstop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pitstop.ckpt.contract import Checkpointer, Target
+    from pitstop.goodput.ledger import Ledger
+    from pitstop.resilience.watchdog import Watchdog
 
 log = logging.getLogger("pitstop.resilience.preempt")
 
@@ -70,13 +77,13 @@ class _HandlerLog:
             thread.join(timeout=2)
         self.drain()
 
-    def warning(self, msg: str, *args: Any) -> None:
+    def warning(self, msg: str, *args: object) -> None:
         if self.owner is None or self.owner[0] != os.getpid():
             log.warning(msg, *args)  # (no handler of ours is installed in this process: called directly)
         else:
             self.lines.put((msg, args))
 
-    def resignal(self, signum: int, handler: Any) -> None:
+    def resignal(self, signum: int, handler: Callable[[int, FrameType | None], None]) -> None:
         """Deliver ``signum`` to the main thread again shortly, from the thread, if ``handler`` still handles it."""
         self.lines.put((None, (signum, handler)))
 
@@ -108,7 +115,7 @@ _handler_log = _HandlerLog()
 _LOGGING = os.path.dirname(logging.__file__) + os.sep
 
 
-def _inside_logging(frame: Any) -> bool:
+def _inside_logging(frame: FrameType | None) -> bool:
     """Whether the interrupted main thread is in a logging call (which turns any exception into a printed
     traceback: an exception raised by a handler there would be swallowed)."""
     while frame is not None:
@@ -118,7 +125,7 @@ def _inside_logging(frame: Any) -> bool:
     return False
 
 
-def parse_signals(names: Any) -> list[signal.Signals]:
+def parse_signals(names: Iterable[str] | None) -> list[signal.Signals]:
     out = []
     for name in list(names or []):
         key = str(name).upper()
@@ -148,7 +155,7 @@ class _Handlers:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._replaced = dict(self._previous)  # (for forward(), also once close() has put them back)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise NotImplementedError
 
     def forward(self) -> None:
@@ -178,7 +185,7 @@ class _Handlers:
 class PreemptionNotice(_Handlers):
     """Installs the handlers (main thread only) and remembers the first notice; ``close()`` restores them."""
 
-    def __init__(self, signals: Any, grace_seconds: float, agent_pid: int | None = None):
+    def __init__(self, signals: Iterable[str] | None, grace_seconds: float, agent_pid: int | None = None):
         """``agent_pid``: the launching process of pitstop's elastic job (``LaunchFacts.agent_pid``)."""
         checks.at_least_zero("trainer.preempt_grace_seconds", grace_seconds, what="a number of seconds >= 0")
         self.signals, self.grace = parse_signals(signals), float(grace_seconds)
@@ -197,7 +204,7 @@ class PreemptionNotice(_Handlers):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2} & set(self.signals))
         return self.close
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
             _handler_log.warning(
@@ -236,7 +243,7 @@ class JobNotice(_Handlers):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2} & set(self.signals))
         return self
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             _handler_log.warning(
                 "another %s: the ranks are already saving for a preemption notice", signal.Signals(signum).name
@@ -257,7 +264,7 @@ class LauncherNotice(_Handlers):
     the signal would otherwise have killed, waits for them and starts no new attempt (``received``). SIGTERM and
     SIGINT keep their own path (the launcher stops and terminates its attempts, a notice too)."""
 
-    def __init__(self, signals: Any, children: Callable[[], list]):
+    def __init__(self, signals: Iterable[str] | None, children: Callable[[], list]):
         """``children()``: the attempt processes running now."""
         self.signals = [s for s in parse_signals(signals) if s not in (signal.SIGTERM, signal.SIGINT)]
         self.children = children
@@ -268,7 +275,7 @@ class LauncherNotice(_Handlers):
         self._install()
         return self
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.hand_on(signal.Signals(signum), "preemption notice")
 
     def hand_on(self, sig: signal.Signals, why: str) -> None:
@@ -287,7 +294,9 @@ class LauncherNotice(_Handlers):
                     pass
 
 
-def save_for_notice(ckpt: Any, target: Any, step: int, grace: float, why: str, ledger: Any, watchdog: Any) -> None:
+def save_for_notice(
+    ckpt: Checkpointer, target: Target, step: int, grace: float, why: str, ledger: Ledger, watchdog: Watchdog
+) -> None:
     """After a notice every rank is here after the same step: save this step if a save (as measured, start to
     durable) fits the grace period and none is under way, then wait until the newest save is durable (or has
     failed, per ``ckpt.on_error``) before the process goes."""

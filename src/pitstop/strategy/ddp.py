@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, ContextManager
+from typing import ContextManager, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from pitstop.strategy.single import Single
 
+T = TypeVar("T")
 log = logging.getLogger("pitstop.strategy")
 
 
@@ -31,8 +32,8 @@ class DDP(Single):
         backend: str = "auto",
         timeout: float = 300,
         device: str = "auto",
-        cpu_threads: Any = "auto",
-        **launch_keys: Any,
+        cpu_threads: int | str | None = "auto",
+        **launch_keys: object,
     ):
         """``launch_keys``: the keys of ``strategy=ddp`` that say how the job is launched (``max_restarts``,
         ``nnodes``, ``rdzv_endpoint``, ``master_port``, ``last_call_seconds``, ``oversubscribe``): the launcher
@@ -40,7 +41,8 @@ class DDP(Single):
         Their defaults live in the DDP schema (``pitstop.config.schema``)."""
         super().__init__(device=device, cpu_threads=cpu_threads)
         self.nproc_per_node, self.backend, self.timeout = int(nproc_per_node), backend, float(timeout)
-        self._ckpt_group = self._control_group = None
+        self._ckpt_group: dist.ProcessGroup | None = None
+        self._control_group: dist.ProcessGroup | None = None
 
     def set_cpu_threads(self) -> None:
         """The node's cores, shared by its ranks (whoever launched them: our agent, torchrun, SLURM)."""
@@ -72,7 +74,7 @@ class DDP(Single):
         self._control_group = dist.new_group(backend="gloo", timeout=timeout)
         log.info("rank %d/%d on %s, backend %s", self.rank, self.world_size, self.device, backend)
 
-    def _store(self) -> Any:
+    def _store(self) -> dist.Store:
         """The rendezvous store, namespaced per elastic restart attempt.
 
         After an in-job restart the agent's store still holds the previous attempt's keys (e.g. the old
@@ -118,13 +120,13 @@ class DDP(Single):
         dist.all_reduce(t)
         return t
 
-    def ckpt_group(self) -> Any:
+    def ckpt_group(self) -> dist.ProcessGroup | None:
         return self._ckpt_group
 
     def init_local_group(self, store_path: str) -> None:
         pass  # already in a process group
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self._control_group)
         return box[0]

@@ -12,6 +12,7 @@ Gradient accumulation: ``no_sync`` turns FSDP's reduce-scatter off for the micro
 from __future__ import annotations
 
 from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Iterator
 
 import torch
@@ -32,7 +33,11 @@ class FSDP(DDP):
     channels_last_params = False
 
     def __init__(
-        self, shard: Any = "auto", reshard_after_forward: bool = True, mixed_precision: str | None = None, **kw: Any
+        self,
+        shard: str | Sequence[str] | None = "auto",
+        reshard_after_forward: bool = True,
+        mixed_precision: str | None = None,
+        **kw: Any,
     ):
         super().__init__(**kw)
         if mixed_precision not in _DTYPES:

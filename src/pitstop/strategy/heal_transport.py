@@ -41,7 +41,7 @@ import sys
 import threading
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import torch
@@ -163,7 +163,7 @@ class RawHTTPTransport(CheckpointTransport):
     def metadata(self) -> str:
         return self._url
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: object, timeout: timedelta) -> None:
         served = _prepare(int(step), state_dict)
         self._gate.disallow()  # (a state served before, still read: the reads end first)
         self._served = served
@@ -227,7 +227,7 @@ def _server(transport: RawHTTPTransport, bind_host: str) -> ThreadingHTTPServer:
             except (BrokenPipeError, ConnectionResetError, TimeoutError, socket.timeout) as e:
                 log.warning("heal transport: the reader went away (%s)", type(e).__name__)
 
-        def log_message(self, format: str, *args: Any) -> None:  # (debug, not stderr)
+        def log_message(self, format: str, *args: object) -> None:  # (debug, not stderr)
             log.debug("heal transport: " + format, *args)
 
     class Server(ThreadingHTTPServer):
@@ -243,7 +243,7 @@ def _is_nonce(text: str) -> bool:
 
 
 # ---- sending ---------------------------------------------------------------------------------------------------
-def _prepare(step: int, state: Any) -> _Served:
+def _prepare(step: int, state: object) -> _Served:
     """The state flattened and checked; device tensors copied to CPU now (the server's threads touch no device)."""
     pairs, spec = tree_flatten_with_path(state)
     try:
@@ -423,7 +423,9 @@ def _receive(resp: http.client.HTTPResponse, metadata: str, step: int, nonce: st
     return tree_unflatten(out, treespec_loads(spec))
 
 
-def _check_manifest(manifest: bytes, step: int, nonce: str, failed: Any) -> tuple[str, list[dict]]:
+def _check_manifest(
+    manifest: bytes, step: int, nonce: str, failed: Callable[[str], HealTransportError]
+) -> tuple[str, list[dict]]:
     try:
         m = json.loads(manifest)
         if not isinstance(m, dict) or set(m) != {"step", "nonce", "byteorder", "spec", "leaves"}:
@@ -448,7 +450,7 @@ def _check_manifest(manifest: bytes, step: int, nonce: str, failed: Any) -> tupl
         raise failed(f"a malformed manifest ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
 
 
-def _check_leaf(leaf: Any) -> None:
+def _check_leaf(leaf: object) -> None:
     if not isinstance(leaf, dict):
         raise ValueError("a leaf that is not an object")
     if set(leaf) == {"v"}:
@@ -473,7 +475,7 @@ def _check_leaf(leaf: Any) -> None:
         raise ValueError("a memory order that is not a permutation of the dims")
 
 
-def _check_spec(node: Any) -> int:
+def _check_spec(node: object) -> int:
     """The number of leaves of a ``treespec_dumps`` structure made of plain containers (refused otherwise, before
     torch reads it: its loader imports the names a defaultdict or an enum carries)."""
     if not (isinstance(node, list) and len(node) == 2 and node[0] == 1):
@@ -481,7 +483,7 @@ def _check_spec(node: Any) -> int:
     return _spec_leaves(node[1])
 
 
-def _spec_leaves(node: Any) -> int:
+def _spec_leaves(node: object) -> int:
     if not isinstance(node, dict) or set(node) != {"type", "context", "children_spec"}:
         raise ValueError("a structure node of another form")
     kind, context, children = node["type"], node["context"], node["children_spec"]

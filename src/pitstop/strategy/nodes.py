@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import flatten
 from pitstop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pitstop.strategy.base import Strategy
 
 # Keys that may differ between nodes: where things are on this node, how many ranks and threads it runs.
 NODE_LOCAL = (
@@ -48,7 +51,7 @@ def node_id() -> str:
     return f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
 
 
-def check_nodes(strategy: Any, cfg: DictConfig, run_dir: str) -> None:
+def check_nodes(strategy: Strategy, cfg: DictConfig, run_dir: str) -> None:
     """Refuse (on every rank alike) a job whose ranks disagree on the config, the shared run dir or the
     node-local cache. A no-op for one rank."""
     if strategy.world_size <= 1:

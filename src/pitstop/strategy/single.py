@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager, TypeVar
 
 import torch
 from torch import nn
@@ -15,6 +15,10 @@ from pitstop.errors import ConfigError
 from pitstop.parts.batch import map_tensors
 from pitstop.strategy.base import Strategy
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
 log = logging.getLogger("pitstop.strategy")
 # What OMP_NUM_THREADS (or torch's own default) allows, read once before any run sets a count: the cap of
 # cpu_threads=auto (torch.get_num_threads() later is what the previous run in this process chose).
@@ -24,7 +28,7 @@ _THREADS_ALLOWED = torch.get_num_threads()
 class Single(Strategy):
     name = "single"
 
-    def __init__(self, device: str = "auto", cpu_threads: Any = "auto"):
+    def __init__(self, device: str = "auto", cpu_threads: int | str | None = "auto"):
         self.requested = device
         self.cpu_threads = cpu_threads_key(cpu_threads)
         self.loader_workers = 0
@@ -76,14 +80,14 @@ class Single(Strategy):
     def no_sync(self, model: nn.Module) -> ContextManager:
         return nullcontext()  # nothing to reduce
 
-    def to_device(self, batch: Any) -> Any:
+    def to_device(self, batch: object) -> Any:
         return map_tensors(lambda t: t.to(self.device, non_blocking=self.pin_memory), batch)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
     # ---- checkpoint coordination (a dedicated gloo group when there are several ranks) -------------
-    def ckpt_group(self) -> Any:
+    def ckpt_group(self) -> ProcessGroup | None:
         import torch.distributed as dist
 
         return dist.group.WORLD if dist.is_initialized() else None
@@ -102,7 +106,7 @@ class Single(Strategy):
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
         self._owns_group, self._store_path = True, store_path
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
         return obj
 
     def any(self, flag: bool) -> bool:
@@ -123,7 +127,7 @@ class Single(Strategy):
                 os.remove(self._store_path)
 
 
-def cpu_threads_key(value: Any) -> int | None:
+def cpu_threads_key(value: int | str | None) -> int | None:
     """``strategy.cpu_threads``: auto (None: the strategy's share of the cores) or a positive integer."""
     if value in (None, "auto"):
         return None

@@ -44,6 +44,6 @@ def write_text_atomic(path: str, text: str, fsync: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: str, obj: Any, fsync: bool = True, **dump: Any) -> None:
+def write_json_atomic(path: str, obj: object, fsync: bool = True, **dump: Any) -> None:
     dump = {"indent": 2, "sort_keys": True, "default": str, **dump}
     write_text_atomic(path, json.dumps(obj, **dump), fsync=fsync)

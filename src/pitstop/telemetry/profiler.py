@@ -12,21 +12,27 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pitstop.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
 log = logging.getLogger("pitstop.profile")
 
 
 class StepProfiler:
-    def __init__(self, steps: Any, memory: bool, run_dir: str, rank: int, device: torch.device, total_steps: int):
+    def __init__(
+        self, steps: Sequence[int] | None, memory: bool, run_dir: str, rank: int, device: torch.device, total_steps: int
+    ):
         self.window: tuple[int, int] | None = None
         self.memory, self.rank, self.device = bool(memory), rank, device
         self.dir = os.path.join(run_dir, "profile")
-        self._prof: Any = None
+        self._prof: profile | None = None
         if steps is None:
             return
         if (

@@ -50,7 +50,7 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
 
 
 def count_step_flops(
-    build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor], batch: Any
+    build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor], batch: object
 ) -> int | None:
     """FLOPs of forward + backward of one micro-batch shaped like ``batch``, on a meta-device model."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -14,6 +14,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,9 +66,9 @@ class ShardLoader(ABC):
         read_timeout: float = 60.0,
         download_parts: int | str = "auto",
         allow_pipe: bool = False,
-        eval_in_memory: Any = "256MB",
+        eval_in_memory: int | str | bool = "256MB",
         shuffle_shards_window: int = 1,
-        storage_options: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         if int(batch_size) <= 0:
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
@@ -387,7 +388,7 @@ class ShardLoader(ABC):
         return evaluation.one_pass(self, max_batches, share)
 
 
-def _parts(value: Any) -> int:
+def _parts(value: int | str) -> int:
     """``loader.download_parts`` as a number of ranged requests (>= 1), or a one-line error."""
     if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
         raise ConfigError(

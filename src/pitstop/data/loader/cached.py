@@ -159,7 +159,7 @@ class CachedLoader(ShardLoader):
         self,
         *args: Any,
         cache_dir: str,
-        cache_limit: Any = None,
+        cache_limit: int | str | None = None,
         prefetch_shards: int | str = "auto",
         verify: str = "sha256",
         cache_policy: str = "future",

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pitstop.data.loader.reader import Failure, from_transport
 from pitstop.data.loader.sizes import first_sample, nbytes
 from pitstop.errors import DataError
 
+if TYPE_CHECKING:
+    from pitstop.data.loader.base import ShardLoader
+
 log = logging.getLogger("pitstop.data.loader")
 
 
 def one_pass(
-    loader: Any, max_batches: int | None = None, share: Callable[[Any, int], Any] | None = None
+    loader: ShardLoader, max_batches: int | None = None, share: Callable[[Any, int], Any] | None = None
 ) -> Iterator[tuple[Any, bool]]:
     """One pass over this rank's share (evaluation): no shuffling, no position kept.
 

@@ -4,7 +4,7 @@ whole batches (or one failure) to the trainer; ``ShardSource`` is where shard by
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -15,6 +15,9 @@ from pitstop.data.shards import read_shard
 from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import plan
 from pitstop.parts.seed import derive_seed
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("pitstop.data.loader")
 
@@ -57,11 +60,11 @@ class Inline:
 
     __slots__ = ("array",)
 
-    def __init__(self, array: Any):
+    def __init__(self, array: np.ndarray):
         self.array = array
 
 
-def to_transport(batch: Any, limit: int = INLINE_BYTES) -> Any:
+def to_transport(batch: object, limit: int = INLINE_BYTES) -> object:
     """``batch`` with each CPU tensor of at most ``limit`` bytes as an :class:`Inline` (lists, tuples, dicts)."""
     if isinstance(batch, torch.Tensor):
         plain = type(batch) is torch.Tensor and batch.layout == torch.strided and batch.device.type == "cpu"
@@ -78,7 +81,7 @@ def to_transport(batch: Any, limit: int = INLINE_BYTES) -> Any:
     return batch
 
 
-def from_transport(batch: Any) -> Any:
+def from_transport(batch: object) -> Any:
     """The batch as the worker's collate made it: each :class:`Inline` a tensor again (no copy)."""
     if isinstance(batch, Inline):
         return torch.from_numpy(batch.array)

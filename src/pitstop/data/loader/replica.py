@@ -29,13 +29,21 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 
 from pitstop.data.loader import plan
 from pitstop.data.shards import read_shard
 from pitstop.errors import DataError
 from pitstop.parts.seed import derive_seed
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from pitstop.data.dataset import ShardedDataset
+    from pitstop.data.loader.base import ShardLoader
+    from pitstop.data.loader.reader import ShardSource
+    from pitstop.data.remote import ShardRef
 
 log = logging.getLogger("pitstop.data.loader")
 
@@ -48,7 +56,7 @@ class ReplicaLoader:
 
     def __init__(
         self,
-        loader: Any,
+        loader: ShardLoader,
         participation: Callable[[], tuple[int, int]],
         replicas: int,
         accum: int = 1,
@@ -76,7 +84,7 @@ class ReplicaLoader:
         self._orders: dict[int, list[tuple[int, int]]] = {}
         self._slices: SliceReader | None = None  # (in this process: no workers, or a broken pool)
         self.workers = int(getattr(loader, "num_workers", 0) or 0)
-        self._pool: Any = None
+        self._pool: ProcessPoolExecutor | None = None
         self._ahead: dict[tuple[int, int, int], Any] = {}  # (epoch, start, end) -> a future of its slice
 
     # ---- the plan (pure) ------------------------------------------------------------------------------
@@ -219,7 +227,7 @@ class ReplicaLoader:
             self._slices = SliceReader(self.dataset, self.refs, self.inner.source(), self.seed)
         return self._slices
 
-    def _pool_or_none(self) -> Any:
+    def _pool_or_none(self) -> ProcessPoolExecutor | None:
         if self._pool is None and self.workers:
             from concurrent.futures import ProcessPoolExecutor
 
@@ -311,7 +319,7 @@ class SliceReader:
     """Reads and decodes a slice of an epoch's order (``(shard, index)`` pairs) into a batch: in the trainer, or in
     a loader worker. Keeps the last two shards it read."""
 
-    def __init__(self, dataset: Any, refs: list, source: Any, seed: int):
+    def __init__(self, dataset: ShardedDataset, refs: list[ShardRef], source: ShardSource, seed: int):
         self.dataset, self.refs, self.source, self.seed = dataset, refs, source, seed
         self._shards: OrderedDict[int, list[dict]] = OrderedDict()
         self._read = 0
@@ -354,7 +362,9 @@ class SliceReader:
 _worker: SliceReader | None = None  # a loader worker's reader
 
 
-def _start_worker(parent: int, trainer: int, dataset: Any, refs: list, source: Any, seed: int) -> None:
+def _start_worker(
+    parent: int, trainer: int, dataset: ShardedDataset, refs: list[ShardRef], source: ShardSource, seed: int
+) -> None:
     """A loader worker of strategy=ft: ends with its trainer, ignores the scheduler's notices."""
     global _worker
     from pitstop.data.loader.workers import worker_init

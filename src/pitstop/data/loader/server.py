@@ -36,16 +36,20 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from pitstop.notices import NOTICES, notices_blocked
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+    from multiprocessing.forkserver import ForkServer
 
 log = logging.getLogger("pitstop.data.loader")
 
 _STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
 
 
-def context() -> Any:
+def context() -> BaseContext:
     """The multiprocessing context for data workers (spawn where there is no fork server)."""
     import multiprocessing as mp
 
@@ -124,7 +128,7 @@ def python_threads() -> int:
     return max(len(sys._current_frames()), threading.active_count())
 
 
-def _cannot_fork(server: Any) -> str | None:
+def _cannot_fork(server: ForkServer) -> str | None:
     """Why this process must not fork its workers' server now (None: it may)."""
     import torch
 
@@ -139,7 +143,7 @@ def _cannot_fork(server: Any) -> str | None:
     return None
 
 
-def _fork(server: Any) -> None:
+def _fork(server: ForkServer) -> None:
     """Fork this (single-threaded) process into multiprocessing's fork server loop and register it as this
     process's fork server: the state ``ForkServer.ensure_running`` would have set after spawning one. (The
     resource tracker runs already, started by :func:`start`: the server and its workers share it.)"""

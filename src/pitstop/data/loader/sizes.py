@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 import torch
 
@@ -30,7 +29,7 @@ _UNITS = {
 }
 
 
-def parse_size(value: Any, what: str = "loader.cache_limit", off: str = "null") -> int | None:
+def parse_size(value: object, what: str = "loader.cache_limit", off: str = "null") -> int | None:
     """``null`` (no limit), a number of bytes, or a string like ``"20GB"`` / ``"512MiB"``."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
         return None
@@ -42,7 +41,7 @@ def parse_size(value: Any, what: str = "loader.cache_limit", off: str = "null") 
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def nbytes(batch: Any) -> int:
+def nbytes(batch: object) -> int:
     """The bytes of a batch's tensors."""
     if isinstance(batch, torch.Tensor):
         return batch.element_size() * batch.nelement()
@@ -53,7 +52,7 @@ def nbytes(batch: Any) -> int:
     return 0
 
 
-def memory_budget(value: Any) -> int:
+def memory_budget(value: object) -> int:
     """``loader.eval_in_memory``: a size (bytes, "256MB"), or 0 / false for none."""
     if value is False or value == 0 or str(value).strip().lower() in ("0", "false", "off"):
         return 0
@@ -66,7 +65,7 @@ def memory_budget(value: Any) -> int:
     return size
 
 
-def first_sample(batch: Any) -> Any:
+def first_sample(batch: object) -> object:
     """A one-sample batch of the same structure (copied: it must not pin the whole batch's memory)."""
     if isinstance(batch, torch.Tensor):
         return batch[:1].clone()
