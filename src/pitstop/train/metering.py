@@ -133,38 +133,43 @@ class StepMeter:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
         if step % self.log_every == 0 or step == total_steps:
-            window = self.window
-            now = time.perf_counter()
-            elapsed = max(now - window.t, 1e-9)
-            speed = {
-                "samples_per_s": window.samples * self.world_size / elapsed,
-                "samples_per_s_per_device": window.samples / elapsed,
-            }
-            mfu = self.throughput.mfu(window.n / elapsed)
-            if mfu is not None:
-                speed["mfu"] = mfu
-            logger.log_metrics(
-                {
-                    "loss": loss,
-                    "lr": lr,
-                    "epoch": epoch,
-                    **speed,
-                    "fetch_seconds": window.fetch / window.n,
-                    "compute_seconds": window.compute / window.n,
-                    "data_wait_fraction": window.fetch / elapsed,
-                },
-                step,
-            )
-            self.metrics_file.write({"step": step, **{k: round(v, 6) for k, v in speed.items()}})
-            # cumulative: cache hits/misses, bytes from the source, retries (samples: the step's own figures say it)
-            counters = {k: v for k, v in io().items() if k != "samples"}
-            changed = {k: v for k, v in counters.items() if self._last_io.get(k) != v}
-            if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
-                logger.log_metrics(changed, step)
-                self.metrics_file.write({"step": step, **changed})
-                self._last_io = counters
-            self.metrics_file.flush()
-            window.reset(now)
+            self._log_window(step, epoch, loss, lr, logger, io)
+
+    def _log_window(self, step: int, epoch: int, loss: float, lr: float, logger: Logger,
+                    io: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+        """The window's figures since the last log, and the data counters that moved, to the tracker."""
+        window = self.window
+        now = time.perf_counter()
+        elapsed = max(now - window.t, 1e-9)
+        speed = {
+            "samples_per_s": window.samples * self.world_size / elapsed,
+            "samples_per_s_per_device": window.samples / elapsed,
+        }
+        mfu = self.throughput.mfu(window.n / elapsed)
+        if mfu is not None:
+            speed["mfu"] = mfu
+        logger.log_metrics(
+            {
+                "loss": loss,
+                "lr": lr,
+                "epoch": epoch,
+                **speed,
+                "fetch_seconds": window.fetch / window.n,
+                "compute_seconds": window.compute / window.n,
+                "data_wait_fraction": window.fetch / elapsed,
+            },
+            step,
+        )
+        self.metrics_file.write({"step": step, **{k: round(v, 6) for k, v in speed.items()}})
+        # cumulative: cache hits/misses, bytes from the source, retries (samples: the step's own figures say it)
+        counters = {k: v for k, v in io().items() if k != "samples"}
+        changed = {k: v for k, v in counters.items() if self._last_io.get(k) != v}
+        if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
+            logger.log_metrics(changed, step)
+            self.metrics_file.write({"step": step, **changed})
+            self._last_io = counters
+        self.metrics_file.flush()
+        window.reset(now)
 
 
 def progress_bar(mode: bool | str, is_main: bool, total: int, initial: int) -> tqdm | None:

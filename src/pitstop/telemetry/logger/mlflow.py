@@ -177,12 +177,17 @@ def _serve() -> None:
             if item is not None:
                 status, told = item[1], True
             break
-    if not told and _attempts(hello["run_dir"]) > attempts:
-        status = None  # (the trainer died and a later attempt of the run has begun: the run's status is that one's)
+    _end(client, state, None if not told and _attempts(hello["run_dir"]) > attempts else status, told,
+         hello["run_dir"])  # fmt: skip
+
+
+def _end(client, state: dict, status: str | None, told: bool, run_dir: str) -> None:
+    """The run's end: its time line (when the trainer closed it), its status (None: the trainer died and a later
+    attempt of the run has begun, whose status the run's is), and this process's report to the trainer."""
     if client is not None and state["mlflow_run_id"] and status is not None:
         if told:  # (a trainer that died says nothing more: its run is marked FAILED at once, before a restarted
             # attempt reopens it; that attempt's end draws the whole time line)
-            state["mlflow_timeline"] = _log_timeline(client, state["mlflow_run_id"], hello["run_dir"])
+            state["mlflow_timeline"] = _log_timeline(client, state["mlflow_run_id"], run_dir)
         try:
             client.set_terminated(state["mlflow_run_id"], status=status)
         except Exception as e:  # noqa: BLE001
