@@ -54,9 +54,11 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
     the one a micro-batch's line names (written where a step may run into the next epoch: gradient accumulation),
     else None (metrics.jsonl says the step's)."""
     names = sorted(
-        os.path.join(d, n) for d in _dirs(run_dir) for n in os.listdir(d)
+        os.path.join(d, n)
+        for d in _dirs(run_dir)
+        for n in os.listdir(d)
         if n.startswith("samples.rank") and n.endswith(".jsonl")
-    )  # fmt: skip
+    )
     if not names:
         raise SystemExit(f"error: no samples.rank*.jsonl in {run_dir}: train with data.record_sample_ids=true")
     resumed: dict[float, int] = {}

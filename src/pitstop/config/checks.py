@@ -27,8 +27,9 @@ def integer(key: str, value: object, *, at_least: int = 1, optional: bool = Fals
     return value
 
 
-def positive(key: str, value: object, *, optional: bool = False, what: str = "a positive number",
-             or_null: bool = False) -> Any:  # fmt: skip
+def positive(
+    key: str, value: object, *, optional: bool = False, what: str = "a positive number", or_null: bool = False
+) -> Any:
     """A number > 0; None passes when ``optional`` (``or_null``: the message says so)."""
     if value is None and optional:
         return None

@@ -35,8 +35,13 @@ COLOURS = {
     "discarded": "#d81b60",
     "recovery_gap": "#eeeeee",
 }
-ENDS = {"finished": ("#2e7d32", "finished"), "failed": ("#c62828", "failed"), "hung": ("#ef6c00", "hung"),
-        "preempted": ("#6a1b9a", "preempted"), "running": ("#c62828", "killed")}  # fmt: skip
+ENDS = {
+    "finished": ("#2e7d32", "finished"),
+    "failed": ("#c62828", "failed"),
+    "hung": ("#ef6c00", "hung"),
+    "preempted": ("#6a1b9a", "preempted"),
+    "running": ("#c62828", "killed"),
+}
 
 
 @dataclass
@@ -73,10 +78,17 @@ def read(run_dir: str, name: str = "") -> Line:
         start = float(a["start"]) - t0
         end = float(a.get("end") or a["start"]) - t0  # (killed: its last write, a heartbeat)
         heals = [start + float(h.get("seconds", 0.0)) for h in ((a.get("ft") or {}).get("heals") or [])]
-        attempts.append(Attempt(int(a.get("attempt", i + 1)), start, end, str(a.get("status", "running")),
-                                {k: float(v) for k, v in (a.get("buckets") or {}).items() if k != "total"},
-                                a.get("resumed_from"),
-                                heals))  # fmt: skip
+        attempts.append(
+            Attempt(
+                int(a.get("attempt", i + 1)),
+                start,
+                end,
+                str(a.get("status", "running")),
+                {k: float(v) for k, v in (a.get("buckets") or {}).items() if k != "total"},
+                a.get("resumed_from"),
+                heals,
+            )
+        )
     steps, saves, evals = [], [], []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -144,8 +156,15 @@ def _panel(ax: object, line: Line) -> set[str]:
     y = 0.0
     for prev, a in zip([None, *line.attempts[:-1]], line.attempts):
         if prev is not None and a.start > prev.end:
-            ax.barh(y, a.start - prev.end, left=prev.end, height=0.5, color=COLOURS["recovery_gap"], hatch="//",
-                    edgecolor="#9e9e9e")  # fmt: skip
+            ax.barh(
+                y,
+                a.start - prev.end,
+                left=prev.end,
+                height=0.5,
+                color=COLOURS["recovery_gap"],
+                hatch="//",
+                edgecolor="#9e9e9e",
+            )
             used.add("recovery_gap")
         span, total = max(a.end - a.start, 0.0), sum(a.buckets.values())
         left = a.start
@@ -168,8 +187,9 @@ def _panel(ax: object, line: Line) -> set[str]:
         steps = ax.twinx()
         steps.plot([t for t, _ in line.steps], [s for _, s in line.steps], ".", color="#212121", markersize=2)
         for points, marker, colour in ((line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0")):
-            steps.plot([t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5,
-                       linestyle="none")  # fmt: skip
+            steps.plot(
+                [t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5, linestyle="none"
+            )
         steps.set_ylabel("step (saves: v, evals: o)", fontsize=7)
         steps.tick_params(labelsize=7)
     return used

@@ -52,8 +52,8 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     job_start = launch_facts.job_start()
     config = agent_config(job, endpoint, run_id, method, run_dir)
     nodes = job.nodes_text
-    log.info("launching %d ranks on this node of %s (rendezvous %s, max_restarts=%d)", job.ranks, nodes, endpoint,
-             config.max_restarts)  # fmt: skip
+    where = f"this node of {nodes} (rendezvous {endpoint}, max_restarts={job.restarts})"
+    log.info("launching %d ranks on %s", job.ranks, where)
     notice = JobNotice(job.notices, lambda msg, sig: SignalException(msg, sigval=sig))
     try:
         notice.install()  # (inside: a notice that waited, blocked, is delivered by it and raises here)

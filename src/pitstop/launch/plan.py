@@ -123,14 +123,23 @@ def plan(cfg: DictConfig, env: Mapping[str, str]) -> LaunchPlan:
     strategy = typed(cfg, "strategy", strategy_schema(cfg))
     assert isinstance(trainer, schema.Trainer) and isinstance(strategy, schema.Single)
     restarts = checks.integer("trainer.max_restarts", trainer.max_restarts, at_least=0)
-    checks.at_least_zero("trainer.preempt_grace_seconds", trainer.preempt_grace_seconds,
-                         what="a number of seconds >= 0")  # fmt: skip
+    checks.at_least_zero(
+        "trainer.preempt_grace_seconds", trainer.preempt_grace_seconds, what="a number of seconds >= 0"
+    )
     if isinstance(strategy, schema.FT):
         from pitstop.strategy.ft_keys import check_keys
 
         s = strategy
-        check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node, s.timeout, s.heartbeat_ms,
-                   s.max_restarts)  # fmt: skip
+        check_keys(
+            s.replicas,
+            s.replica_id,
+            s.min_replicas,
+            s.inner,
+            s.nproc_per_node,
+            s.timeout,
+            s.heartbeat_ms,
+            s.max_restarts,
+        )
         if started_by_launcher(env):  # a rank that torchrun or SLURM started: restarts are theirs
             return LaunchPlan(LaunchMode.CHILD, trainer, strategy)
         mode = LaunchMode.REPLICAS if s.replica_id is None else LaunchMode.REPLICA_GROUP

@@ -162,8 +162,16 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             if ranks > 1:  # the group's own elastic agent, in a process of its own, restarts its ranks
                 results[k] = agent_group(OmegaConf.to_yaml(own), job.group(), replica_dir(run_dir, k), k, seen, notice)
             else:
-                results[k] = attempts(ctx, OmegaConf.to_yaml(own), replica_dir(run_dir, k), job, job_start,
-                                      started=seen, name=f"replica{k}-attempt", notice=notice)  # fmt: skip
+                results[k] = attempts(
+                    ctx,
+                    OmegaConf.to_yaml(own),
+                    replica_dir(run_dir, k),
+                    job,
+                    job_start,
+                    started=seen,
+                    name=f"replica{k}-attempt",
+                    notice=notice,
+                )
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
             errors[k] = e
             running = groups - len(results) - len(errors)
@@ -202,8 +210,11 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             raise Preempted(f"preempted after a notice; run the same command again to resume ({run_dir})")
         raise failed[0]  # (not "run the same command again": a group failed for good)
     if errors:  # (a group that left on a notice, its node going away, or failed for good: the others finished)
-        log.warning("replica groups %s ended before the job; the others finished it: %s", sorted(errors),
-                    out["ft_job"]["errors"])  # fmt: skip
+        log.warning(
+            "replica groups %s ended before the job; the others finished it: %s",
+            sorted(errors),
+            out["ft_job"]["errors"],
+        )
     return out
 
 
@@ -219,8 +230,15 @@ def stop_all(children: list[BaseProcess], patience: float) -> None:
             child.kill()
 
 
-def write_job_summary(run_dir: str, groups: int, ranks: int, results: dict[int, dict],
-                      errors: dict[int, BaseException], started: dict[int, int], wall: float) -> dict:  # fmt: skip
+def write_job_summary(
+    run_dir: str,
+    groups: int,
+    ranks: int,
+    results: dict[int, dict],
+    errors: dict[int, BaseException],
+    started: dict[int, int],
+    wall: float,
+) -> dict:
     """``RUN_DIR/summary.json``, the job's: the first group's summary (the same parameters in every group), with the
     job's facts under ``ft_job`` (restarts, heals and discarded steps per group, each group's end, the errors)."""
     facts = {
@@ -229,17 +247,19 @@ def write_job_summary(run_dir: str, groups: int, ranks: int, results: dict[int, 
         "ft": replica_account(run_dir, groups),
         "wall_seconds": round(wall, 3),
         "attempts_per_group": {str(k): started[k] for k in range(groups)},
-        "groups": {str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")}
-                   for k in sorted(results)},
+        "groups": {
+            str(k): {key: results[k].get(key) for key in ("final_step", "params_sha256", "ft")} for k in sorted(results)
+        },
         "errors": {str(k): str(e).splitlines()[0][:300] for k, e in errors.items()},
-    }  # fmt: skip
+    }
     out = {**results[min(results)], "ft_job": facts} if results else {"ft_job": facts}
     write_json_atomic(os.path.join(run_dir, "summary.json"), out)
     return out
 
 
-def agent_group(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int, started: Callable[[BaseProcess], None],
-                notice: LauncherNotice) -> dict:  # fmt: skip
+def agent_group(
+    cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int, started: Callable[[BaseProcess], None], notice: LauncherNotice
+) -> dict:
     """Replica group ``k`` of several ranks: a fresh process runs torch's elastic agent for them (its signal
     handlers need a main thread of their own); its result, or why it failed, as :func:`attempts` gives them. The
     agent starts with the scheduler's notices blocked: one that comes before its handlers are in waits for them

@@ -94,8 +94,13 @@ class FT(Strategy, ReplicaGroups):
         # inside the group: one process, or its ranks under DDP or FSDP2 (HSDP: sharded inside the group, replicated
         # across groups); their own process group, whose collectives (the checkpoint's too) wait at least a minute: a
         # rank that died ends the others at once, a stalled one is the watchdog's
-        group = dict(nproc_per_node=nproc_per_node, backend=backend, timeout=max(60.0, float(timeout)), device=device,
-                     cpu_threads=cpu_threads)  # fmt: skip
+        group = dict(
+            nproc_per_node=nproc_per_node,
+            backend=backend,
+            timeout=max(60.0, float(timeout)),
+            device=device,
+            cpu_threads=cpu_threads,
+        )
         self.inner: Single
         if inner == "fsdp":
             from pitstop.strategy.fsdp import FSDP
@@ -279,8 +284,13 @@ class FT(Strategy, ReplicaGroups):
         # its host: it is handed a socket listening on loopback, which it owns from then on.)
         if self.rank == 0:
             listening = socket.create_server(("127.0.0.1", 0), backlog=socket.SOMAXCONN)
-            self._store = TCPStore("127.0.0.1", listening.getsockname()[1], is_master=True, wait_for_workers=False,
-                                   master_listen_fd=listening.fileno())  # fmt: skip
+            self._store = TCPStore(
+                "127.0.0.1",
+                listening.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=listening.fileno(),
+            )
             listening.detach()
         port = self.inner.broadcast_object(self._store.port if self.rank == 0 else None)
         transport = RawHTTPTransport(secret, timeout, bind_host="127.0.0.1" if local else "::")
@@ -318,9 +328,13 @@ class FT(Strategy, ReplicaGroups):
         self._started_ms = int(self._full_id.split(":")[2])  # (every rank of the group decides as its rank 0)
         self.manager._client = _SeenQuorums(self.manager._client, self._check_peers)
         log.info(
-            "replica group %d of %d (%d rank%s), Lighthouse %s", self.replica_id, self.replicas, self.world_size,
-            "s" if self.world_size > 1 else "", self.lighthouse,
-        )  # fmt: skip
+            "replica group %d of %d (%d rank%s), Lighthouse %s",
+            self.replica_id,
+            self.replicas,
+            self.world_size,
+            "s" if self.world_size > 1 else "",
+            self.lighthouse,
+        )
 
     def attach(
         self,

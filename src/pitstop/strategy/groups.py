@@ -36,8 +36,12 @@ class ReplicaGroups:
         groups' own timeouts fail it (the step is discarded): 0, no peers."""
         return 0.0
 
-    def attach(self, state: Callable[[], dict], load: Callable[[dict], None],
-               watch: Callable[[str, float], AbstractContextManager]) -> None:  # fmt: skip
+    def attach(
+        self,
+        state: Callable[[], dict],
+        load: Callable[[dict], None],
+        watch: Callable[[str, float], AbstractContextManager],
+    ) -> None:
         """What a heal from a peer sends (``state()``) and applies (``load``, inside ``watch(phase, limit)``, the
         hang watchdog's phase)."""
 

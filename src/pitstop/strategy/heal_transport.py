@@ -286,12 +286,16 @@ def _tensor_leaf(where: str, value: torch.Tensor) -> tuple[dict, torch.Tensor]:
     t = value.detach()
     name = str(t.dtype).removeprefix("torch.")
     why = (
-        f"a {type(t).__name__} (a tensor subclass)" if type(t) is not torch.Tensor
-        else f"of dtype {name}" if name not in DTYPES
-        else f"of layout {t.layout}" if t.layout != torch.strided
-        else "on the meta device (no data)" if t.device.type == "meta"
+        f"a {type(t).__name__} (a tensor subclass)"
+        if type(t) is not torch.Tensor
+        else f"of dtype {name}"
+        if name not in DTYPES
+        else f"of layout {t.layout}"
+        if t.layout != torch.strided
+        else "on the meta device (no data)"
+        if t.device.type == "meta"
         else None
-    )  # fmt: skip
+    )
     if why:
         raise HealTransportError(f"the heal state's tensor {where} is {why}: it cannot travel to a healing peer")
     t = t.resolve_conj().resolve_neg()

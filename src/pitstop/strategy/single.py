@@ -62,14 +62,18 @@ class Single(Strategy):
                 log.warning(
                     "loader.num_workers=%d is more than this machine's %d cores: the loop keeps 1 intra-op thread "
                     "and the workers share the cores (fewer workers, or strategy.cpu_threads, to choose)",
-                    self.loader_workers, cores,
-                )  # fmt: skip
+                    self.loader_workers,
+                    cores,
+                )
             threads = min(_THREADS_ALLOWED, max(1, cores - self.loader_workers))
         torch.set_num_threads(threads)
         log.info(
-            "CPU budget: %d intra-op thread(s) for the loop, %d loader worker(s), %d cores%s", threads,
-            self.loader_workers, cores, "" if self.cpu_threads is None else " (strategy.cpu_threads)",
-        )  # fmt: skip
+            "CPU budget: %d intra-op thread(s) for the loop, %d loader worker(s), %d cores%s",
+            threads,
+            self.loader_workers,
+            cores,
+            "" if self.cpu_threads is None else " (strategy.cpu_threads)",
+        )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)

@@ -82,8 +82,14 @@ def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups,
     if groups.shares_data_order:  # strategy=ft: one global order, cut among the step's groups
         from pitstop.data.loader.replica import ReplicaLoader
 
-        loader = ReplicaLoader(loader, groups.participation, groups.replicas, int(t.grad_accum_steps),
-                               ranks=strategy.world_size, rank=strategy.rank)  # fmt: skip
+        loader = ReplicaLoader(
+            loader,
+            groups.participation,
+            groups.replicas,
+            int(t.grad_accum_steps),
+            ranks=strategy.world_size,
+            rank=strategy.rank,
+        )
     elif fresh:  # (loader=cached) first shards downloading while the model is built
         loader.warm()
     model = build(cfg.model)
@@ -109,9 +115,12 @@ def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups,
 def watchdog(hang: Hang) -> Watchdog:
     """The hang detector from ``trainer.hang``."""
     return Watchdog(
-        enabled=hang.enabled, factor=hang.factor, min_seconds=hang.min_seconds,
-        first_seconds=hang.first_seconds, grace=hang.grace_seconds,
-    )  # fmt: skip
+        enabled=hang.enabled,
+        factor=hang.factor,
+        min_seconds=hang.min_seconds,
+        first_seconds=hang.first_seconds,
+        grace=hang.grace_seconds,
+    )
 
 
 @dataclass
@@ -141,14 +150,25 @@ def build_goodput_log(run_dir: str, ledger: Ledger, strategy: Strategy, launch: 
     """This attempt's line in ``RUN_DIR/goodput.jsonl`` (written by the main rank); under ``strategy=ft`` it
     carries the attempt's heals and discarded steps."""
     groups = strategy.groups
-    return GoodputLog(run_dir, ledger, enabled=strategy.is_main, auto_restart=launch.restart > 0,
-                      start_method=launch.start_method,
-                      extra=(lambda: {"ft": groups.stats()}) if groups.stats() is not None else None)  # fmt: skip
+    return GoodputLog(
+        run_dir,
+        ledger,
+        enabled=strategy.is_main,
+        auto_restart=launch.restart > 0,
+        start_method=launch.start_method,
+        extra=(lambda: {"ft": groups.stats()}) if groups.stats() is not None else None,
+    )
 
 
-def build_sample_log(cfg: DictConfig, run_dir: str, strategy: Strategy, accum: int,
-                     taking: Callable[[], tuple[int, int]], loader: TrainLoader,
-                     hold: ExitStack) -> SampleLog | None:  # fmt: skip
+def build_sample_log(
+    cfg: DictConfig,
+    run_dir: str,
+    strategy: Strategy,
+    accum: int,
+    taking: Callable[[], tuple[int, int]],
+    loader: TrainLoader,
+    hold: ExitStack,
+) -> SampleLog | None:
     """``data.record_sample_ids``: every sample each step takes, per rank and attempt (the exactly-once proof);
     ``taking()`` names the step and micro-batch being taken."""
     if not cfg.data.get("record_sample_ids"):
@@ -168,8 +188,17 @@ def interval_policy(cfg: DictConfig, failures: int, job_seconds: float) -> Inter
     return IntervalPolicy(mtbf, "fault.mtbf_seconds" if mtbf else "", failures, job_seconds)
 
 
-def build_fault(cfg: DictConfig, run_dir: str, strategy: Strategy, groups: ReplicaGroups, total_steps: int,
-                start_wall: float, ckpt: Checkpointer | None, accum: int, hold: ExitStack) -> Fault:  # fmt: skip
+def build_fault(
+    cfg: DictConfig,
+    run_dir: str,
+    strategy: Strategy,
+    groups: ReplicaGroups,
+    total_steps: int,
+    start_wall: float,
+    ckpt: Checkpointer | None,
+    accum: int,
+    hold: ExitStack,
+) -> Fault:
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
     (``strategy=ft``) aims it at replica groups (``ReplicaGroups.aim_fault``)."""
     fault = build(OmegaConf.create(groups.aim_fault(OmegaConf.to_container(cfg.fault, resolve=True))))
@@ -189,7 +218,7 @@ def build_fault(cfg: DictConfig, run_dir: str, strategy: Strategy, groups: Repli
             on_heal_served=groups.on_heal_served if in_groups else None,
             on_heal=groups.on_heal if in_groups else None,
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
-        )  # fmt: skip
+        )
     )
     return fault
 

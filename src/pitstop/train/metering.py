@@ -135,8 +135,9 @@ class StepMeter:
         if step % self.log_every == 0 or step == total_steps:
             self._log_window(step, epoch, loss, lr, logger, io)
 
-    def _log_window(self, step: int, epoch: int, loss: float, lr: float, logger: Logger,
-                    io: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+    def _log_window(
+        self, step: int, epoch: int, loss: float, lr: float, logger: Logger, io: Callable[[], dict[str, float]]
+    ) -> None:
         """The window's figures since the last log, and the data counters that moved, to the tracker."""
         window = self.window
         now = time.perf_counter()

@@ -34,8 +34,9 @@ class Records:
             self.logger.log_metrics(metrics, step)
         self.metrics_file.write({"step": step, **metrics, "time": round(time.time(), 3)})
 
-    def started(self, step: int, resumed_from: int | None, healed: bool, world_size: int, samples: int,
-                epochs: int | None) -> None:  # fmt: skip
+    def started(
+        self, step: int, resumed_from: int | None, healed: bool, world_size: int, samples: int, epochs: int | None
+    ) -> None:
         """After restore: the attempt's start in the goodput log, the sample log's header (the data the attempt
         starts from: ``samples`` per epoch, over ``epochs`` or to ``trainer.max_steps``) and a resume's event."""
         self.goodput.resumed(resumed_from)

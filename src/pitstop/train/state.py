@@ -37,8 +37,9 @@ class Progress:
 class TrainState:
     """Everything besides model and optimizer tensors that a checkpoint must restore (``Stateful``)."""
 
-    def __init__(self, progress: Progress, loader: TrainLoader, scheduler: LRScheduler, fingerprint: dict,
-                 precision: Precision):  # fmt: skip
+    def __init__(
+        self, progress: Progress, loader: TrainLoader, scheduler: LRScheduler, fingerprint: dict, precision: Precision
+    ):
         self.progress, self.loader, self.scheduler, self._fingerprint = progress, loader, scheduler, fingerprint
         self.precision = precision
 
@@ -110,9 +111,13 @@ def _like(value: Any, model: Any) -> Any:
     if not isinstance(model, DTensor) or isinstance(value, DTensor):
         return value
     return DTensor.from_local(
-        value.to(model.device), model.device_mesh, model.placements, run_check=False, shape=model.shape,
+        value.to(model.device),
+        model.device_mesh,
+        model.placements,
+        run_check=False,
+        shape=model.shape,
         stride=model.stride(),
-    )  # fmt: skip
+    )
 
 
 @dataclass

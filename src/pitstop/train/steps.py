@@ -44,9 +44,16 @@ def total_steps(trainer: Trainer, loader: TrainLoader, accum: int) -> int:
     return batches // accum
 
 
-def after_resume(step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int,
-                 world_size: int,
-                 groups: ReplicaGroups) -> int:  # fmt: skip
+def after_resume(
+    step: int,
+    loader: TrainLoader,
+    epochs: int,
+    accum: int,
+    scheduler: LRScheduler,
+    total: int,
+    world_size: int,
+    groups: ReplicaGroups,
+) -> int:
     """``trainer.epochs`` after a resume: the run's new bound. Under replica groups (a loader that cuts one global
     order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed schedule's
     plan is kept as it is, re-planned only after committed steps, the same in every group (a group's own restore or
@@ -81,8 +88,15 @@ def steps_at_this_world_size(
     return new_total
 
 
-def after_step(step: int, loader: TrainLoader, trainer: Trainer, accum: int, scheduler: LRScheduler, total: int,
-               groups: ReplicaGroups) -> int:  # fmt: skip
+def after_step(
+    step: int,
+    loader: TrainLoader,
+    trainer: Trainer,
+    accum: int,
+    scheduler: LRScheduler,
+    total: int,
+    groups: ReplicaGroups,
+) -> int:
     """The run's bound after a committed step: unchanged, but under replica groups with ``trainer.epochs``, where
     the epochs end where the data position says (:func:`steps_with_groups`)."""
     if trainer.max_steps is not None or not groups.shares_data_order:
@@ -90,8 +104,9 @@ def after_step(step: int, loader: TrainLoader, trainer: Trainer, accum: int, sch
     return steps_with_groups(step, loader, int(trainer.epochs), accum, scheduler, total, groups.participants)
 
 
-def steps_with_groups(step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int,
-                      groups: int) -> int:  # fmt: skip
+def steps_with_groups(
+    step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int, groups: int
+) -> int:
     """``strategy=ft`` with ``trainer.epochs``: the steps left are the fetches left of the epochs from the committed
     data position, over ``accum``, if the ``groups`` of the last step stay (a missing group's share makes an epoch
     take more steps; a group that comes back, fewer). Whenever that differs from the LR schedule's own plan, the
@@ -103,9 +118,14 @@ def steps_with_groups(step: int, loader: TrainLoader, epochs: int, accum: int, s
     if new_total != planned:
         fits = replan(scheduler, step, new_total)
         log.info(
-            "%d replica group(s) from step %d: %d epochs end at step %d (were %d)%s", groups, step, epochs,
-            new_total, planned, "" if fits else f"; {type(scheduler).__name__} keeps its length",
-        )  # fmt: skip
+            "%d replica group(s) from step %d: %d epochs end at step %d (were %d)%s",
+            groups,
+            step,
+            epochs,
+            new_total,
+            planned,
+            "" if fits else f"; {type(scheduler).__name__} keeps its length",
+        )
     return new_total
 
 
@@ -132,9 +152,16 @@ class EvalSchedule:
         return due
 
 
-def evaluate(model: nn.Module, task: Task, loader: ShardLoader, max_batches: int | None, strategy: Strategy,
-             precision: Precision, to_device: Callable[[Any], Any],
-             on_batch: Callable[[int], None] | None = None) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    model: nn.Module,
+    task: Task,
+    loader: ShardLoader,
+    max_batches: int | None,
+    strategy: Strategy,
+    precision: Precision,
+    to_device: Callable[[Any], Any],
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, float]:
     """One pass over the evaluation split (at most ``max_batches``): the task's metrics, reduced over ranks.
     Every rank runs the same number of forwards (they are collectives under DDP/FSDP): see ``iterate_once``.
     ``on_batch(i)``: called as the i-th batch (1-based) is handed on, after the one before it was computed."""

@@ -121,8 +121,11 @@ class MLflowLogger(Logger):
             log.info(
                 "MLflow run %s: `mlflow ui --backend-store-uri %s`, then open "
                 "http://127.0.0.1:5000/#/experiments/%s/runs/%s?workflowType=machine_learning",
-                out["mlflow_run_id"], self.opts["tracking_uri"], out["mlflow_experiment_id"], out["mlflow_run_id"],
-            )  # fmt: skip
+                out["mlflow_run_id"],
+                self.opts["tracking_uri"],
+                out["mlflow_experiment_id"],
+                out["mlflow_run_id"],
+            )
         out["mlflow_enqueue_seconds"] = round(self.enqueue_seconds, 6)
         return out
 
@@ -177,8 +180,7 @@ def _serve() -> None:
             if item is not None:
                 status, told = item[1], True
             break
-    _end(client, state, None if not told and _attempts(hello["run_dir"]) > attempts else status, told,
-         hello["run_dir"])  # fmt: skip
+    _end(client, state, None if not told and _attempts(hello["run_dir"]) > attempts else status, told, hello["run_dir"])
 
 
 def _end(client, state: dict, status: str | None, told: bool, run_dir: str) -> None:
