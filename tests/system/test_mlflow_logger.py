@@ -57,3 +57,40 @@ def test_an_experiment_made_before_without_a_kind_becomes_a_training_one(make_cf
     summary = train(make_cfg("logger=mlflow", f"logger.tracking_uri={uri}"))
     assert client.get_run(summary["mlflow_run_id"]).info.experiment_id == exp
     assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+RACE = """
+import os, sys, time
+from mlflow.tracking import MlflowClient  # (imported before the start line: the race is the store's first use)
+from pitstop.telemetry.logger.mlflow import _client
+folder, uri, me, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+open(os.path.join(folder, f"ready{me}"), "w").close()
+while sum(f.startswith("ready") for f in os.listdir(folder)) < n:  # (all at the start line, then all at once)
+    pass
+_client(uri).get_experiment_by_name("pitstop")
+print("ok")
+"""
+
+
+def test_trackers_that_first_use_one_new_store_at_once_leave_it_whole(tmp_path):
+    # two replica groups' trackers on a fresh store, or a restarted attempt's beside the killed one's: MLflow
+    # creates and migrates the tables on first use, and without a lock the store was left half-migrated for good
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    uri, n = f"sqlite:///{tmp_path / 'mlflow.db'}", 3
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(tmp_path), uri, str(k), str(n)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(n)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    errors = [e[-500:] for _, e in outs]
+    assert all(p.returncode == 0 and out.strip() == "ok" for p, (out, _) in zip(procs, outs)), errors
+    assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]  # (usable after)

@@ -201,6 +201,25 @@ def _end(client, state: dict, status: str | None, told: bool, run_dir: str) -> N
         pass
 
 
+def _client(uri: str):
+    """An ``MlflowClient`` on ``uri``, its store ready. MLflow creates and migrates a sqlite store's tables on first
+    use, and two processes doing it at once leave it half-migrated for good (``table _alembic_tmp_... already
+    exists`` on every later use): two replica groups' trackers on a fresh store, a restarted attempt's beside the
+    killed one's, a parallel sweep. So a sqlite store is first used under an exclusive lock (``<db>.lock`` beside
+    it), one process at a time; a store served over HTTP is the server's to guard."""
+    from mlflow.tracking import MlflowClient
+
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    import fcntl
+
+    with open(os.path.abspath(uri[len("sqlite:///") :]) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # (creates and migrates the tables: once, by the first)
+    return client
+
+
 def _attempts(run_dir: str) -> int:
     """The attempts of the run on record in its ``goodput.json`` (0 when there is none yet)."""
     try:
@@ -240,10 +259,9 @@ def _log_timeline(client, run_id: str, run_dir: str) -> str:
 
 def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
     from mlflow.entities import Param
-    from mlflow.tracking import MlflowClient
 
     t0 = time.perf_counter()
-    client = MlflowClient(tracking_uri=opts["tracking_uri"])
+    client = _client(opts["tracking_uri"])
     id_file = os.path.join(run_dir, "mlflow_run_id")
     if os.path.isfile(id_file):
         with open(id_file) as f:
