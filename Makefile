@@ -8,7 +8,7 @@ PYTHON ?= python3
 # pytest-xdist processes for make test / test-fast (--dist loadscope: a module stays on one worker): one per core
 # of this machine (and CI's). A third worker did not make the suite faster where it counts: CI took 1,736 s with 3
 # against 1,649 s with 2, and runs here moved by more than the difference (22 to 27 min with 3). WORKERS=0 runs in
-# one process. Tests marked `serial` (in-process, timed by their own watchdog) run after the parallel part, alone.
+# one process. Tests marked `serial` (timed by their own watchdog; the browser test) run after the parallel part, alone.
 # A worker that dies is not replaced (--max-worker-restart=0): the run fails naming the test it was running
 # (xdist 3.8's loadscope scheduler could hang for good after a replacement joined: KeyError in _assign_work_unit).
 WORKERS ?= 2

@@ -235,6 +235,6 @@ def test_readme_command(cmd, project):
     elif module == "recipe.export":
         assert (cwd / argv[4]).is_file()
     elif module == "recipe.goodput" and "--timeline" in argv:
-        assert Path(p.stdout.strip().splitlines()[-1]).is_file() and p.stdout.strip().endswith("timeline.png")
+        assert (cwd / p.stdout.strip().splitlines()[-1]).is_file() and p.stdout.strip().endswith("timeline.png")
     elif module == "recipe.goodput":
         assert "%" in p.stdout
