@@ -24,7 +24,8 @@ from pitstop.telemetry.logger.base import Logger
 
 log = logging.getLogger(__name__)
 
-# The tag by which MLflow's UI (3.x) tells a model-training experiment from a GenAI one, and the training value.
+# The tag that says an MLflow experiment's kind, and the model-training value (MLflow 3.17's UI reads its view from the
+# link, not from this tag: see close()).
 EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
 _PARAM_BATCH = 100
 _METRIC_BATCH = 1000
@@ -275,7 +276,9 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
         except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
             pass
     exp = client.get_experiment_by_name(opts["experiment"])
-    kind = {EXPERIMENT_KIND: TRAINING}  # (the UI opens a training experiment on its runs, not on a GenAI overview)
+    # (what kind of experiment it is, for whatever reads the tag: MLflow 3.17's UI picks its view from the link's
+    # workflowType instead, whatever the tag says; close() logs a link that asks for the training view)
+    kind = {EXPERIMENT_KIND: TRAINING}
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(opts["experiment"], tags=kind)
     if exp is not None and EXPERIMENT_KIND not in exp.tags:  # (one made before, by hand or by an older pitstop)
         client.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING)
