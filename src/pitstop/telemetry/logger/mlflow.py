@@ -156,7 +156,7 @@ def _serve() -> None:
     attempts = _attempts(hello["run_dir"])  # (on record as this attempt started: its own is the last)
     state = {"mlflow_run_id": None, "mlflow_metrics_sent": 0, "mlflow_send_seconds": 0.0, "error": None}
     try:
-        client = _open(opts, hello["run_dir"], hello["params"], hello["tags"], state)
+        client = _open(opts, hello["run_dir"], hello["params"], hello["tags"], state, attempts)
     except Exception as e:  # noqa: BLE001 - reported at close(); training goes on
         state["error"], client = f"{type(e).__name__}: {e}", None
     pending: list = []
@@ -258,7 +258,19 @@ def _log_timeline(client, run_id: str, run_dir: str) -> str:
         return f"not logged: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
+def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict, attempts: int):
+    """The run to log to: the run dir's (``RUN_DIR/mlflow_run_id``, a resumed job's), marked RUNNING unless a later
+    attempt of the run has begun meanwhile (this tracker then belongs to one that died: the run's status is the later
+    one's); else a new run in the experiment. Found or made under the run dir's lock (``mlflow_run_id.lock``): a
+    killed attempt's tracker and its restart's, starting together, make one run, not two."""
+    import fcntl
+
+    with open(os.path.join(run_dir, "mlflow_run_id.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        return _find_or_make(opts, run_dir, params, tags, state, attempts)
+
+
+def _find_or_make(opts: dict, run_dir: str, params: dict, tags: dict, state: dict, attempts: int):
     from mlflow.entities import Param
 
     t0 = time.perf_counter()
@@ -268,7 +280,8 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
         with open(id_file) as f:
             run_id = f.read().strip()
         try:
-            client.update_run(run_id, status="RUNNING")
+            if _attempts(run_dir) <= attempts:
+                client.update_run(run_id, status="RUNNING")
             state["mlflow_run_id"] = run_id
             state["mlflow_experiment_id"] = client.get_run(run_id).info.experiment_id
             state["mlflow_send_seconds"] += time.perf_counter() - t0
@@ -279,7 +292,15 @@ def _open(opts: dict, run_dir: str, params: dict, tags: dict, state: dict):
     # (what kind of experiment it is, for whatever reads the tag: MLflow 3.17's UI picks its view from the link's
     # workflowType instead, whatever the tag says; close() logs a link that asks for the training view)
     kind = {EXPERIMENT_KIND: TRAINING}
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(opts["experiment"], tags=kind)
+    if exp is None:
+        try:
+            exp_id = client.create_experiment(opts["experiment"], tags=kind)
+        except Exception:  # noqa: BLE001 - another tracker (a replica group's) made it just now
+            exp = client.get_experiment_by_name(opts["experiment"])
+            if exp is None:
+                raise
+    if exp is not None:
+        exp_id = exp.experiment_id
     if exp is not None and EXPERIMENT_KIND not in exp.tags:  # (one made before, by hand or by an older pitstop)
         client.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING)
     run = client.create_run(exp_id, run_name=opts["run_name"], tags={"run_dir": run_dir, **tags})
