@@ -56,8 +56,8 @@ class LaunchPlan:
         """Seconds the elastic agent's rendezvous waits: ``strategy.timeout``; inside a replica group at least a
         minute (``strategy=ft``'s own timeout is torchft's, per step)."""
         if isinstance(self.strategy, schema.FT):
-            return max(60, int(self.strategy.timeout))
-        return int(self.strategy.timeout) if isinstance(self.strategy, schema.DDP) else 300
+            return max(60, int(self.strategy_timeout))
+        return int(self.strategy_timeout) if isinstance(self.strategy, schema.DDP) else 300
 
     @property
     def strategy_timeout(self) -> float:
