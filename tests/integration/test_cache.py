@@ -339,10 +339,6 @@ def test_readers_publish_the_rest_of_the_epoch_and_all_of_the_next(data_root, tm
     next(it)
     it.close()
     assert not list((tmp_path / "l" / ".future").glob("*.json"))  # (lru: nothing to publish)
-    with pytest.raises(ConfigError, match=r"loader\.cache_policy='mru'"):
-        CachedLoader(
-            remote_digits(store.url), "train", batch_size=32, seed=3, cache_dir=str(tmp_path / "x"), cache_policy="mru"
-        )
 
 
 def test_prefetch_auto_goes_as_deep_as_downloads_need(data_root, tmp_path, store):

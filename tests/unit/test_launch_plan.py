@@ -54,7 +54,14 @@ def test_launch_settings_are_typed_fields_with_one_rule_each(tmp_path):
         (["trainer.max_restarts=-1"], "trainer.max_restarts must be an integer >= 0, got -1"),
         (["strategy=ddp", "strategy.nproc_per_node=0"], "strategy.nproc_per_node must be a positive integer, got 0"),
         (["strategy=ddp", "strategy.nnodes=3:2"], "strategy.nnodes must be N or MIN:MAX with 1 <= MIN <= MAX"),
-        (["strategy=ft", "strategy.heartbeat_ms=0"], "strategy.heartbeat_ms must be"),
+        (["strategy=ft", "strategy.heartbeat_ms=0"], "strategy.heartbeat_ms must be a positive number, got 0"),
+        (
+            ["strategy=ft", "strategy.replicas=0"],
+            "strategy.replicas must be a positive integer (replica groups), got 0",
+        ),
+        (["strategy=ft", "strategy.nproc_per_node=0"], "strategy.nproc_per_node must be a positive integer (ranks per"),
+        (["strategy=ft", "strategy.timeout=0"], "strategy.timeout must be a positive number, got 0.0"),
+        (["strategy=ft", "strategy.max_restarts=-1"], "strategy.max_restarts must be an integer >= 0, got -1"),
     ],
 )
 def test_a_bad_launch_setting_is_refused_in_one_line_before_anything_starts(tmp_path, overrides, message):

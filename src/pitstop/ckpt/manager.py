@@ -35,7 +35,6 @@ from pitstop.ckpt.contract import (
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
-from pitstop.config import checks
 from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
@@ -65,16 +64,6 @@ class CheckpointManager(Checkpointer):
         local: Mapping[str, Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ):
-        if on_error not in ("raise", "warn"):
-            raise ConfigError(f"ckpt.on_error must be 'raise' or 'warn', got {on_error!r}")
-        for key, value in (
-            ("ckpt.interval_steps", interval_steps),
-            ("ckpt.interval_seconds", interval_seconds),
-            ("ckpt.mtbf_seconds", mtbf_seconds),
-            ("ckpt.throttle_mbps", throttle_mbps),
-        ):
-            checks.positive(key, value, optional=True, or_null=True)
-        checks.integer("ckpt.keep_last_k", keep_last_k, at_least=0, note=" (0 keeps all)")
         if self.is_async and keep_last_k == 1:
             raise ConfigError(
                 "ckpt.keep_last_k=1 is unsafe with async saves (the newest may still be in flight); "

@@ -64,8 +64,6 @@ def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async:
             f"place (tmpfs such as /dev/shm, or a node-local disk)"
         )
     steps, seconds, interval = local.get("interval_steps"), local.get("interval_seconds"), local.get("interval")
-    checks.positive("ckpt.local.interval_steps", steps, optional=True, or_null=True)
-    checks.positive("ckpt.local.interval_seconds", seconds, optional=True, or_null=True)
     if interval not in (None, "auto"):
         raise ConfigError(f"ckpt.local.interval={interval!r}: use auto or null")
     if interval is None and not steps and not seconds:

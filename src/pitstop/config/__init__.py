@@ -16,18 +16,16 @@ def _get(cfg: DictConfig, key: str) -> Any:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Validate the parts of the config every run relies on (components validate their own)."""
-    for key in ("trainer.batch_size", "trainer.log_every_steps", "trainer.grad_accum_steps"):
-        checks.integer(key, _get(cfg, key))
-    for key in ("trainer.max_steps", "trainer.epochs", "trainer.eval_every_steps", "trainer.eval_max_batches"):
-        checks.integer(key, _get(cfg, key), optional=True)
+    """Every key against the range its schema declares (``pitstop.config.schema``), and the rules every run relies
+    on that no one component owns (the rules between a component's keys live in that component's module)."""
+    from pitstop.config import schema
+
+    schema.check_all(cfg)
     if _get(cfg, "trainer.max_steps") is None and _get(cfg, "trainer.epochs") is None:
         raise ConfigError("set trainer.max_steps or trainer.epochs")
     checks.positive("optim.lr", _get(cfg, "optim.lr"))
-    checks.positive("trainer.grad_clip", _get(cfg, "trainer.grad_clip"), optional=True)
     if not checks.is_integer(_get(cfg, "seed")):
         raise ConfigError(f"seed must be an integer, got {_get(cfg, 'seed')!r}")
-    checks.integer("loader.num_workers", _get(cfg, "loader.num_workers"), at_least=0)
 
 
 def flatten(cfg: DictConfig) -> dict[str, str]:

@@ -43,3 +43,59 @@ def at_least_zero(key: str, value: object, *, what: str = "a number >= 0") -> An
     if not is_number(value) or value < 0:
         raise ConfigError(f"{key} must be {what}, got {value!r}")
     return value
+
+
+class Check:
+    """A key's allowed values, declared next to its schema field (``schema.key(default, doc, check=...)``) and
+    applied to the composed config once (``pitstop.config.validate``). ``text`` is the range in the reference."""
+
+    text = ""
+
+    def __call__(self, key: str, value: object) -> None:
+        raise NotImplementedError
+
+
+class Integer(Check):
+    """An integer >= ``at_least``; null passes when ``optional``."""
+
+    def __init__(self, at_least: int = 1, *, optional: bool = False, note: str = ""):
+        self.at_least, self.optional, self.note = at_least, optional, note
+        self.text = f"integer >= {at_least}" + (" or null" if optional else "")
+
+    def __call__(self, key: str, value: object) -> None:
+        integer(key, value, at_least=self.at_least, optional=self.optional, note=self.note)
+
+
+class Positive(Check):
+    """A number > 0; null passes when ``optional`` (and the message says "or null")."""
+
+    def __init__(self, *, optional: bool = False, what: str = "a positive number"):
+        self.optional, self.what = optional, what
+        self.text = "> 0" + (" or null" if optional else "")
+
+    def __call__(self, key: str, value: object) -> None:
+        positive(key, value, optional=self.optional, what=self.what, or_null=self.optional)
+
+
+class AtLeastZero(Check):
+    """A number >= 0."""
+
+    def __init__(self, *, what: str = "a number >= 0"):
+        self.what, self.text = what, ">= 0"
+
+    def __call__(self, key: str, value: object) -> None:
+        at_least_zero(key, value, what=self.what)
+
+
+class OneOf(Check):
+    """One of a few values."""
+
+    def __init__(self, *choices: object, say: str = ""):
+        self.choices, self.say = choices, say
+        self.text = " | ".join(str(c) for c in choices)
+
+    def __call__(self, key: str, value: object) -> None:
+        if value not in self.choices:
+            if self.say:
+                raise ConfigError(f"{key}={value!r}: {self.say}")
+            raise ConfigError(f"{key} must be {' or '.join(repr(c) for c in self.choices)}, got {value!r}")

@@ -18,15 +18,16 @@ from pitstop.config import compose, schema
 GROUPS = ("trainer", "strategy", "ckpt", "loader", "fault", "logger")
 
 
-def keys(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
-    """(dotted key, type, default, doc) of every key of a schema, nested sections flattened."""
+def keys(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, str, str]]:
+    """(dotted key, type, default, doc, allowed range) of every key of a schema, nested sections flattened."""
     for f in dataclasses.fields(cls):
         factory = f.default_factory
         if isinstance(factory, type) and dataclasses.is_dataclass(factory):
             yield from keys(factory, f"{prefix}{f.name}.")
         elif f.name != "_target_":
             default = factory() if factory is not dataclasses.MISSING else f.default
-            yield f"{prefix}{f.name}", str(f.type), default, f.metadata.get("doc", "")
+            check = f.metadata.get("check")
+            yield f"{prefix}{f.name}", str(f.type), default, f.metadata.get("doc", ""), check.text if check else ""
 
 
 def yaml(value: Any) -> str:
@@ -89,9 +90,12 @@ def render(conf: str) -> str:
                 continue
             seen.add(cls)
             doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
-            parts.append(f"### `{cls.__name__}`\n\n{doc}\n\n| key | type | default | what it is |\n|---|---|---|---|")
-            for key, kind, default, about in keys(cls):
-                parts.append(f"| `{group}.{key}` | {typename(kind)} | {shown(default)} | {cell(about)} |")
+            head = "| key | type | default | allowed | what it is |\n|---|---|---|---|---|"
+            parts.append(f"### `{cls.__name__}`\n\n{doc}\n\n{head}")
+            for key, kind, default, about, allowed in keys(cls):
+                parts.append(
+                    f"| `{group}.{key}` | {typename(kind)} | {shown(default)} | {cell(allowed)} | {cell(about)} |"
+                )
             parts.append("")
     return "\n".join(parts)
 

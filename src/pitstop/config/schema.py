@@ -3,8 +3,9 @@
 Each YAML option of ``ckpt``, ``loader``, ``strategy``, ``fault``, ``logger`` and ``trainer`` opens with
 ``defaults: [/schema/<group>/<name>@_here_, _self_]``, so Hydra checks every key's type while composing:
 ``ckpt.interval_steps=abc`` is refused naming the key, and a misspelled key is refused instead of being
-ignored. Value ranges and rules that relate two keys stay in code (``pitstop.launch.plan`` for the launch keys,
-``pitstop.config.validate`` and the components), as one-line ``ConfigError``s.
+ignored. A key's range is declared next to it (``key(..., check=Integer(at_least=0))``) and applied once to the
+composed config (:func:`check`, from ``pitstop.config.validate``); the rules that relate two keys live in one module
+per component (``strategy/ft_keys.py``, ``ckpt/tiers.py``, ``resilience/fault.py``...). Each refusal is one line.
 
 Each key is typed once, here, with its default and its one-line doc (:func:`key`): the one home of each default.
 A YAML option is its schema, named; it sets only what differs (``ckpt=async_dcp_pinned``: ``pinned: true``), and
@@ -15,17 +16,64 @@ keeps the comments that say why an option is what it is. A required key defaults
 from __future__ import annotations
 
 import copy
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from pitstop.config.checks import AtLeastZero, Check, Integer, OneOf, Positive
 
 
-def key(default: Any, doc: str) -> Any:
-    """A key's default (its one home: the YAML options set only what differs) and its one-line doc."""
+def key(default: Any, doc: str, check: Check | None = None) -> Any:
+    """A key's default (its one home: the YAML options set only what differs), its one-line doc and its range."""
+    meta = {"doc": doc, "check": check}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def check(name: str, node: Any, kind: type | None = None) -> None:
+    """Each key of a composed section (``node``) against the range its schema (``kind``; by default the node's own
+    type) declares; nested schemas (``trainer.hang``, ``ckpt.local``) too. The first key out of range is one
+    ``ConfigError``."""
+    kind = kind or OmegaConf.get_type(node)
+    if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(kind):
+        return
+    hints = typing.get_type_hints(kind)
+    for f in dataclasses.fields(kind):
+        if f.name not in node or OmegaConf.is_missing(node, f.name):
+            continue
+        value = node[f.name]
+        if isinstance(value, DictConfig):
+            nested = hints.get(f.name)
+            check(f"{name}.{f.name}", value, nested if dataclasses.is_dataclass(nested) else None)
+        elif f.metadata.get("check") is not None:
+            f.metadata["check"](f"{name}.{f.name}", value)
+
+
+def schema_of(group: str, node: DictConfig) -> type | None:
+    """The schema class of a composed group's section; of a config read back from YAML (untyped): the option whose
+    ``_target_`` it names, else the smallest schema of the group that has all its keys."""
+    options = list(SCHEMAS.get(group, {}).values())
+    kind = OmegaConf.get_type(node)
+    if isinstance(kind, type) and any(issubclass(kind, o) for o in options):
+        return kind
+    target, keys = node.get("_target_"), set(node.keys())
+    same = [o for o in options if target is not None and getattr(o, "_target_", None) == target]
+    for candidate in same or options:
+        if {f.name for f in dataclasses.fields(candidate)} >= keys:
+            return candidate
+    return None
+
+
+def check_all(cfg: DictConfig) -> None:
+    """Every schema'd group of a composed config against its declared ranges (``pitstop.config.validate``)."""
+    for group in SCHEMAS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            check(group, node, schema_of(group, node))
 
 
 PHASE = (
@@ -42,8 +90,8 @@ class LocalTier:
     """``ckpt.local``: a second, fast tier next to ``ckpt.dir`` (tmpfs, node-local NVMe); off while ``dir`` is null."""
 
     dir: Optional[str] = key(None, "e.g. /dev/shm/pitstop, or auto (= /dev/shm/pitstop); the run's own subdir is made")
-    interval_steps: Optional[int] = key(None, "save there every N steps ...")
-    interval_seconds: Optional[float] = key(None, "... and/or every N seconds")
+    interval_steps: Optional[int] = key(None, "save there every N steps ...", check=Positive(optional=True))
+    interval_seconds: Optional[float] = key(None, "... and/or every N seconds", check=Positive(optional=True))
     interval: Optional[str] = key(
         None, "auto: Young-Daly from this tier's own measured save cost (replaces the two above)"
     )
@@ -57,21 +105,31 @@ class Ckpt:
 
     _target_: str = "pitstop.ckpt.sync_save.SyncSave"
     dir: str = key("${run_dir}/checkpoints", "one step_{:08d}/ dir per checkpoint; s3://... too")
-    interval_steps: Optional[int] = key(50, "save every N steps (null: off)")
-    interval_seconds: Optional[float] = key(None, "and/or every N seconds of wall clock")
+    interval_steps: Optional[int] = key(50, "save every N steps (null: off)", check=Positive(optional=True))
+    interval_seconds: Optional[float] = key(None, "and/or every N seconds of wall clock", check=Positive(optional=True))
     interval: Optional[str] = key(
         None, "auto: Young-Daly sqrt(2 x save cost x MTBF), measured (replaces the two above)"
     )
     mtbf_seconds: Optional[float] = key(
-        None, "for interval=auto (else fault.mtbf_seconds, else failures seen in this run dir)"
+        None,
+        "for interval=auto (else fault.mtbf_seconds, else failures seen in this run dir)",
+        check=Positive(optional=True),
     )
-    keep_last_k: int = key(3, "newest complete checkpoints kept (0: all); async: >= 2, the newest may be in flight")
+    keep_last_k: int = key(
+        3,
+        "newest complete checkpoints kept (0: all); async: >= 2, the newest may be in flight",
+        check=Integer(0, note=" (0 keeps all)"),
+    )
     save_last: bool = key(True, "save at the final step")
     load: Any = key("auto", "auto (newest complete) | none | PATH | STEP")
     load_model_only: bool = key(False, "true: take only model weights from ckpt.load (fine-tune, changed config)")
-    on_error: str = key("raise", "a failed save: raise | warn (the last save failing always fails the run)")
+    on_error: str = key(
+        "raise",
+        "a failed save: raise | warn (the last save failing always fails the run)",
+        check=OneOf("raise", "warn"),
+    )
     throttle_mbps: Optional[float] = key(
-        None, "cap write bandwidth (MB/s): stand-in for a network volume in benchmarks"
+        None, "cap write bandwidth (MB/s): stand-in for a network volume in benchmarks", check=Positive(optional=True)
     )
     storage_options: Any = key(
         {},
@@ -111,18 +169,20 @@ class Loader:
     """``loader=plain``: every rank reads its shards from ``data.root`` (local or remote) in worker processes."""
 
     _target_: str = "pitstop.data.loader.plain.PlainLoader"
-    num_workers: int = key(2, "worker processes per rank (0: read in the training process)")
-    prefetch_factor: int = key(4, "batches each worker prepares ahead")
+    num_workers: int = key(2, "worker processes per rank (0: read in the training process)", check=Integer(0))
+    prefetch_factor: int = key(4, "batches each worker prepares ahead", check=Integer(1))
     partitions: Optional[int] = key(None, "fixed logical partitions of the shards (null: one per shard)")
     shuffle: bool = key(True, "shard and in-shard order from (seed, epoch): the same after any restart")
     shuffle_shards_window: int = key(
-        1, "K > 1: each reader mixes the samples of K shards at a time (class-sorted shards)"
+        1,
+        "K > 1: each reader mixes the samples of K shards at a time (class-sorted shards)",
+        check=Integer(1, note=" (1: one shard at a time; K: each reader mixes K shards)"),
     )
     drop_last: bool = key(False, "drop an epoch's last partial batch")
-    timeout: float = key(0.0, "seconds to wait for a worker batch (0: forever)")
-    retries: int = key(3, "remote reads: attempts after the first (local files: none)")
-    backoff: float = key(0.5, "seconds before the first retry, doubling each time")
-    read_timeout: float = key(60.0, "seconds per request (connect and each read)")
+    timeout: float = key(0.0, "seconds to wait for a worker batch (0: forever)", check=AtLeastZero())
+    retries: int = key(3, "remote reads: attempts after the first (local files: none)", check=Integer(0))
+    backoff: float = key(0.5, "seconds before the first retry, doubling each time", check=AtLeastZero())
+    read_timeout: float = key(60.0, "seconds per request (connect and each read)", check=Positive())
     download_parts: Any = key("auto", "ranged requests per remote shard at once: auto (one per 2 MB, <= 8), N")
     allow_pipe: bool = key(False, "pipe:CMD shard URLs run shell commands; refused unless true")
     eval_in_memory: Any = key(
@@ -146,8 +206,18 @@ class CachedLoader(Loader):
     prefetch_shards: Any = key(
         "auto", "shards each reader downloads ahead in threads: auto (as deep as downloads need), N, 0"
     )
-    verify: str = key("sha256", "check each download against the index: sha256 (and size) | size")
-    cache_policy: str = key("future", "future (the shard read furthest ahead goes first: the order is known) | lru")
+    verify: str = key(
+        "sha256",
+        "check each download against the index: sha256 (and size) | size",
+        check=OneOf("sha256", "size", say="use sha256 (hash each download) or size"),
+    )
+    cache_policy: str = key(
+        "future",
+        "future (the shard read furthest ahead goes first: the order is known) | lru",
+        check=OneOf(
+            "future", "lru", say="use future (evict the shard read furthest ahead) or lru (the least recently used)"
+        ),
+    )
 
 
 # ---- strategy ------------------------------------------------------------------------------------------
@@ -174,10 +244,14 @@ class DDP(Single):
     elastic agent; under torchrun or SLURM (``RANK`` set) nothing is spawned."""
 
     _target_: str = "pitstop.strategy.ddp.DDP"
-    nproc_per_node: int = key(2, "ranks on this machine")
+    nproc_per_node: int = key(2, "ranks on this machine", check=Integer())
     backend: str = key("auto", "auto: gloo on CPU, cpu:gloo,cuda:nccl on GPU")
-    timeout: float = key(300.0, "seconds before a stuck or dead peer fails the job instead of hanging")
-    max_restarts: int = key("${trainer.max_restarts}", "elastic in-job restarts: all ranks restart and resume")
+    timeout: float = key(
+        300.0, "seconds before a stuck or dead peer fails the job instead of hanging", check=Positive()
+    )
+    max_restarts: int = key(
+        "${trainer.max_restarts}", "elastic in-job restarts: all ranks restart and resume", check=Integer(0)
+    )
     master_port: Optional[int] = key(None, "rendezvous port (null: a free one)")
     oversubscribe: bool = key(False, "allow more ranks than CPU cores or GPUs")
     nnodes: Any = key(1, "nodes: N, or MIN:MAX (elastic: a lost node shrinks the job, a new one grows it)")
@@ -186,7 +260,9 @@ class DDP(Single):
         "with nnodes > 1: HOST:PORT of node 0 (its agent hosts the "
         "rendezvous), the same on every node; slurm: the allocation's first node",
     )
-    last_call_seconds: int = key(5, "nnodes=MIN:MAX: after MIN nodes joined, wait this long for more")
+    last_call_seconds: int = key(
+        5, "nnodes=MIN:MAX: after MIN nodes joined, wait this long for more", check=AtLeastZero()
+    )
 
 
 @dataclass
@@ -210,7 +286,11 @@ class FT(Single):
     pause of about the heartbeat timeout; it restarts alone and heals from a live peer."""
 
     _target_: str = "pitstop.strategy.ft.FT"
-    replicas: int = key(2, "replica groups started here (each its own process, restarted on its own)")
+    replicas: int = key(
+        2,
+        "replica groups started here (each its own process, restarted on its own)",
+        check=Integer(note=" (replica groups)"),
+    )
     replica_id: Optional[int] = key(
         None,
         "null: this command starts the groups; K: this process is group K (of a "
@@ -219,7 +299,11 @@ class FT(Single):
     lighthouse: Optional[str] = key(None, "HOST:PORT of the Lighthouse; null: start one in this process")
     min_replicas: int = key(1, "a step commits only with at least this many groups in its quorum")
     inner: str = key("ddp", "inside a group of several ranks: ddp (replicated) | fsdp (FSDP2-sharded: HSDP)")
-    nproc_per_node: int = key(1, "ranks per group (> 1: the group's own elastic agent restarts them together)")
+    nproc_per_node: int = key(
+        1,
+        "ranks per group (> 1: the group's own elastic agent restarts them together)",
+        check=Integer(note=" (ranks per group)"),
+    )
     backend: str = key("auto", "of a group's own process group: gloo on CPU, cpu:gloo,cuda:nccl on GPUs")
     oversubscribe: bool = key(
         False,
@@ -229,10 +313,16 @@ class FT(Single):
     shard: Any = key("auto", "inner=fsdp: as strategy=fsdp's")
     reshard_after_forward: bool = key(True, "inner=fsdp: as strategy=fsdp's")
     mixed_precision: Optional[str] = key("${trainer.precision}", "inner=fsdp: as strategy=fsdp's")
-    timeout: float = key(10.0, "seconds: a collective or commit that waits longer fails the step (discarded)")
-    heartbeat_ms: int = key(250, "a group silent this long leaves the quorum (bounds a healthy group's pause)")
-    quorum_timeout: float = key(60.0, "seconds a group waits for a quorum (min_replicas groups) before it fails")
-    max_restarts: int = key(5, "restarts per group (each restarts alone and heals from a live peer)")
+    timeout: float = key(
+        10.0, "seconds: a collective or commit that waits longer fails the step (discarded)", check=Positive()
+    )
+    heartbeat_ms: int = key(
+        250, "a group silent this long leaves the quorum (bounds a healthy group's pause)", check=Positive()
+    )
+    quorum_timeout: float = key(
+        60.0, "seconds a group waits for a quorum (min_replicas groups) before it fails", check=Positive()
+    )
+    max_restarts: int = key(5, "restarts per group (each restarts alone and heals from a live peer)", check=Integer(0))
 
 
 # ---- fault ---------------------------------------------------------------------------------------------
@@ -250,7 +340,7 @@ class NoFault:
 class AtStep(NoFault):
     """A fault at a step (``fault=during_save``, ``during_heal`` and the kinds below)."""
 
-    step: int = key(MISSING, "the step it fires at (or the first save or heal at or after it)")
+    step: int = key(MISSING, "the step it fires at (or the first save or heal at or after it)", check=Integer())
     rank: int = key(0, "which rank")
 
 
@@ -260,7 +350,9 @@ class Crash(AtStep):
 
     _target_: str = "pitstop.resilience.fault.CrashAtStep"
     micro_batch: Optional[int] = key(
-        None, "K: inside step `step`, after its K-th micro-batch (trainer.grad_accum_steps > K)"
+        None,
+        "K: inside step `step`, after its K-th micro-batch (trainer.grad_accum_steps > K)",
+        check=Integer(optional=True),
     )
     phase: str = key("step", PHASE)
 
@@ -294,7 +386,11 @@ class RandomFault(NoFault):
     """``fault=random``: a rank is killed at random times (a seeded Poisson stream)."""
 
     _target_: str = "pitstop.resilience.fault.RandomFault"
-    mtbf_seconds: float = key(MISSING, "mean time between failures (seconds of wall clock)")
+    mtbf_seconds: float = key(
+        MISSING,
+        "mean time between failures (seconds of wall clock)",
+        check=Positive(what="a positive number of seconds"),
+    )
     seed: int = key("${seed}", "the same seed gives the same failure times (attempt by attempt)")
     rank: int = key(0, "which rank is killed (the others follow: the job restarts as a whole)")
 
@@ -317,7 +413,9 @@ class MLflow(NullLogger):
     tracking_uri: str = key("sqlite:///${paths.output_dir}/mlflow.db", "any MLflow URI (http://..., databricks, ...)")
     experiment: str = key("pitstop", "the MLflow experiment")
     run_name: Optional[str] = key("${run_name}", "the tracker run's name")
-    flush_every_seconds: float = key(2.0, "metrics are sent in batches this often (off the loop's thread)")
+    flush_every_seconds: float = key(
+        2.0, "metrics are sent in batches this often (off the loop's thread)", check=Positive()
+    )
 
 
 # ---- trainer -------------------------------------------------------------------------------------------
@@ -329,13 +427,18 @@ class Hang:
     the attempt, so that it restarts (``pitstop/resilience/watchdog.py``)."""
 
     enabled: bool = key(True, "detect hangs")
-    factor: float = key(10.0, "limit = factor x the longest run of that phase in this attempt ...")
-    min_seconds: float = key(60.0, "... but at least this (a remote store's retries, a slow epoch start)")
-    first_seconds: float = key(900.0, "limit of a phase's first run (compilation, cold caches, peers starting)")
+    factor: float = key(10.0, "limit = factor x the longest run of that phase in this attempt ...", check=Positive())
+    min_seconds: float = key(
+        60.0, "... but at least this (a remote store's retries, a slow epoch start)", check=Positive()
+    )
+    first_seconds: float = key(
+        900.0, "limit of a phase's first run (compilation, cold caches, peers starting)", check=Positive()
+    )
     grace_seconds: float = key(
         30.0,
         "for reporting a hang; also how far past a limit the native backstop fires "
         "when the watcher itself cannot run (a thread stuck in native code holding the GIL)",
+        check=Positive(),
     )
 
 
@@ -352,14 +455,18 @@ class Trainer:
     """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
     ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
 
-    epochs: Optional[int] = key(15, "used when max_steps is null")
-    max_steps: Optional[int] = key(None, "total optimizer steps (overrides epochs)")
-    batch_size: int = key(64, "per rank")
+    epochs: Optional[int] = key(15, "used when max_steps is null", check=Integer(optional=True))
+    max_steps: Optional[int] = key(None, "total optimizer steps (overrides epochs)", check=Integer(optional=True))
+    batch_size: int = key(64, "per rank", check=Integer())
     eval_split: str = key("val", "the split evaluated")
-    eval_every_steps: Optional[int] = key(None, "null: at the end of every epoch (and always at the last step)")
-    eval_max_batches: Optional[int] = key(None, "cap evaluation batches (null: the whole split)")
-    log_every_steps: int = key(10, "tracker cadence; metrics.jsonl gets every step")
-    grad_clip: Optional[float] = key(None, "max grad norm (null: no clipping)")
+    eval_every_steps: Optional[int] = key(
+        None, "null: at the end of every epoch (and always at the last step)", check=Integer(optional=True)
+    )
+    eval_max_batches: Optional[int] = key(
+        None, "cap evaluation batches (null: the whole split)", check=Integer(optional=True)
+    )
+    log_every_steps: int = key(10, "tracker cadence; metrics.jsonl gets every step", check=Integer())
+    grad_clip: Optional[float] = key(None, "max grad norm (null: no clipping)", check=Positive(optional=True))
     deterministic: bool = key(
         True,
         "deterministic kernels (torch.use_deterministic_algorithms, cuDNN "
@@ -370,6 +477,7 @@ class Trainer:
         0,
         "restart a failed job (it resumes from its newest checkpoint): a supervisor "
         "process for strategy=single, the elastic agent for ddp/fsdp",
+        check=Integer(0),
     )
     warm_restarts: bool = key(
         True, "attempts (single) and ranks (ddp/fsdp, via the elastic agent) fork from a copy of the launcher"
@@ -380,7 +488,9 @@ class Trainer:
         "exit 75 (requeue); SIGUSR2 is submitit's: its requeue runs after the save",
     )
     preempt_grace_seconds: float = key(
-        30.0, "save on a notice only if a measured save takes less (else keep the newest checkpoint)"
+        30.0,
+        "save on a notice only if a measured save takes less (else keep the newest checkpoint)",
+        check=AtLeastZero(what="a number of seconds >= 0"),
     )
     hang: Hang = field(default_factory=Hang)
     precision: str = key(
@@ -398,6 +508,7 @@ class Trainer:
         1,
         "micro-batches per optimizer step: effective batch = batch_size x this x "
         "ranks (gradients are reduced across ranks on the last micro-batch only)",
+        check=Integer(),
     )
     profile: Profile = field(default_factory=Profile)
 

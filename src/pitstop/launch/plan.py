@@ -15,7 +15,7 @@ from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config import checks, schema, validate
+from pitstop.config import schema, validate
 from pitstop.errors import ConfigError
 from pitstop.launch.mode import LaunchMode, launch_mode, started_by_launcher
 
@@ -122,32 +122,18 @@ def plan(cfg: DictConfig, env: Mapping[str, str]) -> LaunchPlan:
     trainer = typed(cfg, "trainer", schema.Trainer)
     strategy = typed(cfg, "strategy", strategy_schema(cfg))
     assert isinstance(trainer, schema.Trainer) and isinstance(strategy, schema.Single)
-    restarts = checks.integer("trainer.max_restarts", trainer.max_restarts, at_least=0)
-    checks.at_least_zero(
-        "trainer.preempt_grace_seconds", trainer.preempt_grace_seconds, what="a number of seconds >= 0"
-    )
+    restarts = trainer.max_restarts
     if isinstance(strategy, schema.FT):
         from pitstop.strategy.ft_keys import check_keys
 
         s = strategy
-        check_keys(
-            s.replicas,
-            s.replica_id,
-            s.min_replicas,
-            s.inner,
-            s.nproc_per_node,
-            s.timeout,
-            s.heartbeat_ms,
-            s.max_restarts,
-        )
+        check_keys(s.replicas, s.replica_id, s.min_replicas, s.inner, s.nproc_per_node)
         if started_by_launcher(env):  # a rank that torchrun or SLURM started: restarts are theirs
             return LaunchPlan(LaunchMode.CHILD, trainer, strategy)
         mode = LaunchMode.REPLICAS if s.replica_id is None else LaunchMode.REPLICA_GROUP
         return LaunchPlan(mode, trainer, strategy, s.nproc_per_node, (1, 1), s.max_restarts, "strategy.max_restarts")
     if isinstance(strategy, schema.DDP):
-        ranks = checks.integer("strategy.nproc_per_node", strategy.nproc_per_node)
-        nodes = nnodes(strategy.nnodes)
-        elastic = checks.integer("strategy.max_restarts", strategy.max_restarts, at_least=0)
+        ranks, nodes, elastic = strategy.nproc_per_node, nnodes(strategy.nnodes), strategy.max_restarts
         mode = launch_mode(ranks, restarts, env, nodes[1])
         if mode == LaunchMode.ELASTIC:
             return LaunchPlan(mode, trainer, strategy, ranks, nodes, elastic, "strategy.max_restarts")

@@ -18,7 +18,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -128,8 +127,8 @@ class CrashAtStep(NoFault):
         phase: str = "step",
     ):
         self.replica = replica
-        self.step, self.rank = checks.integer("fault.step", step), rank
-        self.micro_batch = None if micro_batch is None else checks.integer("fault.micro_batch", micro_batch)
+        self.step, self.rank = int(step), rank
+        self.micro_batch = None if micro_batch is None else int(micro_batch)
         if phase not in PHASES:
             raise ConfigError(f"fault.phase={phase!r}: use one of {', '.join(PHASES)}")
         if phase != "step" and self.micro_batch is not None:
@@ -267,7 +266,6 @@ class RandomFault(NoFault):
 
     def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
-        checks.positive("fault.mtbf_seconds", mtbf_seconds, what="a positive number of seconds")
         self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
 
@@ -309,7 +307,7 @@ class DuringSave(NoFault):
 
     def __init__(self, step: int = 1, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
-        self.step, self.rank = checks.integer("fault.step", step), rank
+        self.step, self.rank = int(step), rank
         self.armed = False  # the watcher was started, or the fault fired in an earlier attempt
         self.stop = threading.Event()
 
@@ -353,7 +351,7 @@ class DuringHeal(NoFault):
 
     def __init__(self, step: int = 1, rank: int = 0, replica: int | str | None = None):
         self.replica = replica
-        self.step, self.rank = checks.integer("fault.step", step), rank
+        self.step, self.rank = int(step), rank
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)

@@ -23,7 +23,6 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
-from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -187,7 +186,6 @@ class PreemptionNotice(_Handlers):
 
     def __init__(self, signals: Iterable[str] | None, grace_seconds: float, agent_pid: int | None = None):
         """``agent_pid``: the launching process of pitstop's elastic job (``LaunchFacts.agent_pid``)."""
-        checks.at_least_zero("trainer.preempt_grace_seconds", grace_seconds, what="a number of seconds >= 0")
         self.signals, self.grace = parse_signals(signals), float(grace_seconds)
         self.received: signal.Signals | None = None
         self._agent = agent_pid

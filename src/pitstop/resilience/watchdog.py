@@ -41,7 +41,6 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from pitstop.config import checks
 from pitstop.errors import Interrupt, PitstopError
 
 log = logging.getLogger("pitstop.resilience.watchdog")
@@ -71,13 +70,6 @@ class Watchdog:
         first_seconds: float = 900.0,
         grace: float = 30.0,
     ):
-        for key, v in (
-            ("factor", factor),
-            ("min_seconds", min_seconds),
-            ("first_seconds", first_seconds),
-            ("grace_seconds", grace),
-        ):
-            checks.positive(f"trainer.hang.{key}", v)
         self.enabled = bool(enabled)
         self.factor, self.min_seconds, self.first_seconds = float(factor), float(min_seconds), float(first_seconds)
         self.grace = float(grace)

@@ -88,7 +88,7 @@ class FT(Strategy, ReplicaGroups):
         device: str,
     ):
         """Every key of ``strategy=ft`` (the FT schema, ``pitstop.config.schema``, holds their defaults and meaning)."""
-        check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts)
+        check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node)
         self.cpu_threads = cpu_threads_key(cpu_threads)
         self.nproc_per_node = int(nproc_per_node)
         # inside the group: one process, or its ranks under DDP or FSDP2 (HSDP: sharded inside the group, replicated

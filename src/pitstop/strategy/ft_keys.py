@@ -25,25 +25,17 @@ def on_loopback(lighthouse: str) -> bool:
         return False
 
 
-def check_keys(replicas, replica_id, min_replicas, inner, nproc_per_node, timeout, heartbeat_ms, max_restarts) -> None:
-    """strategy=ft's values, each refused in one line naming its key."""
-    if not is_integer(replicas) or replicas < 1:
-        raise ConfigError(f"strategy.replicas must be a positive integer (replica groups), got {replicas!r}")
+def check_keys(replicas: int, replica_id: int | None, min_replicas: int, inner: str, nproc_per_node: int) -> None:
+    """The rules between strategy=ft's keys, each refused in one line naming its key (each key's own range is
+    declared next to it, in ``pitstop.config.schema.FT``, and checked before this)."""
     if not is_integer(min_replicas) or not 1 <= min_replicas <= replicas:
         raise ConfigError(f"strategy.min_replicas={min_replicas!r} must be between 1 and strategy.replicas={replicas}")
     if replica_id is not None and (not is_integer(replica_id) or not 0 <= replica_id < replicas):
         raise ConfigError(f"strategy.replica_id={replica_id!r} must be null or 0 .. strategy.replicas-1={replicas - 1}")
     if inner not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy.inner={inner!r} is not a strategy inside a replica group: use ddp or fsdp")
-    if not is_integer(nproc_per_node) or nproc_per_node < 1:
-        raise ConfigError(f"strategy.nproc_per_node must be a positive integer (ranks per group): {nproc_per_node!r}")
     if inner == "fsdp" and nproc_per_node < 2:
         raise ConfigError(
             "strategy.inner=fsdp shards inside a replica group, which needs strategy.nproc_per_node >= 2 (HSDP: "
             "sharded inside a group, replicated across groups); or use strategy.inner=ddp"
         )
-    for key, value in (("timeout", timeout), ("heartbeat_ms", heartbeat_ms)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"strategy.{key} must be a positive number, got {value!r}")
-    if not is_integer(max_restarts) or max_restarts < 0:
-        raise ConfigError(f"strategy.max_restarts must be an integer >= 0, got {max_restarts!r}")

@@ -194,9 +194,8 @@ def build_fault(
     strategy: Strategy,
     groups: ReplicaGroups,
     total_steps: int,
-    start_wall: float,
+    ledger: Ledger,
     ckpt: Checkpointer | None,
-    accum: int,
     hold: ExitStack,
 ) -> Fault:
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
@@ -212,9 +211,9 @@ def build_fault(
             world_size=strategy.world_size,
             total_steps=total_steps,
             max_restarts=max_restarts,
-            start_wall=start_wall,
+            start_wall=ledger.start_wall,
             checkpointer=ckpt,
-            grad_accum_steps=accum,
+            grad_accum_steps=int(cfg.trainer.grad_accum_steps),
             on_heal_served=groups.on_heal_served if in_groups else None,
             on_heal=groups.on_heal if in_groups else None,
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,

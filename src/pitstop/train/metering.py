@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from pitstop.config.build import build
 from pitstop.telemetry.logger.base import Logger
 
 from pitstop.telemetry.metrics import MetricsFile
@@ -56,9 +57,14 @@ class StepMeter:
         self.flops_counted = False
         self._first_batch: Any = None
         self._last_io: dict[str, float] = {}
+        self.logger: Logger | None = None  # (start() sets where the records go)
+        self.bar: tqdm | None = None
+        self.io: Callable[[], dict[str, float]] = dict
 
-    def start(self) -> None:
-        """The loop starts: the first window starts now."""
+    def start(self, logger: Logger, bar: tqdm | None, io: Callable[[], dict[str, float]]) -> None:
+        """The loop starts: the first window starts now. Where each step's record goes besides ``metrics.jsonl``: the
+        tracker (every ``log_every`` steps), the progress bar; ``io()``: the data counters."""
+        self.logger, self.bar, self.io = logger, bar, io
         self.window.reset(time.perf_counter())
 
     def first_batch(self, batch: Any) -> None:
@@ -75,7 +81,6 @@ class StepMeter:
         self,
         cfg: DictConfig,
         task_loss: Callable[[nn.Module, Any], torch.Tensor],
-        build_model: Callable[[], nn.Module],
         run_dir: str,
         is_main: bool,
         accum: int,
@@ -97,7 +102,7 @@ class StepMeter:
             os.path.join(run_dir, "flops.json"),
             key,
             is_main,
-            lambda: count_step_flops(build_model, task_loss, batch),
+            lambda: count_step_flops(lambda: build(cfg.model), task_loss, batch),
         )
         self.throughput.flops_per_step = flops * accum if flops is not None else None
         if flops:
@@ -112,9 +117,6 @@ class StepMeter:
         lr: float,
         fetch: float,
         compute: float,
-        logger: Logger | None,
-        bar: tqdm | None,
-        io: Callable[[], dict[str, float]],
     ) -> None:
         """This step in ``metrics.jsonl`` (and the progress bar); every ``log_every`` steps (and the last), the
         window's figures and the data counters that moved (``io()``) in the tracker too."""
@@ -129,11 +131,11 @@ class StepMeter:
                 "time": round(time.time(), 3),  # (wall clock: the run's time line places the step by it)
             }
         )
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
         if step % self.log_every == 0 or step == total_steps:
-            self._log_window(step, epoch, loss, lr, logger, io)
+            self._log_window(step, epoch, loss, lr, self.logger, self.io)
 
     def _log_window(
         self, step: int, epoch: int, loss: float, lr: float, logger: Logger, io: Callable[[], dict[str, float]]

@@ -10,9 +10,8 @@ The Runner runs the loop; its helpers own the bookkeeping: ``assembly`` builds w
 measures and records the steps, ``steps`` plans how many there are, ``state`` is what a checkpoint restores,
 ``sample_log`` proves exactly-once, ``summary`` writes the end, ``resilience.preempt`` decides the save on a
 notice. Each component kind has one contract (``Strategy``, ``ShardLoader``, ``Checkpointer``, ``Logger``,
-``Fault``) and gets the few collaborators it uses passed in; callbacks get a read-only ``RunView``. Whatever
-``setup()`` acquires is released in reverse order however the run ends (``self._resources``), even when
-setup fails half-way.
+``Fault``) and gets the few collaborators it uses passed in; callbacks get a read-only ``RunView``. What ``setup()``
+acquires is released in reverse order however the run ends (``self._resources``), also if setup fails half-way.
 """
 
 from __future__ import annotations
@@ -102,6 +101,7 @@ class Runner:
             hold.callback(self.loader.close)  # (strategy=ft's loader: its worker pool ends before the process does)
             self.total_steps = steps.total_steps(t, self.loader, self.accum)
             self.scheduler = build(cfg.optim.scheduler)(self.optimizer, total_steps=self.total_steps)
+            self.length = steps.RunLength(t, self.loader, self.accum, self.scheduler, self.groups, self.strategy)
             self.evals = steps.EvalSchedule(t.eval_every_steps, self.loader)
             fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
@@ -120,10 +120,13 @@ class Runner:
             goodput = self.records.goodput
             intervals = assembly.interval_policy(cfg, goodput.failures(), goodput.job_seconds())
             self.ckpt.setup(self.strategy, self.records.report, intervals)
-            self.records.samples = assembly.build_sample_log(cfg, self.run_dir, self.strategy, self.accum, self._taking,
-                                                     self.loader, hold)  # fmt: skip
-            self.fault = assembly.build_fault(cfg, self.run_dir, self.strategy, self.groups, self.total_steps,
-                                              self.ledger.start_wall, self.ckpt, self.accum, hold)  # fmt: skip
+            self.records.samples = assembly.build_sample_log(
+                cfg, self.run_dir, self.strategy, self.accum, self._taking, self.loader, hold
+            )
+            self.fault = assembly.build_fault(
+                cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold
+            )
+            # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
                 progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
                 optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision, task=self.task,
@@ -179,12 +182,12 @@ class Runner:
                 self.groups.restored(self.step)
         self.evals.resumed()
         t = self.cfg.trainer
-        if self.resumed_from is not None and t.max_steps is None:
-            self.total_steps = steps.after_resume(self.step, self.loader, int(t.epochs), self.accum, self.scheduler,
-                                                  self.total_steps, self.strategy.world_size, self.groups)  # fmt: skip
+        if self.resumed_from is not None:
+            self.total_steps = self.length.after_resume(self.step, self.total_steps)
         epochs = int(t.epochs) if t.max_steps is None else None
-        self.records.started(self.step, self.resumed_from, healed, self.strategy.world_size,
-                             self.data.index.num_samples("train"), epochs)  # fmt: skip
+        self.records.started(
+            self.step, self.resumed_from, healed, self.strategy.world_size, self.data.index.num_samples("train"), epochs
+        )
         self.loader.warm()  # (loader=cached) the position's first shards, if not asked for at build
         if self.strategy.is_main:
             tags = summary.run_tags(self.cfg, self.strategy.name, self.ckpt.name, self.loader.kind)
@@ -194,7 +197,7 @@ class Runner:
         ledger, meter, watch = self.ledger, self.meter, self.watchdog
         batches = Batches(self.loader, self.watchdog)
         bar = progress_bar(self.cfg.trainer.progress_bar, self.strategy.is_main, self.total_steps, self.step)
-        meter.start()
+        meter.start(self.records.logger, bar, lambda: self.loader.stats)
         for cb in self.callbacks:
             cb.on_train_start(self.view)
         # closing(): the loader's workers stop when the loop ends, also on an error (a traceback kept by the
@@ -220,19 +223,16 @@ class Runner:
                 ledger.add("compile", compiling)
                 self.progress.step += 1
                 self.records.outcome(self.step, True, self.groups.quorum_id)
-                self.total_steps = steps.after_step(self.step, self.loader, self.cfg.trainer, self.accum,
-                                                    self.scheduler, self.total_steps, self.groups)  # fmt: skip
+                self.total_steps = self.length.after_step(self.step, self.total_steps)
                 self.progress.samples_seen += out.samples * self.strategy.world_size * self.groups.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
                     with ledger.measure("init"):
-                        meter.count_flops(self.cfg, self.task.loss, lambda: build(self.cfg.model), self.run_dir,
-                                          self.strategy.is_main, self.accum)  # fmt: skip
+                        meter.count_flops(self.cfg, self.task.loss, self.run_dir, self.strategy.is_main, self.accum)
                 self.profiler.after_step(self.step)
                 with ledger.measure("logging"):  # 2. record
                     lr = self.optimizer.param_groups[0]["lr"]
-                    meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait,
-                                 compute, self.records.logger, bar, lambda: self.loader.stats)  # fmt: skip
+                    meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait, compute)
                 if self.evals.due(self.step, self.total_steps):  # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps
@@ -270,9 +270,10 @@ class Runner:
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):
-            out = steps.evaluate(self.model, self.task, self.eval_loader, self.cfg.trainer.eval_max_batches,
-                                 self.strategy, self.precision, self.stepper.device_batch,
-                                 on_batch=lambda i: self.fault.during_eval(self.step, i))  # fmt: skip
+            during = self.fault.during_eval
+            out = self.stepper.evaluate(
+                self.eval_loader, self.cfg.trainer.eval_max_batches, lambda i: during(self.step, i)
+            )
         if self.compile_clock is not None:  # the first evaluation compiles the model in eval mode
             self.ledger.move("eval", "compile", self.compile_clock.take())
         self.last_eval = out

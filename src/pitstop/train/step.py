@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from pitstop.ckpt.contract import Checkpointer
 from pitstop.data.dataset import ShardedDataset
+from pitstop.data.loader.base import ShardLoader
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.precision import Precision
 from pitstop.parts.task import Task
@@ -27,6 +28,7 @@ from pitstop.strategy.groups import ReplicaGroups
 from pitstop.train.assembly import channels_last
 from pitstop.train.metering import StepMeter
 from pitstop.train.state import Batches, Progress, StepResult, TrainLoader
+from pitstop.train.steps import evaluate
 
 
 @dataclass
@@ -53,6 +55,13 @@ class Stepper:
     grad_clip: float | None
     channels_last: bool
     micro: int = 1  # the micro-batch being taken (the sample log names it)
+
+    def evaluate(
+        self, loader: ShardLoader, max_batches: int | None, on_batch: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
+        """One pass of the model over ``loader``'s split in this step's precision (``steps.evaluate``)."""
+        args = (self.model, self.task, loader, max_batches, self.strategy, self.precision, self.device_batch)
+        return evaluate(*args, on_batch=on_batch)
 
     def __call__(self, batches: Batches) -> StepResult:
         step = self.progress.step + 1

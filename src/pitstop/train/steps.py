@@ -4,6 +4,8 @@ re-planned to decay over the steps left; and after which steps the loop evaluate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import logging
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -44,23 +46,41 @@ def total_steps(trainer: Trainer, loader: TrainLoader, accum: int) -> int:
     return batches // accum
 
 
-def after_resume(
-    step: int,
-    loader: TrainLoader,
-    epochs: int,
-    accum: int,
-    scheduler: LRScheduler,
-    total: int,
-    world_size: int,
-    groups: ReplicaGroups,
-) -> int:
-    """``trainer.epochs`` after a resume: the run's new bound. Under replica groups (a loader that cuts one global
-    order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed schedule's
-    plan is kept as it is, re-planned only after committed steps, the same in every group (a group's own restore or
-    heal comes at another moment than its peers'); otherwise from the batches left at this world size."""
-    if groups.shares_data_order:
-        return step + loader.fetches_left(epochs, groups.participants) // accum
-    return steps_at_this_world_size(step, loader, epochs, accum, scheduler, total, world_size)
+@dataclass
+class RunLength:
+    """The run's bound in steps, kept as the world changes: ``trainer.max_steps``, or ``trainer.epochs`` of the
+    loader's batches re-counted after a resume at another world size and, under replica groups, after each committed
+    step (the LR schedule re-planned to decay over the steps left)."""
+
+    trainer: Trainer
+    loader: TrainLoader
+    accum: int
+    scheduler: LRScheduler
+    groups: ReplicaGroups
+    strategy: Strategy  # (its world size)
+
+    def after_resume(self, step: int, total: int) -> int:
+        """The new bound after a resume (with ``trainer.epochs``). Under replica groups (a loader that cuts one global
+        order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed
+        schedule's plan is kept as it is, re-planned only after committed steps, the same in every group (a group's
+        own restore or heal comes at another moment than its peers'); otherwise from the batches left at this world
+        size."""
+        if self.trainer.max_steps is not None:
+            return total
+        epochs = int(self.trainer.epochs)
+        if self.groups.shares_data_order:
+            return step + self.loader.fetches_left(epochs, self.groups.participants) // self.accum
+        return steps_at_this_world_size(
+            step, self.loader, epochs, self.accum, self.scheduler, total, self.strategy.world_size
+        )
+
+    def after_step(self, step: int, total: int) -> int:
+        """The bound after a committed step: unchanged, but under replica groups with ``trainer.epochs``, where the
+        epochs end where the data position says (:func:`steps_with_groups`)."""
+        if self.trainer.max_steps is not None or not self.groups.shares_data_order:
+            return total
+        epochs, groups = int(self.trainer.epochs), self.groups.participants
+        return steps_with_groups(step, self.loader, epochs, self.accum, self.scheduler, total, groups)
 
 
 def steps_at_this_world_size(
@@ -86,22 +106,6 @@ def steps_at_this_world_size(
             else f"the LR schedule ({type(scheduler).__name__}) cannot be re-planned and keeps its length",
         )
     return new_total
-
-
-def after_step(
-    step: int,
-    loader: TrainLoader,
-    trainer: Trainer,
-    accum: int,
-    scheduler: LRScheduler,
-    total: int,
-    groups: ReplicaGroups,
-) -> int:
-    """The run's bound after a committed step: unchanged, but under replica groups with ``trainer.epochs``, where
-    the epochs end where the data position says (:func:`steps_with_groups`)."""
-    if trainer.max_steps is not None or not groups.shares_data_order:
-        return total
-    return steps_with_groups(step, loader, int(trainer.epochs), accum, scheduler, total, groups.participants)
 
 
 def steps_with_groups(

@@ -9,6 +9,7 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -70,64 +71,30 @@ class ShardLoader(ABC):
         shuffle_shards_window: int = 1,
         storage_options: Mapping[str, Any] | None = None,
     ):
-        if int(batch_size) <= 0:
-            raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
-        self.dataset, self.split, self.batch_size, self.seed = dataset, split, int(batch_size), int(seed)
-        self.rank, self.world_size, self.train = rank, world_size, train
-        self.num_workers, self.pin_memory, self.prefetch_factor = int(num_workers), pin_memory, prefetch_factor
-        self.shuffle, self.drop_last, self.timeout = shuffle and train, drop_last, timeout
-        self.streams = max(1, self.num_workers)
-        if int(shuffle_shards_window) < 1:
-            raise ConfigError(
-                f"loader.shuffle_shards_window={shuffle_shards_window} must be >= 1 (1: one shard at a "
-                f"time; K: each reader mixes the samples of K shards)"
-            )
-        self.window = int(shuffle_shards_window) if train and shuffle else 1
-        self.eval_in_memory = memory_budget(eval_in_memory)
+        """Builds only: each key's range is checked by its schema (``pitstop.config.schema.Loader``) before this; what
+        is checked here needs the shard index (``pipe:`` URLs, enough partitions for the ranks)."""
         options = fsurl.storage_options(storage_options, "loader.storage_options")
-        if options and dataset.storage_options != options:  # before the index is read: it may be remote too
-            dataset.storage_options = options
-            dataset.__dict__.pop("index", None)
+        self.dataset, self.split, self.batch_size, self.seed = _reaching(dataset, options), split, batch_size, seed
+        self.rank, self.world_size, self.train = rank, world_size, train
+        self.pin_memory, self.prefetch_factor, self.timeout = pin_memory, prefetch_factor, timeout
+        self.shuffle, self.drop_last = shuffle and train, drop_last
+        self.window = shuffle_shards_window if train and shuffle else 1
+        self.eval_in_memory = memory_budget(eval_in_memory)
         self._kept: tuple[int, list[tuple[Any, bool]]] | None = None  # (passes' length, the pass) kept in memory
-        shards = dataset.index.shards(split)
-        self.refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in shards]
+        self.refs = _shard_refs(self.dataset, split, allow_pipe)
         self.urls = [r.url for r in self.refs]
-        self.counts = [s.samples for s in shards]
+        self.counts = [r.samples for r in self.refs]
         self.policy = FetchPolicy(
-            retries=int(retries),
-            backoff=float(backoff),
-            timeout=float(read_timeout),
-            allow_pipe=bool(allow_pipe),
+            retries=retries,
+            backoff=backoff,
+            timeout=read_timeout,
+            allow_pipe=allow_pipe,
             storage_options=options,
             parts=download_parts if download_parts == "auto" else _parts(download_parts),
         )
-        if not allow_pipe and any(u.startswith("pipe:") for u in self.urls):
-            raise ConfigError(
-                f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
-                f"commands; set loader.allow_pipe=true only if you trust it"
-            )
-        self.partitions = int(partitions or len(shards))
-        if self.num_workers:  # (the runner started it before its threads; else a fresh interpreter)
-            server.start({__name__, type(self).__module__, type(dataset).__module__})
-        if train and self.streams * world_size > self.partitions:  # (evaluation tolerates idle readers)
-            if self.partitions < world_size:
-                raise ConfigError(
-                    f"{split} split has {self.partitions} partition(s) but {world_size} ranks: every rank needs at "
-                    f"least one; write more shards (recipe.prepare data.prepare.samples_per_shard=...) "
-                    f"or use fewer ranks"
-                )
-            # A worker without a partition would only idle: use as many as there are partitions per rank.
-            fewer = self.partitions // world_size
-            log.warning(
-                "%s split has %d partition(s) for %d rank(s): %d loader worker(s) per rank instead of "
-                "loader.num_workers=%d (write more shards to use them all)",
-                split,
-                self.partitions,
-                world_size,
-                fewer,
-                self.num_workers,
-            )
-            self.num_workers = self.streams = fewer
+        self.partitions = int(partitions or len(self.refs))
+        self.num_workers = _workers_per_rank(num_workers, self.partitions, world_size, split, train)
+        self.streams = max(1, self.num_workers)
         self.epoch, self.batches, self.positions = 0, 0, {}
         self.base: plan.Consumed = {}  # what was consumed of each partition before this segment (elastic resume)
         self._plans: dict[tuple, list[plan.Item]] = {}
@@ -307,6 +274,7 @@ class ShardLoader(ABC):
         # A generator of its own: starting workers must not draw from the global torch RNG (which the
         # checkpoint restores), or a resumed run would see different dropout masks than an uninterrupted one.
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
+        mp_context, parent = server.workers({__name__, type(self).__module__, type(self.dataset).__module__})
         return iter(
             DataLoader(
                 reader,
@@ -316,8 +284,8 @@ class ShardLoader(ABC):
                 prefetch_factor=self.prefetch_factor,
                 timeout=self.timeout,
                 generator=generator,
-                multiprocessing_context=server.context(),
-                worker_init_fn=functools.partial(worker_init, parent=server.parent(), trainer=os.getpid()),
+                multiprocessing_context=mp_context,
+                worker_init_fn=functools.partial(worker_init, parent=parent, trainer=os.getpid()),
             )
         )
 
@@ -386,6 +354,52 @@ class ShardLoader(ABC):
         """One pass over this rank's share (evaluation), every rank yielding as many ``(batch, counted)`` pairs
         (``evaluation.one_pass``)."""
         return evaluation.one_pass(self, max_batches, share)
+
+
+def _reaching(dataset: ShardedDataset, options: dict) -> ShardedDataset:
+    """The data set as this loader reaches it: with ``loader.storage_options`` (a copy that reads its index with
+    them; the caller's object is left as it was)."""
+    if not options or dataset.storage_options == options:
+        return dataset
+    reached = copy.copy(dataset)
+    reached.__dict__.pop("index", None)  # (before the index is read: it may be remote too)
+    reached.storage_options = options
+    return reached
+
+
+def _shard_refs(dataset: ShardedDataset, split: str, allow_pipe: bool) -> list[ShardRef]:
+    """The split's shards as the readers fetch them; shell-command URLs only where they are allowed."""
+    refs = [ShardRef(dataset.index.resolve(s), s.bytes, s.sha256, s.samples) for s in dataset.index.shards(split)]
+    if not allow_pipe and any(r.url.startswith("pipe:") for r in refs):
+        raise ConfigError(
+            f"the shard index of {dataset.root} uses shell-command URLs (pipe:), which run "
+            f"commands; set loader.allow_pipe=true only if you trust it"
+        )
+    return refs
+
+
+def _workers_per_rank(num_workers: int, partitions: int, world_size: int, split: str, train: bool) -> int:
+    """Reader streams per rank: ``loader.num_workers`` (at least one stream: 0 workers read in the trainer), fewer
+    where the training split has too few partitions for them all (a worker without a partition would only idle)."""
+    streams = max(1, num_workers)
+    if not train or streams * world_size <= partitions:  # (evaluation tolerates idle readers)
+        return num_workers
+    if partitions < world_size:
+        raise ConfigError(
+            f"{split} split has {partitions} partition(s) but {world_size} ranks: every rank needs at least one; "
+            f"write more shards (recipe.prepare data.prepare.samples_per_shard=...) or use fewer ranks"
+        )
+    fewer = partitions // world_size
+    log.warning(
+        "%s split has %d partition(s) for %d rank(s): %d loader worker(s) per rank instead of loader.num_workers=%d "
+        "(write more shards to use them all)",
+        split,
+        partitions,
+        world_size,
+        fewer,
+        num_workers,
+    )
+    return fewer
 
 
 def _parts(value: int | str) -> int:

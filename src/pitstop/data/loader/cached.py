@@ -26,7 +26,7 @@ from pitstop.errors import ConfigError
 from pitstop.data.loader import plan
 from pitstop.data.loader.base import ShardLoader, ShardSource
 from pitstop.data.loader.sizes import parse_size
-from pitstop.data.loader.cache import POLICIES, ShardCache
+from pitstop.data.loader.cache import ShardCache
 
 MAX_DEPTH = 8
 MAX_CONNECTIONS = 8  # a reader's downloads at once x their ranged parts, at most (see CachedSource._at_once)
@@ -166,13 +166,6 @@ class CachedLoader(ShardLoader):
         **kw: Any,
     ):
         super().__init__(*args, **kw)
-        if verify not in ("sha256", "size"):
-            raise ConfigError(f"loader.verify={verify!r}: use sha256 (hash each download) or size")
-        if cache_policy not in POLICIES:
-            raise ConfigError(
-                f"loader.cache_policy={cache_policy!r}: use future (evict the shard read furthest ahead) "
-                f"or lru (the least recently used)"
-            )
         self.cache_policy = cache_policy
         if prefetch_shards != "auto" and not (str(prefetch_shards).isdigit()):
             raise ConfigError(

@@ -233,12 +233,12 @@ class ReplicaLoader:
 
             from pitstop.data.loader import server
 
-            server.start({__name__, type(self.dataset).__module__})  # (the runner started it already, if it could)
+            mp_context, parent = server.workers({__name__, type(self.dataset).__module__})
             self._pool = ProcessPoolExecutor(
                 self.workers,
-                mp_context=server.context(),
+                mp_context=mp_context,
                 initializer=_start_worker,
-                initargs=(server.parent(), os.getpid(), self.dataset, self.refs, self.inner.source(), self.seed),
+                initargs=(parent, os.getpid(), self.dataset, self.refs, self.inner.source(), self.seed),
             )
         return self._pool
 

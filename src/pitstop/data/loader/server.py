@@ -113,6 +113,14 @@ def entry_point_imports() -> set[str]:
     return found
 
 
+def workers(modules: Iterable[str] = ()) -> tuple[BaseContext, int]:
+    """What a loader starts its data workers with: the multiprocessing context and the workers' parent pid. The
+    fork server is made sure of here, when the loader first starts workers (the runner started it already, while
+    it was single-threaded; a loader used on its own gets it now); a loader's constructor starts nothing."""
+    start(modules)
+    return context(), parent()
+
+
 def parent() -> int:
     """The pid of the data workers' parent: the fork server's, or this process's (spawn)."""
     from multiprocessing import forkserver
