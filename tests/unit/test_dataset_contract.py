@@ -45,3 +45,16 @@ def test_the_default_check_decodes_and_names_the_shard_and_the_sample():
     assert str(e.value) == "shard s3://b/train-000001.tar, sample 'k8': ValueError: 2 values, not 3"
     with pytest.raises(DataError, match=r"sample 'k9': KeyError: 'txt'"):
         data.check("s3://b/train-000001.tar", "k9", {"__key__": "k9", "cls": b"1"})
+
+
+def test_reaching_a_data_set_with_storage_options_copies_it_and_leaves_the_callers_as_it_was():
+    # (the loaders and the loop read the data set reached with loader.storage_options: its index comes from the
+    # endpoint they name; a loader built on the caller's object no longer changes it behind the caller's back)
+    data = Numbers(3, root="s3://bucket/n")
+    data.__dict__["index"] = "read without options"  # (as cached_property keeps it)
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    reached = data.reaching(options)
+    assert reached is not data and reached.storage_options == options and "index" not in reached.__dict__
+    assert data.storage_options == {} and data.__dict__["index"] == "read without options"
+    assert reached.reaching(dict(options)) is reached and data.reaching({}) is data  # (nothing to change: itself)
+    assert (reached.root, reached.width) == (data.root, data.width)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from functools import cached_property
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ class ShardedDataset:
     """
 
     prepare_hint = "python -m recipe.prepare"
-    storage_options: dict = {}  # fsspec options to reach a remote root: set by the loader (loader.storage_options)
+    storage_options: dict = {}  # fsspec options to reach a remote root (loader.storage_options): see reaching()
 
     def __init__(self, root: str, name: str = "", skip_corrupt: bool = False, record_sample_ids: bool = False):
         """The keys every data set has: where its shards' index is (``root``), its name (run names use it), and two
@@ -36,6 +37,16 @@ class ShardedDataset:
         self.root, self.name = str(root), str(name)
         self.skip_corrupt = bool(skip_corrupt)
         self.record_sample_ids = bool(record_sample_ids)
+
+    def reaching(self, options: Mapping[str, Any]) -> ShardedDataset:
+        """This data set read with the fsspec ``options`` (``loader.storage_options``: an S3 API's endpoint, say):
+        itself where they are its own, else a copy that reads its index with them (this object is left as it is)."""
+        if not options or dict(options) == self.storage_options:
+            return self
+        other = copy.copy(self)
+        other.__dict__.pop("index", None)  # (not read yet with these options: it may be remote too)
+        other.storage_options = dict(options)
+        return other
 
     @cached_property
     def index(self) -> ShardIndex:

@@ -23,6 +23,7 @@ from pitstop.data.dataset import build_dataset
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import IntervalPolicy
 from pitstop.goodput.ledger import GoodputLog, Ledger
+from pitstop import fsurl
 from pitstop.ckpt.contract import Checkpointer
 from pitstop.config.schema import Hang
 from pitstop.data.dataset import ShardedDataset
@@ -68,7 +69,9 @@ def build_step_parts(cfg: DictConfig, strategy: Strategy, groups: ReplicaGroups,
     precision = Precision(t.precision, strategy.device, strategy_casts=strategy_casts(strategy, t.precision))
     if t.compile:
         compiler.check(t.compile_backend, t.compile_mode)
-    data = build_dataset(cfg.data)
+    # (the data set as the loaders reach it: the run's fingerprint, its checks and the loop read its index too)
+    reach = fsurl.storage_options(cfg.loader.get("storage_options"), "loader.storage_options")
+    data = build_dataset(cfg.data).reaching(reach)
     task = build(cfg.task)
     common = dict(
         dataset=data,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from pitstop.ckpt.contract import Target
-from pitstop.data.loader.base import ShardLoader
-from pitstop.data.loader.replica import ReplicaLoader
+from pitstop.data.loader.base import TrainBatches
 from pitstop.resilience.watchdog import DataStall, Watchdog
 from pitstop.parts.batch import local_shard, map_tensors
 from pitstop.parts.precision import Precision
@@ -25,7 +24,7 @@ from pitstop.parts.seed import rng_state, set_rng_state
 
 log = logging.getLogger("pitstop")
 
-TrainLoader = Union[ShardLoader, ReplicaLoader]  # the training batches: a rank's share, or replica groups' cut
+TrainLoader = TrainBatches  # the training batches: a rank's share (ShardLoader), or replica groups' cut (ReplicaLoader)
 
 
 @dataclass

@@ -9,7 +9,6 @@ batches are never counted, and a resumed loader continues with bitwise-identical
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import os
@@ -35,7 +34,55 @@ from pitstop.data.loader.workers import worker_init
 log = logging.getLogger("pitstop.data.loader")
 
 
-class ShardLoader(ABC):
+class TrainBatches(ABC):
+    """The training batches the loop holds: an endless iterator across epochs with an exact, saveable position.
+    :class:`ShardLoader` (a rank's share of the shards, every ``loader`` option) implements it, and so does
+    ``strategy=ft``'s ``ReplicaLoader`` (one global order cut among each step's replica groups)."""
+
+    kind = "base"
+    stats: dict[str, int]  # cumulative counters (samples, bytes from the source, ...)
+    sample_log: Callable[[list[str]], None] | None  # each handed-out batch's sample keys (data.record_sample_ids)
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Any]:
+        """The training batches, endless (epoch after epoch)."""
+
+    @abstractmethod
+    def steps_per_epoch(self, epoch: int | None = None) -> int:
+        """Batches an epoch hands out (this one, or ``epoch``)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """The data position, for a checkpoint."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict, peers: list[dict] | None = None) -> None:
+        """Restore a position (``peers``: every saved rank's, for a resume at another world size)."""
+
+    @property
+    @abstractmethod
+    def epoch(self) -> int:
+        """The epoch being read."""
+
+    @property
+    def batch_epoch(self) -> int:
+        """The epoch of the batch handed out last (the sample log names it where a step takes several)."""
+        return self.epoch
+
+    def warm(self) -> None:
+        """Start fetching what the current data position reads first, now (a loader with a cache does: the cached
+        loader); by default nothing. Called as the loader is built on a fresh run and after a restore."""
+
+    def close(self) -> None:
+        """Release what the loader holds beyond its batch iterators (a worker pool of its own); by default nothing:
+        the iterators' workers stop with the loop."""
+
+    def commit(self) -> None:
+        """The step of the batches handed out committed (a per-rank loader counts them as it hands them out;
+        ``strategy=ft``'s loader advances its position only here)."""
+
+
+class ShardLoader(TrainBatches):
     """Trainer side: an endless iterator of batches across epochs with an exact, saveable position.
 
     The contract of a ``loader`` option: ``iter(loader)`` (training batches, endless), ``iterate_once``
@@ -44,6 +91,7 @@ class ShardLoader(ABC):
     (:meth:`source`)."""
 
     kind = "base"
+    epoch: int = 0  # (an attribute here: the readers advance it)
 
     def __init__(
         self,
@@ -74,7 +122,7 @@ class ShardLoader(ABC):
         """Builds only: each key's range is checked by its schema (``pitstop.config.schema.Loader``) before this; what
         is checked here needs the shard index (``pipe:`` URLs, enough partitions for the ranks)."""
         options = fsurl.storage_options(storage_options, "loader.storage_options")
-        self.dataset, self.split, self.batch_size, self.seed = _reaching(dataset, options), split, batch_size, seed
+        self.dataset, self.split, self.batch_size, self.seed = dataset.reaching(options), split, batch_size, seed
         self.rank, self.world_size, self.train = rank, world_size, train
         self.pin_memory, self.prefetch_factor, self.timeout = pin_memory, prefetch_factor, timeout
         self.shuffle, self.drop_last = shuffle and train, drop_last
@@ -127,11 +175,6 @@ class ShardLoader(ABC):
             )
         return self._plans[key]
 
-    @property
-    def batch_epoch(self) -> int:
-        """The epoch of the batch handed out last (the sample log names it where a step takes several)."""
-        return self.epoch
-
     def side_stats(self) -> dict[str, int]:
         """Counters of work done outside the readers (a subclass's), taken once: added to ``stats``."""
         return {}
@@ -165,18 +208,6 @@ class ShardLoader(ABC):
         if self.window == 1:
             return None
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
-
-    def warm(self) -> None:
-        """Start fetching what the current data position reads first, now (a loader with a cache does: the cached
-        loader); by default nothing. Called as the loader is built on a fresh run and after a restore."""
-
-    def close(self) -> None:
-        """Release what the loader holds beyond its batch iterators (a worker pool of its own); by default nothing:
-        the iterators' workers stop with the loop."""
-
-    def commit(self) -> None:
-        """The step of the batches handed out committed (a per-rank loader counts them as it hands them out;
-        ``strategy=ft``'s loader advances its position only here)."""
 
     def state_dict(self) -> dict:
         ended = self.batches >= self.steps_per_epoch()
@@ -354,17 +385,6 @@ class ShardLoader(ABC):
         """One pass over this rank's share (evaluation), every rank yielding as many ``(batch, counted)`` pairs
         (``evaluation.one_pass``)."""
         return evaluation.one_pass(self, max_batches, share)
-
-
-def _reaching(dataset: ShardedDataset, options: dict) -> ShardedDataset:
-    """The data set as this loader reaches it: with ``loader.storage_options`` (a copy that reads its index with
-    them; the caller's object is left as it was)."""
-    if not options or dataset.storage_options == options:
-        return dataset
-    reached = copy.copy(dataset)
-    reached.__dict__.pop("index", None)  # (before the index is read: it may be remote too)
-    reached.storage_options = options
-    return reached
 
 
 def _shard_refs(dataset: ShardedDataset, split: str, allow_pipe: bool) -> list[ShardRef]:

@@ -36,23 +36,24 @@ from pitstop.data.loader import plan
 from pitstop.data.shards import read_shard
 from pitstop.errors import DataError
 from pitstop.parts.seed import derive_seed
+from pitstop.data.loader.base import ShardLoader, TrainBatches
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor
 
     from pitstop.data.dataset import ShardedDataset
-    from pitstop.data.loader.base import ShardLoader
     from pitstop.data.loader.reader import ShardSource
     from pitstop.data.remote import ShardRef
 
 log = logging.getLogger("pitstop.data.loader")
 
 
-class ReplicaLoader:
+class ReplicaLoader(TrainBatches):
     """Wraps a training :class:`~pitstop.data.loader.base.ShardLoader` (its data set, shards, source of shard
     bytes, seed and batch size); ``participation()`` says (groups of this step, this group's place)."""
 
     kind = "replica"
+    batch_epoch: int = 0  # (an attribute here: the epoch of the micro-batch fetched last)
 
     def __init__(
         self,
