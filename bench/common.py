@@ -54,8 +54,12 @@ def save_result(name: str, figures: dict, argv: list[str] | None = None) -> Path
     """``bench/results/<name>.json``: the figures, the command that printed them, the commit, the date and the
     machine. The docs show a figure only from such a file (docs/hooks.py), with its command, date and machine."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None  # fmt: skip
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=10)  # fmt: skip
+        # (a tree with uncommitted changes says so: the figures are of the commit plus them)
+        commit = (commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")) or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     args = sys.argv[1:] if argv is None else argv

@@ -5,7 +5,9 @@
 The digits training set rewritten by webdataset's own ShardWriter sorted by class (160 samples per shard, as data
 sets written one class at a time are), indexed by recipe.prepare data=webdataset. Per window: the mean number of
 distinct classes (and shards) per batch of 32 over one epoch, and the epoch's read time (1 rank, 2 workers).
---train also trains the CNN for 4 epochs on each and prints the validation accuracy.
+--train also trains the CNN for 4 epochs on each and prints the validation accuracy. Figures: bench/results/mixing.json
+(with --train; mixing_read.json without). What it leaves out: one data set and one seed (the accuracies are one run
+each), one rank.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, compose, ensure_data
+from common import ROOT, compose, ensure_data, save_result
 
 
 def class_sorted_shards(out: Path) -> None:
@@ -71,6 +73,7 @@ def main() -> None:
         class_sorted_shards(shards)
         prepare(compose(data_args(shards, root), config_name="prepare").data)
         print(f"{'window':>6} {'classes/batch':>13} {'shards/batch':>12} {'epoch read s':>12} {'val accuracy':>12}")
+        figures: dict = {"batch": 32, "epochs_trained": 4 if a.train else 0, "windows": {}}
         for k in a.windows:
             cfg = compose([*data_args(shards, root), f"loader.shuffle_shards_window={k}"])
             data = build_dataset(cfg.data)
@@ -87,6 +90,8 @@ def main() -> None:
             per_shard = 160
             shards_per = sum(len({int(k[1:]) // per_shard for k in b}) for b in keys) / len(keys)
             acc = "-"
+            row = {"classes_per_batch": classes, "shards_per_batch": shards_per, "epoch_read_s": took}
+            figures["windows"][str(k)] = row
             if a.train:
                 run = Path(tmp) / f"run{k}"
                 p = subprocess.run(
@@ -108,8 +113,10 @@ def main() -> None:
                     text=True,
                 )
                 assert p.returncode == 0, p.stderr[-2000:]
-                acc = f"{json.loads((run / 'summary.json').read_text())['metrics']['val_accuracy']:.3f}"
+                row["val_accuracy"] = json.loads((run / "summary.json").read_text())["metrics"]["val_accuracy"]
+                acc = f"{row['val_accuracy']:.3f}"
             print(f"{k:>6} {classes:>13.2f} {shards_per:>12.2f} {took:>12.2f} {acc:>12}")
+        save_result("mixing" if a.train else "mixing_read", figures)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
         --batch 128 --workers 8 --steps 200 --only settings                     # what bench/device_check.sh runs
 
 Both loops train the same model on the same shards with the same batch size, optimizer, schedule, decode function,
-worker count, precision (autocast), memory format and compilation; the hand-written one uses webdataset's own reader
+worker count, intra-op thread count (pitstop's CPU budget: the cores the workers leave), precision (autocast), memory
+format and compilation; the hand-written one uses webdataset's own reader
 and one plain ``DataLoader`` with persistent workers for the whole run (pinned memory and non-blocking copies on
 CUDA), so neither loop starts workers at an epoch boundary. What it leaves out: the two read the samples in
 different orders (pitstop's seeded shard and sample shuffle, webdataset's file order); both drop an epoch's last
@@ -113,6 +114,9 @@ def hand_run(steps: int, extra: list[str] = ()) -> dict:
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # (the same intra-op threads as pitstop's CPU budget, strategy.cpu_threads=auto: the cores the workers leave; set
+    # here, not inherited from a framework run before it in this process)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.loader.num_workers))
     ds = build_dataset(cfg.data)  # (the data set pitstop builds: the prepare step's keys left out)
     urls = [ds.index.resolve(s) for s in ds.index.shards("train")]
 
@@ -226,7 +230,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--only", default=None, help="settings: only the comparison at the given settings")
+    ap.add_argument(
+        "--only",
+        choices=["settings", "mlflow"],
+        default=None,
+        help="settings: only the comparison at the given "
+        "settings; mlflow: only the MLflow cost (e.g. with more --steps: past the tracker process's start-up)",
+    )
     args = ap.parse_args()
     ensure_data([] if args.data == "digits" else ["data=synthetic"])
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-")
@@ -234,13 +244,14 @@ def main() -> None:
     label = " ".join(o for o in settings if not o.endswith("=false") and o != "trainer.precision=fp32") or "defaults"
     print(f"# overhead: recipe.train vs a hand-written loop ({args.model}, {args.data})")
     figures = {"settings": label, "steps": args.steps, "repeats": args.repeats}
-    figures["main"] = compare(label, args.steps, args.repeats, settings, tmp)
-    ratio = figures["main"]["ratio_steady"]
-    print(f"ratio (steady) = {ratio:.3f}   (target >= 0.99 with every option off on CPU; >= 0.97 on a GPU)")
+    if args.only != "mlflow":
+        figures["main"] = compare(label, args.steps, args.repeats, settings, tmp)
+        ratio = figures["main"]["ratio_steady"]
+        print(f"ratio (steady) = {ratio:.3f}   (target >= 0.99 with every option off on CPU; >= 0.97 on a GPU)")
     if args.only == "settings":
         save_result(f"overhead_{args.model}_{args.data}_settings", figures)
         return
-    if settings == settings_overrides(ap.parse_args([])):  # default settings: bf16 autocast on CPU, reported
+    if args.only is None and settings == settings_overrides(ap.parse_args([])):  # default settings: bf16 on CPU
         figures["bf16"] = compare(
             "trainer.precision=bf16 (autocast)", args.steps, args.repeats, [*settings, "trainer.precision=bf16"], tmp
         )
@@ -291,7 +302,8 @@ def main() -> None:
         "steady_cost": 1 - st_ml / st_none,
         "whole_run_cost": 1 - sps_ml / sps_none,
     }
-    save_result("overhead" if args.model == "cnn" and args.data == "digits" else f"overhead_{args.model}", figures)
+    name = "overhead" if args.model == "cnn" and args.data == "digits" else f"overhead_{args.model}"
+    save_result(name if args.only is None else f"{name}_{args.only}", figures)
 
 
 if __name__ == "__main__":

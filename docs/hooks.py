@@ -4,6 +4,8 @@
   (``pitstop.config.reference``).
 - ``<!-- generated: test-counts -->``: test functions and cases per file and per tier, from
   ``pytest --collect-only`` (all, then ``-m slow``).
+- ``<!-- generated: cli -->``: each command's own ``--help``, run at build time (for the Hydra entry points, the
+  config groups it composes from).
 - ``<!-- generated: benchmarks -->``: every result file in ``bench/results/`` with its command, commit, date and
   machine, and its figures.
 - ``{{ fig NAME KEY FORMAT }}`` anywhere: the figure ``KEY`` (dotted) of ``bench/results/NAME.json``, formatted
@@ -24,6 +26,15 @@ import json
 CONFIG, COUNTS = "<!-- generated: config-reference -->", "<!-- generated: test-counts -->"
 BENCHMARKS, FIGURE = "<!-- generated: benchmarks -->", re.compile(r"\{\{\s*fig\s+(\w+)\s+([\w.]+)(?:\s+(\S+))?\s*\}\}")
 PAGE = "reference/benchmarks.md"
+CLI = "<!-- generated: cli -->"
+COMMANDS = {  # module: what it is for
+    "recipe.train": "train (Hydra: `group=option` and `key=value` overrides; `-m` sweeps)",
+    "recipe.prepare": "write a data set's shards and index (Hydra, the same `data=` options)",
+    "recipe.goodput": "the goodput model, the best checkpoint interval, and a run's time line",
+    "recipe.export": "a checkpoint's model weights as a plain state_dict",
+    "pitstop.audit": "exactly-once data: every sample of every epoch, counted from the sample logs",
+    "pitstop.ckpt.verify": "check checkpoints against their checksum manifests",
+}
 
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - MkDocs' hook signature
@@ -34,6 +45,8 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - M
         markdown = markdown.replace(CONFIG, render(os.path.join(root, "conf")))
     if COUNTS in markdown:
         markdown = markdown.replace(COUNTS, test_counts(root))
+    if CLI in markdown:
+        markdown = markdown.replace(CLI, cli(root))
     if BENCHMARKS in markdown:
         markdown = markdown.replace(BENCHMARKS, benchmarks(root))
     here = os.path.dirname(page.file.src_uri)
@@ -79,6 +92,22 @@ def benchmarks(root: str) -> str:
             parts.append(f"| `{key}` | {shown} |")
         parts.append("")
     return "\n".join(parts) or "No result file yet: run a benchmark (`python bench/overhead.py`)."
+
+
+def cli(root: str) -> str:
+    """Each command's ``--help`` as this checkout prints it (Hydra's: only the config groups, not the whole config)."""
+    parts = []
+    for module, what in COMMANDS.items():
+        p = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        if p.returncode != 0:
+            raise RuntimeError(f"python -m {module} --help failed ({p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
+        text = p.stdout
+        if "== Configuration groups ==" in text:  # (Hydra's help: the groups, then the whole composed config)
+            text = text[text.index("== Configuration groups ==") : text.index("== Config ==")].rstrip()
+            text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("schema/"))
+        parts.append(f"## `python -m {module}`\n\n{what.capitalize()}.\n\n```text\n{text.rstrip()}\n```\n")
+    return "\n".join(parts)
 
 
 def collected(root: str, *args: str) -> list[str]:
