@@ -56,9 +56,10 @@ def save_result(name: str, figures: dict, argv: list[str] | None = None) -> Path
     try:
         git = ["git", "-C", str(ROOT)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, timeout=10)  # fmt: skip
-        # (a tree with uncommitted changes says so: the figures are of the commit plus them)
+        code = ["src", "recipe", "conf", "bench", "pyproject.toml"]  # (what the figures depend on: not the docs)
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *code],
+                                 capture_output=True, text=True, timeout=10)  # fmt: skip
+        # (a tree with uncommitted changes to the code says so: the figures are of the commit plus them)
         commit = (commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")) or None
     except (OSError, subprocess.SubprocessError):
         commit = None
