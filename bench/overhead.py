@@ -1,6 +1,7 @@
 """Framework overhead: steps/s of recipe.train vs a minimal hand-written PyTorch loop, side by side.
 
     python bench/overhead.py [--steps 300] [--repeats 3]                       # CPU: SmallCNN on digits
+    python bench/overhead.py --only mlflow --steps 1500 --repeats 2               # MLflow's cost past its start-up
     python bench/overhead.py --model resnet50 --data synthetic --precision bf16 --channels-last --compile \
         --batch 128 --workers 8 --steps 200 --only settings                     # what bench/device_check.sh runs
 

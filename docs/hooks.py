@@ -8,9 +8,9 @@
   config groups it composes from).
 - ``<!-- generated: benchmarks -->``: every result file in ``bench/results/`` with its command, commit, date and
   machine, and its figures.
-- ``{{ fig NAME KEY FORMAT }}`` anywhere: the figure ``KEY`` (dotted) of ``bench/results/NAME.json``, formatted
-  (e.g. ``.3f``, ``.1%``), linked to its row on the benchmarks page. A figure no file backs fails the build: the
-  site prints no figure that a command did not measure.
+- ``{{ fig NAME KEY FORMAT }}`` anywhere: the figure ``KEY`` (dotted; a number indexes a list) of
+  ``bench/results/NAME.json``, formatted (e.g. ``.3f``, ``.1%``), linked to its row on the benchmarks page. A figure
+  no file backs fails the build: the site prints no figure that a command did not measure.
 """
 
 from __future__ import annotations
@@ -63,10 +63,13 @@ def result(root: str, name: str) -> dict:
 
 def figure(root: str, here: str, name: str, key: str, spec: str | None) -> str:
     value: object = result(root, name)["figures"]
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
+    for part in key.split("."):  # (a number indexes a list: ``peers.uncapped.ratio.0``)
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
             raise KeyError(f"bench/results/{name}.json has no figure {key!r}")
-        value = value[part]
     text = format(value, spec) if spec else str(value)
     return f"{text}<sup>[{name}]({os.path.relpath(PAGE, here or '.')}#{name})</sup>"
 
@@ -106,7 +109,7 @@ def cli(root: str) -> str:
         if "== Configuration groups ==" in text:  # (Hydra's help: the groups, then the whole composed config)
             text = text[text.index("== Configuration groups ==") : text.index("== Config ==")].rstrip()
             text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("schema/"))
-        parts.append(f"## `python -m {module}`\n\n{what.capitalize()}.\n\n```text\n{text.rstrip()}\n```\n")
+        parts.append(f"## `python -m {module}`\n\n{what[0].upper()}{what[1:]}.\n\n```text\n{text.rstrip()}\n```\n")
     return "\n".join(parts)
 
 
