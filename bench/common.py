@@ -56,7 +56,8 @@ def save_result(name: str, figures: dict, argv: list[str] | None = None) -> Path
     try:
         git = ["git", "-C", str(ROOT)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        code = ["src", "recipe", "conf", "bench", "pyproject.toml"]  # (what the figures depend on: not the docs)
+        # (what the figures depend on: not the docs, nor the result files a run before this one rewrote)
+        code = ["src", "recipe", "conf", "bench", "pyproject.toml", ":(exclude)bench/results"]
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *code],
                                  capture_output=True, text=True, timeout=10)  # fmt: skip
         # (a tree with uncommitted changes to the code says so: the figures are of the commit plus them)

@@ -117,7 +117,8 @@ def hand_run(steps: int, extra: list[str] = ()) -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # (the same intra-op threads as pitstop's CPU budget, strategy.cpu_threads=auto: the cores the workers leave; set
     # here, not inherited from a framework run before it in this process)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.loader.num_workers))
+    allowed = int(os.environ.get("OMP_NUM_THREADS") or 0) or (os.cpu_count() or 1)
+    torch.set_num_threads(min(allowed, max(1, (os.cpu_count() or 1) - cfg.loader.num_workers)))
     ds = build_dataset(cfg.data)  # (the data set pitstop builds: the prepare step's keys left out)
     urls = [ds.index.resolve(s) for s in ds.index.shards("train")]
 

@@ -18,7 +18,7 @@ from conftest import PY, cli
 
 # (serial: after the parallel part, alone: a browser and MLflow's server beside two workers' jobs were too much once,
 # on 2 cores, and its worker died)
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.browser]  # (make docs-check runs it, not make test)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

@@ -65,3 +65,13 @@ def test_every_default_is_inside_its_own_range():
     assert seen >= 40  # (the checks are declared: a schema that lost them would pass with nothing to check)
     checked = [f.name for f in dataclasses.fields(schema.Trainer) if f.metadata.get("check") is not None]
     assert {"batch_size", "max_restarts", "preempt_grace_seconds", "grad_accum_steps"} <= set(checked)
+
+
+def test_a_key_without_a_range_is_not_resolved_by_the_check(tmp_path):
+    # (its interpolation is its reader's business: an environment variable that only the tracker's process has, say)
+    cfg = compose_cfg(["logger=mlflow"], tmp_path)
+    cfg.logger.run_name = "${oc.env:PITSTOP_TESTS_NEVER_SET}"
+    validate(cfg)
+    cfg.logger.flush_every_seconds = "${oc.env:PITSTOP_TESTS_NEVER_SET}"  # (a key with a range is read, and says so)
+    with pytest.raises(Exception, match="PITSTOP_TESTS_NEVER_SET"):
+        validate(cfg)

@@ -43,14 +43,16 @@ def check(name: str, node: Any, kind: type | None = None) -> None:
         return
     hints = typing.get_type_hints(kind)
     for f in dataclasses.fields(kind):
+        nested, rule = hints.get(f.name), f.metadata.get("check")
+        if rule is None and not dataclasses.is_dataclass(nested):  # (a key without a range is not read: resolving
+            continue  # its interpolation is its reader's business)
         if f.name not in node or OmegaConf.is_missing(node, f.name):
             continue
         value = node[f.name]
         if isinstance(value, DictConfig):
-            nested = hints.get(f.name)
             check(f"{name}.{f.name}", value, nested if dataclasses.is_dataclass(nested) else None)
-        elif f.metadata.get("check") is not None:
-            f.metadata["check"](f"{name}.{f.name}", value)
+        elif rule is not None:
+            rule(f"{name}.{f.name}", value)
 
 
 def schema_of(group: str, node: DictConfig) -> type | None:
@@ -62,7 +64,7 @@ def schema_of(group: str, node: DictConfig) -> type | None:
         return kind
     target, keys = node.get("_target_"), set(node.keys())
     same = [o for o in options if target is not None and getattr(o, "_target_", None) == target]
-    for candidate in same or options:
+    for candidate in [*same, *options]:  # (the option it names first; else any of the group that has its keys)
         if {f.name for f in dataclasses.fields(candidate)} >= keys:
             return candidate
     return None

@@ -23,7 +23,7 @@ from typing import Any
 
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError
-from pitstop.data.loader import plan
+from pitstop.data.loader import plan, server
 from pitstop.data.loader.base import ShardLoader, ShardSource
 from pitstop.data.loader.sizes import parse_size
 from pitstop.data.loader.cache import ShardCache
@@ -215,6 +215,8 @@ class CachedLoader(ShardLoader):
         set-up), and after a restore on a resumed one (the position is known only then). Under a
         ``cache_limit`` too small to keep them beside the readers' own prefetch, only the first shards, or none.
         A failed download here is left to the reader to retry and report."""
+        if self.num_workers:  # the workers' fork server first: forked while no download thread exists yet
+            server.workers({type(self).__module__, type(self.dataset).__module__})
         ahead = 2 if self.prefetch_shards == "auto" else int(self.prefetch_shards)
         for n in [d for d in (1 + ahead, 1) if d <= self._warm_depth]:  # (never deeper than a call before chose)
             leads = self.lead_refs(n)
