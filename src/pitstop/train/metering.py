@@ -135,13 +135,11 @@ class StepMeter:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
         if step % self.log_every == 0 or step == total_steps:
-            self._log_window(step, epoch, loss, lr, self.logger, self.io)
+            self._log_window(step, epoch, loss, lr)
 
-    def _log_window(
-        self, step: int, epoch: int, loss: float, lr: float, logger: Logger, io: Callable[[], dict[str, float]]
-    ) -> None:
+    def _log_window(self, step: int, epoch: int, loss: float, lr: float) -> None:
         """The window's figures since the last log, and the data counters that moved, to the tracker."""
-        window = self.window
+        window, logger = self.window, self.logger
         now = time.perf_counter()
         elapsed = max(now - window.t, 1e-9)
         speed = {
@@ -165,7 +163,7 @@ class StepMeter:
         )
         self.metrics_file.write({"step": step, **{k: round(v, 6) for k, v in speed.items()}})
         # cumulative: cache hits/misses, bytes from the source, retries (samples: the step's own figures say it)
-        counters = {k: v for k, v in io().items() if k != "samples"}
+        counters = {k: v for k, v in self.io().items() if k != "samples"}
         changed = {k: v for k, v in counters.items() if self._last_io.get(k) != v}
         if changed:  # counters that moved since the last log (most stop moving once the cache is warm)
             logger.log_metrics(changed, step)

@@ -175,6 +175,10 @@ class ShardLoader(TrainBatches):
             )
         return self._plans[key]
 
+    def worker_modules(self) -> set[str]:
+        """What a data worker runs: imported in the workers' fork server before it serves them."""
+        return {__name__, type(self).__module__, type(self.dataset).__module__}
+
     def side_stats(self) -> dict[str, int]:
         """Counters of work done outside the readers (a subclass's), taken once: added to ``stats``."""
         return {}
@@ -305,7 +309,7 @@ class ShardLoader(TrainBatches):
         # A generator of its own: starting workers must not draw from the global torch RNG (which the
         # checkpoint restores), or a resumed run would see different dropout masks than an uninterrupted one.
         generator = torch.Generator().manual_seed(derive_seed("loader", self.seed, epoch, self.rank, self.train))
-        mp_context, parent = server.workers({__name__, type(self).__module__, type(self.dataset).__module__})
+        mp_context, parent = server.workers(self.worker_modules())
         return iter(
             DataLoader(
                 reader,

@@ -216,7 +216,7 @@ class CachedLoader(ShardLoader):
         ``cache_limit`` too small to keep them beside the readers' own prefetch, only the first shards, or none.
         A failed download here is left to the reader to retry and report."""
         if self.num_workers:  # the workers' fork server first: forked while no download thread exists yet
-            server.workers({type(self).__module__, type(self.dataset).__module__})
+            server.workers(self.worker_modules())
         ahead = 2 if self.prefetch_shards == "auto" else int(self.prefetch_shards)
         for n in [d for d in (1 + ahead, 1) if d <= self._warm_depth]:  # (never deeper than a call before chose)
             leads = self.lead_refs(n)
