@@ -29,6 +29,22 @@ def test_saves_go_to_both_tiers_on_their_own_intervals_and_a_finished_run_frees_
     assert sorted(r["step"] for r in rows if "ckpt_local_total_seconds" in r) == [2, 4, 6, 8]
 
 
+def test_a_crafted_run_id_never_makes_the_finished_run_delete_another_dir(make_cfg, tmp_path, caplog):
+    """``checkpoints/.run_id`` names the local tier's dir and the finished run removes that dir: a planted
+    ``../victim`` must be kept aside, not followed."""
+    shm, victim = tmp_path / "shm", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("not pitstop's")
+    cfg = make_cfg("trainer.max_steps=6", "ckpt=sync_dcp", "ckpt.interval_steps=5", *local_args(shm, 2))
+    (Path(cfg.ckpt.dir)).mkdir(parents=True)
+    (Path(cfg.ckpt.dir) / ".run_id").write_text("../victim")
+    with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+        s = train(cfg)
+    assert (victim / "keep.txt").read_text() == "not pitstop's"
+    assert s["checkpoint"]["local_saves"] == 2 and s["checkpoint"]["local_dir"].startswith(str(shm) + "/")
+    assert "not a run id pitstop made: kept aside" in caplog.text
+
+
 @pytest.mark.parametrize(
     "overrides,expected",
     [

@@ -124,6 +124,49 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(make_cfg):
     assert s["resumed_from"] == 8 and s["final_step"] == 14
 
 
+@pytest.mark.parametrize("backend", ["sync_save", "sync_dcp"])
+def test_a_checkpoint_moved_under_a_newer_steps_name_is_not_restored_as_its_own_step(backend, make_cfg, caplog):
+    """Someone who can write the checkpoints dir puts step 4's checkpoint where step 12's was (its files and manifest
+    intact): the run must not resume from step 4 under step 12's name and skip step 8 without a word."""
+    import shutil
+
+    from pitstop.ckpt import layout
+
+    args = [f"ckpt={backend}", "ckpt.interval_steps=4", "ckpt.keep_last_k=0"]
+    cfg = make_cfg(*args)
+    train(cfg)  # saves at 4, 8, 12
+    newest = Path(layout.step_dir(cfg.ckpt.dir, 12))
+    shutil.rmtree(newest)
+    shutil.copytree(layout.step_dir(cfg.ckpt.dir, 4), newest)
+    with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+        s = train(make_cfg(*args, "trainer.max_steps=14"))
+    assert s["resumed_from"] == 8 and s["final_step"] == 14
+    assert "step_00000012 is corrupt, not loaded" in caplog.text and "another step's name" in caplog.text
+
+
+def test_a_signed_run_resumes_and_an_edited_resealed_checkpoint_is_skipped(make_cfg, monkeypatch, caplog):
+    """PITSTOP_CKPT_KEY set: the checkpoint process signs each manifest; a changed byte with a CRC32C manifest remade
+    to match (what anyone who can write the dir can do) is refused, where without a key it would load."""
+    from pitstop.ckpt import integrity, layout
+
+    monkeypatch.setenv(integrity.KEY_ENV, "signing-key-of-this-test-0123456789")
+    args = ["ckpt=async_dcp", "ckpt.checkpointer=process", "ckpt.interval_steps=4", "ckpt.keep_last_k=0"]
+    cfg = make_cfg(*args)
+    train(cfg)  # saves at 4, 8, 12, signed by the checkpoint process
+    newest = Path(layout.step_dir(cfg.ckpt.dir, 12))
+    assert integrity.is_signed((newest / integrity.MANIFEST).read_bytes())
+    data = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    data.write_bytes(bytes(blob))
+    body = integrity.unseal((newest / integrity.MANIFEST).read_bytes(), str(newest), integrity.MANIFEST)
+    body["files"][data.name] = integrity.file_checksum(str(data)).entry()
+    (newest / integrity.MANIFEST).write_bytes(integrity.seal(body, key=b"a-guess-at-the-key-000000"))
+    with caplog.at_level("WARNING", logger="pitstop.ckpt"):
+        s = train(make_cfg(*args, "trainer.max_steps=14"))
+    assert s["resumed_from"] == 8 and "signature does not match" in caplog.text
+
+
 @pytest.mark.parametrize("backend", ["sync_save", "sync_dcp", "async_dcp"])
 def test_a_flipped_byte_in_the_newest_checkpoint_is_named_skipped_and_the_run_ends_exactly(
     backend, make_cfg, uninterrupted, caplog
@@ -168,7 +211,7 @@ def test_a_crafted_metadata_runs_nothing_skipped_under_auto_and_refused_by_name(
     newest = Path(layout.step_dir(cfg.ckpt.dir, 12))
     (newest / ".metadata").write_bytes(pickle.dumps(Runs()))
     files = integrity.read_manifest(str(newest))
-    files[".metadata"] = integrity.entry(*integrity.file_checksum(str(newest / ".metadata")))
+    files[".metadata"] = integrity.file_checksum(str(newest / ".metadata")).entry()
     (newest / integrity.MANIFEST).write_bytes(integrity.manifest_bytes(files))
     with pytest.raises(CheckpointError) as e:
         train(make_cfg(*args, "trainer.max_steps=16", f"ckpt.load={newest}"))

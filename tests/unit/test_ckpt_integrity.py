@@ -144,8 +144,7 @@ def reseal(path: Path) -> None:
     files = {}
     for p in path.iterdir():
         if p.name not in (integrity.MANIFEST, "COMMITTED"):
-            n, v = integrity.file_checksum(str(p))
-            files[p.name] = integrity.entry(n, v)
+            files[p.name] = integrity.file_checksum(str(p)).entry()
     (path / integrity.MANIFEST).write_bytes(integrity.manifest_bytes(files))
 
 

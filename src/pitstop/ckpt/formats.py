@@ -45,6 +45,14 @@ def safe_torch_load(source: str | os.PathLike[str] | IO[bytes], what: str, **kw:
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise CorruptCheckpoint(f"refused {what}: {first} (nothing in it was run)") from None
+    except UNREADABLE as e:  # (its bytes passed their checksums: what they declare does not hold together)
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CorruptCheckpoint(f"{what} is unreadable ({type(e).__name__}: {first})") from None
+
+
+# What reading a checkpoint's bytes raises when what they declare is inconsistent (a storage smaller than a tensor's
+# shape, a truncated archive, a record of the wrong type): corruption, never a bug to restart on.
+UNREADABLE = (RuntimeError, ValueError, EOFError, KeyError, TypeError, IndexError, OverflowError, MemoryError)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -93,16 +101,28 @@ def read_checkpoint(
         else:
             where = os.path.join(path, STATE_FILE)
             sd = safe_torch_load(where, where, map_location="cpu", mmap=True)
-        trains = {k: decode_json(v, k) for k, v in sd.items() if k.startswith(TRAIN_PREFIX)}
+        if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict) or not isinstance(sd.get("optim"), dict):
+            raise CorruptCheckpoint(f"{path}/{STATE_FILE} holds no model and optimizer state")
+        trains = {k: decode_json(v, k) for k, v in sd.items() if train_key(path, k)}
         return trains, lambda: (sd["model"], sd["optim"])
     raise FileNotFoundError(f"{path} has no commit marker")
 
 
+def train_key(path: str, key: object) -> bool:
+    """``key`` is a rank's train state (``train.rank3``); CorruptCheckpoint for a ``train.rank`` key of another
+    form (a rank is a number)."""
+    if not isinstance(key, str) or not key.startswith(TRAIN_PREFIX):
+        return False
+    if not key[len(TRAIN_PREFIX) :].isdigit() or len(key) > len(TRAIN_PREFIX) + 9:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: it holds {key[:60]!r}, not a rank's train state")
+    return True
+
+
 def dcp_reader(path: str) -> FileSystemReader:
     """A reader for any DCP checkpoint: raw tensor items (pitstop's default) and torch.save items alike."""
-    if fsurl.is_url(path):
-        return RawFsspecReader(path, **fsurl.options_for(path))
-    return RawFileSystemReader(path)
+    reader = RawFsspecReader(path, **fsurl.options_for(path)) if fsurl.is_url(path) else RawFileSystemReader(path)
+    reader.checkpoint_dir = path
+    return reader
 
 
 def to_torch_save(path: str, out: str) -> None:
@@ -116,6 +136,7 @@ def to_torch_save(path: str, out: str) -> None:
         pass
 
     integrity.verify(path)
+    dcp_reader(path).read_metadata()  # (its checks, raised as they are: DCP's load would wrap them)
     sd: dict = {}
     _load_state_dict(sd, storage_reader=dcp_reader(path), planner=SafeEmptyPlanner(), no_dist=True)
     torch.save(sd, out)
@@ -125,7 +146,7 @@ def _read_dcp(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
 ) -> tuple[dict[str, dict], Callable[[], tuple]]:
     meta = dcp_reader(path).read_metadata().state_dict_metadata
-    keys = [k for k in meta if k.startswith(TRAIN_PREFIX)]  # small: every rank reads every rank's
+    keys = [k for k in meta if train_key(path, k)]  # small: every rank reads every rank's
     small: dict[str, Any] = {k: torch.empty(meta[k].size, dtype=torch.uint8) for k in keys}
     if small:
         dcp.load(small, storage_reader=dcp_reader(path), planner=SafeLoadPlanner(), process_group=group)

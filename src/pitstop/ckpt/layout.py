@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import stat
+import time
 
 from pitstop import fsurl
 from pitstop.errors import CheckpointError
@@ -45,11 +48,19 @@ def is_step_dir(path: str) -> bool:
 
 
 def is_file(path: str) -> bool:
+    """``path`` is a regular file; locally, itself (a link to a file is not one: a checkpoint holds its own files)."""
     if fsurl.is_url(path):
         fs, p = fsurl.filesystem(path)
         fs.invalidate_cache(p)  # (a listing cached earlier would not show a marker written since)
         return fs.isfile(p)
-    return os.path.isfile(path)
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_link(path: str) -> bool:
+    return not fsurl.is_url(path) and os.path.islink(path)
 
 
 def is_complete(path: str) -> bool:
@@ -77,6 +88,9 @@ def remove(path: str) -> None:
     """Remove a checkpoint dir (or what is left of one); nothing if it is not there.  The commit markers go first, so
     a removal cut short leaves a partial dir that no restore loads; OSError naming what is left if any of it stays
     (a read-only mount, a permission, a store that refused a delete)."""
+    if is_link(path):  # never through a link: it names another place (another run's checkpoint), not ours to delete
+        os.unlink(path)
+        return
     for marker in (DCP_MARKER, SAVE_MARKER):
         _remove_file(fsurl.join(path, marker))
     if not fsurl.is_url(path):
@@ -114,11 +128,19 @@ def _remove_file(path: str) -> None:
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
-    """``(step, path, complete)`` for every ``step_*`` dir, oldest first."""
+    """``(step, path, complete)`` for every ``step_*`` dir, oldest first.  A ``step_*`` that is a symbolic link is
+    not one of them: it is never loaded, and retention never deletes through it (said once per listing)."""
     out = []
     for name in _names(root):
         if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
             path = fsurl.join(root, name)
+            if is_link(path):
+                log.warning(
+                    "%s is a symbolic link, not a checkpoint of this run: never loaded, never deleted (remove it, or "
+                    "copy the checkpoint it points at here)",
+                    path,
+                )
+                continue
             out.append((int(name[len(STEP_PREFIX) :]), path, is_complete(path)))
     return sorted(out)
 
@@ -160,23 +182,44 @@ def purge(root: str, keep_last_k: int) -> None:
         log.debug("purged %s", path)
 
 
+RUN_ID = re.compile(r"[0-9a-f]{16}")
+
+
 def run_id(root: str) -> str:
-    """This run's id, kept in ``root/.run_id`` (made on first use): it names the run's local-tier dir."""
+    """This run's id, kept in ``root/.run_id`` (made on first use): it names the run's local-tier dir, so it must be
+    what pitstop made (16 hex digits): anything else (``../somewhere``, an absolute path, a link) would make the
+    local tier's saves, retention and final clean-up act on another dir.  Such a file is kept aside under a new
+    name, with a warning, and a new id is made (the old local checkpoints are then not used: the durable tier is)."""
     import uuid
 
     path = fsurl.join(root, ".run_id")
     remote = fsurl.is_url(root)
     fs, p = fsurl.filesystem(path) if remote else (None, path)
+    rid = None
     try:
         if remote:
-            rid = fs.cat_file(p).decode().strip()
+            rid = fs.cat_file(p)[:64].decode(errors="replace").strip()
+        elif is_link(path):
+            rid = f"a symbolic link to {os.readlink(path)[:80]}"
         else:
-            with open(path) as f:
-                rid = f.read().strip()
-        if rid:
-            return rid
+            with open(path, "rb") as f:
+                rid = f.read(64).decode(errors="replace").strip()
     except FileNotFoundError:
         pass
+    if rid and RUN_ID.fullmatch(rid):
+        return rid
+    if rid:
+        aside = f"{path}.damaged-{int(time.time())}"
+        log.warning(
+            "%s holds %r, not a run id pitstop made: kept aside as %s; this run's local tier starts afresh",
+            path,
+            rid[:80],
+            aside.rsplit("/", 1)[-1],
+        )
+        if remote:
+            fs.mv(p, fsurl.filesystem(aside)[1])
+        else:
+            os.replace(path, aside)
     rid = uuid.uuid4().hex[:16]
     if remote:
         fs.pipe_file(p, rid.encode())

@@ -134,6 +134,9 @@ class CheckpointManager(Checkpointer):
         root = os.path.join(c["dir"], run_id)
         problem = None
         try:
+            if os.path.islink(root) or os.path.islink(c["dir"]):  # (saves and retention would act on another place)
+                link = root if os.path.islink(root) else c["dir"]
+                raise CheckpointError(f"{link} is a symbolic link (to {os.readlink(link)[:80]}), not this run's dir")
             layout.check_writable(root, key="ckpt.local.dir")
         except CheckpointError as e:
             problem = str(e)

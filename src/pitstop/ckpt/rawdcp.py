@@ -20,19 +20,28 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
+import math
 import os
 import pickle
+from typing import Callable
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystem, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pitstop import fsurl
 from pitstop.ckpt import integrity
 from pitstop.ckpt.staging import PAGE  # (O_DIRECT alignment of memory, file offsets and lengths)
 from pitstop.ckpt.unpickle import load_metadata
@@ -210,8 +219,10 @@ class _Manifest:
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        files[METADATA] = integrity.entry(len(blob), integrity.crc(blob))
-        self._put(integrity.MANIFEST, integrity.manifest_bytes(files))
+        running = integrity.Running()
+        running.update(blob)
+        files[METADATA] = running.entry()
+        self._put(integrity.MANIFEST, integrity.manifest_bytes(files, integrity.dir_name(str(self.path))))
         self._put(METADATA, blob)
 
     def _put(self, name: str, data: bytes) -> None:
@@ -241,8 +252,8 @@ class _ReadBackChecksums:
             [] if not getattr(self, "checksums", True) else sorted({r.storage_data.relative_path for r in results})
         ):
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                nbytes, value = integrity.stream_checksum(stream)
-            results.append(checksum_result(name, integrity.entry(nbytes, value)))
+                entry = integrity.stream_checksum(stream).entry()
+            results.append(checksum_result(name, entry))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -268,13 +279,23 @@ class _RawReads:
     """``read_data`` that reads raw items itself (one read per item, straight into a tensor of the stored
     chunk's dtype and shape) and hands every other item to DCP's reader."""
 
+    checkpoint_dir: str | None = None  # the dir as pitstop names it (a URL for a store): set by formats.dcp_reader
+
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
-        """DCP's ``read_metadata``, through the restricted unpickler (:mod:`pitstop.ckpt.unpickle`)."""
-        path = self.fs.concat_path(self.path, METADATA)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f, str(path))
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        """DCP's ``read_metadata``, through the restricted unpickler (:mod:`pitstop.ckpt.unpickle`), then checked
+        against the checkpoint's manifest (:func:`check_metadata`) before DCP uses any path or size in it."""
+        where = self.checkpoint_dir or str(self.path)
+        files = integrity.read_manifest(where)
+        path = fsurl.join(where, METADATA)
+        if METADATA not in files:
+            raise CorruptCheckpoint(f"checkpoint {where} is corrupt: its {integrity.MANIFEST} does not list {METADATA}")
+        want = files[METADATA]
+        with integrity.open_file(path) as f:
+            blob = f.read(want["bytes"] + 1)
+        if len(blob) != want["bytes"] or f"{integrity.crc(blob):08x}" != want[integrity.ALGORITHM]:
+            raise CorruptCheckpoint(f"checkpoint {where} is corrupt: {METADATA} is not the file its manifest lists")
+        metadata = load_metadata(io.BytesIO(blob), path)
+        check_metadata(metadata, files, where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -337,3 +358,69 @@ class RawFileSystemReader(_RawReads, FileSystemReader):
 
 class RawFsspecReader(_RawReads, FsspecReader):
     pass
+
+
+def check_metadata(metadata: object, files: dict[str, dict], path: str) -> None:
+    """CorruptCheckpoint unless DCP ``metadata`` (of checkpoint dir ``path``, whose manifest lists ``files``) names
+    only files of its manifest, at offsets inside them, and declares no tensor larger than the bytes that hold it.
+    So nothing outside the checkpoint is opened and nothing is allocated for sizes the files do not have: a
+    checkpoint of 1 MB that declares 2 GiB (or 2^60 bytes) is refused before a byte is allocated."""
+
+    def bad(what: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"checkpoint {path} is corrupt: its {METADATA} {what}")
+
+    if not isinstance(metadata, Metadata):
+        raise bad(f"holds a {type(metadata).__name__}, not DCP metadata")
+    storage, tensors = metadata.storage_data, metadata.state_dict_metadata
+    if not isinstance(storage, dict) or not isinstance(tensors, dict):
+        raise bad("has no storage records")
+    spans: dict[tuple, _StorageInfo] = {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"holds a storage record of type {type(info).__name__}")
+        name = integrity.check_name(info.relative_path, path, f"a file in its {METADATA}")
+        if name not in files or name == METADATA:
+            raise bad(f"stores {index.fqn[:80]} in {name}, a file its {integrity.MANIFEST} does not list")
+        if not all(_count(v) for v in (info.offset, info.length)) or info.offset + info.length > files[name]["bytes"]:
+            raise bad(
+                f"stores {index.fqn[:80]} at bytes {info.offset}+{info.length} of {name}, which has "
+                f"{files[name]['bytes']} (a declared size the file does not have)"
+            )
+        spans[(index.fqn, None if index.offset is None else tuple(index.offset))] = info
+    for fqn, md in tensors.items():
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata) or not isinstance(md.properties.dtype, torch.dtype):
+            raise bad(f"describes {str(fqn)[:80]} as a {type(md).__name__}")
+        _check_tensor(fqn, md, spans, bad)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_tensor(fqn: str, md: TensorStorageMetadata, spans: dict, bad: Callable[[str], Exception]) -> None:
+    size = tuple(md.size)
+    itemsize = md.properties.dtype.itemsize
+    if not all(_count(d) for d in size):
+        raise bad(f"gives {fqn[:80]} the shape {size}")
+    held = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or not all(_count(v) for v in (*offsets, *sizes))
+            or any(o + n > d for o, n, d in zip(offsets, sizes, size))
+        ):
+            raise bad(f"gives {fqn[:80]} a chunk {sizes} at {offsets} outside its shape {size}")
+        nbytes = math.prod(sizes) * itemsize
+        info = spans.get((fqn, offsets))
+        if info is None:
+            raise bad(f"has no stored bytes for {fqn[:80]}'s chunk at {offsets}")
+        raw = RAW in (info.transform_descriptors or ())
+        if info.length != nbytes if raw else info.length < nbytes:  # (a torch.save item holds the bytes and more)
+            raise bad(f"declares {nbytes} bytes for {fqn[:80]}'s chunk at {offsets}, stored in {info.length}")
+        held += nbytes
+    if math.prod(size) * itemsize > held:
+        raise bad(f"declares {math.prod(size) * itemsize} bytes for {fqn[:80]}, its chunks hold {held}")

@@ -169,6 +169,8 @@ def load_into(
     trains, tensors = read
     # This rank's own state; a rank that did not exist when it was saved starts from rank 0's.
     train = trains.get(f"train.rank{rank}", trains.get("train.rank0"))
+    for key in sorted(trains):
+        check_train(path, key, trains[key])
     saved_fp = train["fingerprint"] if train is not None else None
     if saved_fp is not None and not model_only:
         check_fingerprint(path, saved_fp, target.state.fingerprint())
@@ -180,11 +182,46 @@ def load_into(
         return
     if train is None:
         raise CheckpointError(f"{path} has no training state (step, data position, RNG)")
-    dcp.load(target, model_sd, optim_sd, full)
     peers = [trains[k] for k in sorted(trains, key=lambda k: int(k[len("train.rank") :]))]
+    if len({p["step"] for p in peers}) > 1:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its ranks' train states hold different steps")
+    named = layout.step_of(path) if layout.is_step_dir(path) else None
+    if named is not None and train["step"] != named:
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is corrupt: its name says step {named}, its train state step {train['step']} (a "
+            f"checkpoint moved under another step's name: not loaded)"
+        )
+    dcp.load(target, model_sd, optim_sd, full)
     if len(peers) != world_size:
         log.info("resharding: checkpoint written by %d rank(s), resuming on %d", len(peers), world_size)
-    target.state.load_state_dict(train, peers=peers)
+    try:
+        target.state.load_state_dict(train, peers=peers)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # (its bytes passed their checksums)
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is corrupt: its train state does not fit this run ({type(e).__name__}: {one_line(e)})"
+        ) from None
+
+
+TRAIN_SHAPE = {"step": int, "samples_seen": int, "loader": dict, "scheduler": dict, "fingerprint": dict}
+
+
+def check_train(path: str, key: str, train: object) -> None:
+    """CorruptCheckpoint unless ``train`` (one rank's train state, read from ``path``) has the shape pitstop writes:
+    what a restore reads next would otherwise fail as a bug, and every restart would repeat it."""
+    problem = None
+    if not isinstance(train, dict):
+        problem = f"is a {type(train).__name__}"
+    else:
+        for name, kind in TRAIN_SHAPE.items():
+            value = train.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+                problem = f"has {name}={str(value)[:40]!r}, not a {'count' if kind is int else kind.__name__}"
+                break
+        else:
+            if "rng" not in train:
+                problem = "has no rng"
+    if problem:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {key} {problem}")
 
 
 def check_fingerprint(path: str, saved: dict, now: dict) -> None:
