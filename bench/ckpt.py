@@ -23,7 +23,8 @@ steps); ``first`` is the first save's blocking time; ``durable`` is seconds unti
 The memory-copy bound (one copy of the state's bytes; on a GPU device -> pinned host) is measured in the same
 run.  Then: the same on a
 200 MB/s throttled target (ResNet-50), what checksums cost (each row with and without them, alternating, and
-what verification reads per second), steps/s with a save after every step (steady state: the first saves
+what verification reads per second), what signing costs (``--only signing``: the key set and unset,
+alternating), steps/s with a save after every step (steady state: the first saves
 are not timed), and RSS over many saves.  ``BENCH_DIR=/dev/shm`` puts every checkpoint on tmpfs, which takes
 the disk out of the figures.
 """
@@ -351,6 +352,69 @@ def checksum_costs(model: str, repeats: int, tmp: str) -> None:
     gc.collect()
 
 
+def signing_costs(model: str, repeats: int, tmp: str) -> None:
+    """What signing costs (``PITSTOP_CKPT_KEY``: each file's SHA-256 beside its CRC32C, the manifest sealed with an
+    HMAC): each row saved with the key set and unset, alternating on the same runner, then what verifying one
+    checkpoint costs with and without the key (its SHA-256 read over every byte).  Thread-based rows only: a
+    checkpoint process reads the key once, when it starts, so it cannot alternate.  Leaves out a GPU (the hashes
+    run on the host, in the writer, after staging) and a store (an upload that is slower than hashing hides it)."""
+    from common import save_result
+
+    from pitstop.ckpt import integrity
+
+    rows = ["sync_save", "sync_dcp", "async_dcp (thread)"]
+    runners = {row: make_runner(model, row, os.path.join(tmp, f"sig-{i}")) for i, row in enumerate(rows)}
+    results: dict[tuple[str, bool], list] = {(row, on): [] for row in rows for on in (True, False)}
+    key = "bench-signing-key-" + "0" * 32
+    figures: dict = {"model": model, "repeats": repeats}
+    try:
+        for r in runners.values():
+            measure_save(r)  # (the first save allocates buffers: not timed)
+        for rep in range(repeats):
+            for row, r in runners.items():
+                for on in (True, False) if rep % 2 == 0 else (False, True):
+                    os.environ[integrity.KEY_ENV] = key if on else ""
+                    results[(row, on)].append(measure_save(r))
+        print(f"\n## {model}: signed (PITSTOP_CKPT_KEY) vs unsigned, local disk + fsync ({repeats} saves each)")
+        print(
+            f"{'row':<24}{'block signed':>14}{'unsigned':>10}{'ratio':>8}"
+            f"{'durable signed':>16}{'unsigned':>10}{'ratio':>8}"
+        )
+        for row in rows:
+            b_on, b_off = (median([x["block"] for x in results[(row, on)]]) for on in (True, False))
+            d_on, d_off = (median([x["durable"] for x in results[(row, on)]]) for on in (True, False))
+            figures[row] = {"block_ratio": round(b_on / max(b_off, 1e-9), 3), "durable_ratio": round(d_on / d_off, 3),
+                            "durable_signed_s": round(d_on, 3), "durable_unsigned_s": round(d_off, 3)}  # fmt: skip
+            print(
+                f"{row:<24}{b_on * 1e3:>12.1f}ms{b_off * 1e3:>8.1f}ms{b_on / max(b_off, 1e-9):>7.3f}x"
+                f"{d_on:>15.3f}s{d_off:>9.3f}s{d_on / d_off:>7.3f}x",
+                flush=True,
+            )
+        runners["sync_dcp"].ckpt._report_finished()
+        path = runners["sync_dcp"].ckpt.records[-1].path
+        for on in (False, True):
+            os.environ[integrity.KEY_ENV] = key if on else ""
+            if on:  # (the newest save's manifest must be signed to verify with the key)
+                step(runners["sync_dcp"])
+                save(runners["sync_dcp"])
+                runners["sync_dcp"].ckpt._report_finished()
+                path = runners["sync_dcp"].ckpt.records[-1].path
+            t0 = time.perf_counter()
+            nbytes = integrity.verify(path)
+            seconds = time.perf_counter() - t0
+            label = "signed" if on else "unsigned"
+            figures[f"verify_{label}_gbps"] = round(nbytes / seconds / 1e9, 2)
+            print(f"verify {label:<9}{nbytes / 1e6:>6.0f} MB in {seconds:.3f} s: {nbytes / seconds / 1e9:.2f} GB/s")
+        save_result("ckpt_signing", figures)
+    finally:
+        os.environ.pop(integrity.KEY_ENV, None)
+        for r in runners.values():
+            r.ckpt.close()
+            r.close()
+        runners.clear()
+        gc.collect()
+
+
 def every_step(model: str, rows: list[str], steps: int, tmp: str) -> None:
     print(
         f"\n## {model}: steps/s with a save after every step ({steps} steps, after {EVERY_WARM} saves that are "
@@ -427,14 +491,14 @@ def main() -> None:
     ap.add_argument("--throttle-mbps", type=float, default=200.0)
     ap.add_argument("--rss-saves", type=int, default=50)
     ap.add_argument("--steps", type=int, default=6, help="steps for the save-every-step runs")
-    ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss,checksums")
+    ap.add_argument("--only", default=None, help="run only these parts: tables,throttled,every,rss,checksums,signing")
     ap.add_argument("--rss-only", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--models", default=None, help="only the models whose label contains one of these (comma list)")
     args = ap.parse_args()
     ensure_data()
     if args.rss_only:
         return rss_over_saves(*args.rss_only, args.rss_saves)
-    parts = set((args.only or "tables,throttled,every,rss,checksums").split(","))
+    parts = set((args.only or "tables,throttled,every,rss,checksums,signing").split(","))
     tmp = tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
     print("# bench/ckpt.py: what a save costs the loop (medians; rows alternate within each repeat)", flush=True)
     resnet = next(iter(MODELS))
@@ -447,6 +511,8 @@ def main() -> None:
         table(resnet, rows, [f"ckpt.throttle_mbps={args.throttle_mbps}"], args.repeats, tmp, throttled=True)
     if "checksums" in parts:
         checksum_costs(resnet, max(args.repeats, 4), tmp)
+    if "signing" in parts:
+        signing_costs(resnet, max(args.repeats, 4), tmp)
     if "every" in parts:
         every_step(resnet, list(ROWS), args.steps, tmp)
     if "rss" in parts:
