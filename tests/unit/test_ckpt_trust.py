@@ -69,12 +69,16 @@ def outside(tmp_path: Path) -> Path:
 
 
 def refused(path: Path, *words: str) -> str:
-    """The restore's reader and the export both refuse ``path`` as corrupt, naming ``words``; the message."""
+    """The restore's reader and both exports refuse ``path`` as corrupt, naming ``words``; the message."""
+    from recipe.export import model_state
+
     with pytest.raises(CorruptCheckpoint) as e:
         integrity.verify(str(path))
         dcp_reader(str(path)).read_metadata()
     with pytest.raises(CorruptCheckpoint):
         to_torch_save(str(path), str(path.parent / "export.pt"))
+    with pytest.raises(CorruptCheckpoint):
+        model_state(str(path))  # (python -m recipe.export)
     text = str(e.value)
     assert "\n" not in text and all(w in text for w in words), text
     assert not (path.parent / "export.pt").exists()

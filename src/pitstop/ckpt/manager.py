@@ -109,6 +109,7 @@ class CheckpointManager(Checkpointer):
         self.strategy, self.report = strategy, report
         self.rank, self.world_size = strategy.rank, strategy.world_size
         self.group = strategy.ckpt_group()
+        integrity.signing_key()  # (a key too short to sign anything stops the run here, in one line: exit 2)
         if self.rank == 0:
             layout.check_writable(self.root)
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
