@@ -94,7 +94,7 @@ URL_USERINFO = re.compile(r"([A-Za-z][\w+.-]*://)([^/\s:@?#]*)(?::([^/\s@]*))?@"
 # ``name=value`` (a query, an ADO connection string, a command line) or ``name: value`` (a flow-style dict, as an
 # override or ``oc.create`` writes it); a name starts after a separator, a value is a bracketed whole or a run.
 _PAIR = re.compile(
-    r"(?:^|(?<=[?&;,\s{(\[]))(?P<name>[A-Za-z_+~][\w.+~-]*(?: [A-Za-z]\w*)*)\s*(?:=|:(?!//))\s*"
+    r"(?:^|(?<=[?&;,\s{(\['\"]))(?P<name>[A-Za-z_+~][\w.+~-]*(?: [A-Za-z]\w*)*)\s*(?:=|:(?!//))\s*"
     r"(?P<value>\{[^{}]*\}|\[[^\[\]]*\]|\"[^\"]*\"|'[^']*'|[^&;\s,'\"\]})]+)"
 )
 _BEARER = re.compile(r"(?i:\bbearer)\s+([A-Za-z0-9._~+/=-]{8,})")
@@ -189,8 +189,8 @@ def secret_spans(text: str) -> list[tuple[int, int, str]]:
         if value.strip("\"'") not in UNSET and _pair_secret(name.rsplit(" ", 1)[-1] if " " in name else name):
             spans.append((m.start("value"), m.end("value"), f"a credential as a value ({mask(name)}=...)"))
             at = m.end()
-        else:  # (a plain name's bracketed or quoted value is looked inside: ``oc.decode:'{pwd: S}'``)
-            at = m.start("value") + (1 if value[0] in "{[\"'" else len(value))
+        else:  # (a plain name's value is looked inside: ``oc.decode:'{pwd: S}'``, ``data.root=https://h?token=S``)
+            at = m.start("value") + 1
     for m in _BEARER.finditer(text):
         spans.append((m.start(1), m.end(1), "an Authorization header's value (Bearer ...)"))
     for m in _BASIC.finditer(text):
@@ -221,6 +221,9 @@ def mask(text: str) -> str:
     return "".join(out)
 
 
+_mask_key = functools.lru_cache(maxsize=4096)(mask)  # (a metrics record's few names, every step)
+
+
 def redact(obj: Any, _path: tuple[str, ...] = ()) -> Any:
     """``obj`` (params, tags, a metrics record, a summary: dicts, lists, text, figures) as a sink may have it: an
     entry whose key path names a credential left out, every text masked. Dotted keys are paths (flat params)."""
@@ -230,7 +233,7 @@ def redact(obj: Any, _path: tuple[str, ...] = ()) -> Any:
             here = (*_path, *str(k).split("."))
             if not isinstance(v, (int, float)) and secret_key(here, v) is not None:
                 continue  # (a figure is not a credential: a metric's name never drops it)
-            out[mask(k) if isinstance(k, str) else k] = redact(v, here)
+            out[_mask_key(k) if isinstance(k, str) else k] = redact(v, here)
         return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact(v, _path) for v in obj)
