@@ -50,6 +50,15 @@ ROUTES = {
         "svc.url",
     ),
     "a token as a dict's key (not in the issue)": ({"svc": {GHP: 1}}, "svc.***"),
+    "a credential's variable into a plain key (not in the issue)": (
+        {"svc": {"x": "${oc.env:AWS_SECRET_ACCESS_KEY}"}},
+        "svc.x",
+    ),
+    "a command's flag, as a launcher's setup line (not in the issue)": (
+        {"hydra": {"launcher": {"setup": [f"export A=1; tool login --password {S}", f"tool --token={S}"]}}},
+        "hydra.launcher.setup.0",
+    ),
+    "JSON inside a string (not in the issue)": ({"svc": {"j": '{"api_key": "%s"}' % S}}, "svc.j"),
     "sweeper params": ({"hydra": {"sweeper": {"params": {"+svc.api_key": S}}}}, "hydra.sweeper.params.+svc.api_key"),
     "api-key": ({"svc": {"api-key": S}}, "svc.api-key"),
     "apikey": ({"svc": {"apikey": S}}, "svc.apikey"),

@@ -22,7 +22,8 @@ What counts as a secret, by meaning rather than by the last key:
   (``?access_token=``, ``sig=``, ``X-Amz-Signature=``, ADO's ``Password=...;``, Azure's ``AccountKey=...``), an
   ``Authorization`` value (``Bearer ...``, ``Basic <user:pass in base64>``), and a token by its format (GitHub
   ``ghp_``, AWS ``AKIA``, Slack ``xoxb-``, ``sk-``, Hugging Face ``hf_``, GitLab, Google, npm, PyPI, a JWT, a PEM
-  private key).
+  private key), and an interpolation of a credential-named environment variable (``${oc.env:AWS_SECRET_ACCESS_KEY}``
+  under any key: its value would be resolved into the tracker).
 
 A value built by a resolver (``${oc.create:...}``, ``${oc.decode:...}``, ``${oc.env:...}``) is checked as written
 and, where it resolves here, as resolved: a container it makes is walked like the config's own.
@@ -92,13 +93,16 @@ _FORMAT = re.compile("|".join(f"(?P<f{i}>{rx})" for i, (_, rx) in enumerate(TOKE
 _BOUNDARY = re.compile(r"[A-Za-z0-9]")
 URL_USERINFO = re.compile(r"([A-Za-z][\w+.-]*://)([^/\s:@?#]*)(?::([^/\s@]*))?@")
 # ``name=value`` (a query, an ADO connection string, a command line) or ``name: value`` (a flow-style dict, as an
-# override or ``oc.create`` writes it); a name starts after a separator, a value is a bracketed whole or a run.
+# override or ``oc.create`` writes it, or JSON's ``"name": "value"``); a name starts after a separator, a value is a
+# bracketed whole or a run; and a command line's ``--name value``.
 _PAIR = re.compile(
-    r"(?:^|(?<=[?&;,\s{(\['\"]))(?P<name>[A-Za-z_+~][\w.+~-]*(?: [A-Za-z]\w*)*)\s*(?:=|:(?!//))\s*"
-    r"(?P<value>\{[^{}]*\}|\[[^\[\]]*\]|\"[^\"]*\"|'[^']*'|[^&;\s,'\"\]})]+)"
+    r"(?:^|(?<=[?&;,\s{(\['\"-]))(?P<q>[\"']?)(?P<name>[A-Za-z_+~][\w.+~-]*(?: [A-Za-z]\w*)*)(?P=q)\s*"
+    r"(?:=|:(?!//))\s*(?P<value>\{[^{}]*\}|\[[^\[\]]*\]|\"[^\"]*\"|'[^']*'|[^&;\s,'\"\]})]+)"
 )
+_FLAG = re.compile(r"(?<!\S)--?(?P<name>[A-Za-z][\w-]*)[ \t]+(?P<value>[^\s-]\S*)")
 _BEARER = re.compile(r"(?i:\bbearer)\s+([A-Za-z0-9._~+/=-]{8,})")
 _BASIC = re.compile(r"\bBasic\s+([A-Za-z0-9+/]{8,}={0,2})(?![\w+/=])")
+_ENV = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)")  # (a credential's variable read into a plain key)
 _TOKENISH = re.compile(r"(?=[^\d]*\d)(?=[^A-Za-z]*[A-Za-z])[A-Za-z0-9._~+/=-]{20,}")
 
 
@@ -191,6 +195,16 @@ def secret_spans(text: str) -> list[tuple[int, int, str]]:
             at = m.end()
         else:  # (a plain name's value is looked inside: ``oc.decode:'{pwd: S}'``, ``data.root=https://h?token=S``)
             at = m.start("value") + 1
+    for m in _FLAG.finditer(text):
+        if _pair_secret(m.group("name")):
+            spans.append(
+                (m.start("value"), m.end("value"), f"a credential as a command's flag (--{m.group('name')} ...)")
+            )
+    for m in _ENV.finditer(text):
+        if credential_name(m.group(1)):
+            spans.append(
+                (m.start(), m.end(), f"a credential's environment variable read into the config ({m.group(1)})")
+            )
     for m in _BEARER.finditer(text):
         spans.append((m.start(1), m.end(1), "an Authorization header's value (Bearer ...)"))
     for m in _BASIC.finditer(text):
@@ -307,11 +321,19 @@ def _plain_leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str,
             yield (*path, str(k)), v, v
 
 
+def _rank(path: tuple[str, ...]) -> int:
+    """The config's own keys first, then Hydra's settings, then Hydra's records of the overrides (which only quote
+    a key the others name)."""
+    if path[0] != "hydra":
+        return 0
+    return 2 if path[1:2] == ("overrides",) or path[1:3] == ("job", "override_dirname") else 1
+
+
 def find_secrets(cfg: DictConfig) -> list[str]:
     """The refusals for ``cfg``: one line each, the config's own keys first, Hydra's copies of them after."""
-    found: list[tuple[bool, str]] = []
+    found: list[tuple[int, str]] = []
     for path, raw, resolved in _leaves(cfg, ()):
-        in_hydra = path[0] == "hydra"
+        in_hydra = _rank(path)
         named = secret_key(path, raw)
         if named is not None:
             found.append((in_hydra, refusal(mask(named))))
