@@ -115,7 +115,7 @@ def words(name: str) -> list[str]:
 
 @functools.lru_cache(maxsize=4096)
 def credential_name(name: str, storage: bool = False) -> bool:
-    """Whether a key's name (one part of a path, or a dotted override's key) says it holds a credential;
+    """Whether a key's name (one part of a key path) says it holds a credential;
     ``storage``: the name is below a ``*.storage_options``, where fsspec's names are shorter (``key``)."""
     if storage and any(w in name.lower() for w in STORAGE_WORDS):
         return True
@@ -125,9 +125,10 @@ def credential_name(name: str, storage: bool = False) -> bool:
     if not ws or ws[-1] in DESCRIPTORS:
         return False
     for i, w in enumerate(ws):
-        if w in WORDS or _CONCAT.search(w) and (w != "tokens" or i and ws[i - 1] in QUALIFIERS):
-            return True
-        if w in ("key", "keys", "tokens") and i and ws[i - 1] in QUALIFIERS:
+        if w in ("key", "keys", "tokens"):  # (``api_key``, ``access_tokens``; not ``sort_key``, ``max_tokens``)
+            if i and ws[i - 1] in QUALIFIERS:
+                return True
+        elif w in WORDS or _CONCAT.search(w):
             return True
     return False
 
