@@ -93,6 +93,7 @@ def _run(hydra_main: Callable[[], Any]) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     from pitstop.config import register
+    from pitstop.config.secrets import mask
     from pitstop.errors import PitstopError
 
     register()  # config schemas and resolvers
@@ -111,8 +112,8 @@ def _run(hydra_main: Callable[[], Any]) -> Any:
             import traceback
 
             traceback.print_exc()
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        print(f"error: {mask(one_line(e))}", file=sys.stderr)  # (Hydra quotes an override, value and all)
         raise SystemExit(2) from None
     except PitstopError as e:  # a failed job of a sweep, re-raised by Hydra after the others ran
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {mask(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None

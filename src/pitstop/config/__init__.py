@@ -75,10 +75,11 @@ def launch_dir() -> str:
 
 
 def register() -> None:
-    """Config schemas and resolvers, before Hydra composes anything (idempotent)."""
-    from pitstop.config import schema
+    """Config schemas and resolvers, before Hydra composes anything, and the log records' masking (idempotent)."""
+    from pitstop.config import schema, secrets
 
     schema.register()
+    secrets.mask_logs()  # (every process that reads a config: the command's, each rank's)
     if not OmegaConf.has_resolver("pitstop.launch_dir"):
         OmegaConf.register_new_resolver("pitstop.launch_dir", launch_dir)
 

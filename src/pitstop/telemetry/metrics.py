@@ -12,14 +12,16 @@ class MetricsFile:
     the first write, so a run that fails during setup leaves no metrics file behind."""
 
     def __init__(self, path: str, enabled: bool = True):
-        self.path, self.enabled, self.f = path, enabled, None
+        from pitstop.config.secrets import redact  # (only a run's metrics need it, not every atomic write's reader)
+
+        self.path, self.enabled, self.f, self.redact = path, enabled, None, redact
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         if self.f is None:
             self.f = open(self.path, "a", buffering=1 << 16)
-        self.f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.f.write(json.dumps(self.redact(record), separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
         if self.f is not None:

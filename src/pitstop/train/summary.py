@@ -75,7 +75,7 @@ def run_tags(cfg: DictConfig, strategy: str, ckpt: str, loader: str) -> dict[str
     tags = {"strategy": strategy, "ckpt": ckpt, "loader": loader}
     sweep = cfg.get("sweep")
     if sweep:
-        overrides = secrets.mask(str(sweep.overrides))
+        overrides = secrets.mask(str(sweep.overrides))  # (redact() masks the tags again, at the tracker)
         tags.update({"sweep": str(sweep.id), "sweep_job": str(sweep.job), "sweep_overrides": overrides})
     return tags
 
@@ -119,6 +119,7 @@ def write_summary(view: RunView, account: dict, tracker: dict, split: dict[str, 
     out.update(tracker)
     out["wall_clock"] = split
     out["samples_per_s"] = view.samples_seen / max(split["total"], 1e-9)
+    out = secrets.redact(out)  # (a store's URL, a tracker's error: the text a run reports, masked)
     if view.is_main:
         write_json_atomic(os.path.join(view.run_dir, "summary.json"), out)
         evals = ", ".join(f"{k}={v:.4f}" for k, v in view.last_eval.items())

@@ -56,6 +56,18 @@ class MLflowLogger(Logger):
         self.buffer: list[str] = []
         self.last_write = time.monotonic()
 
+    def hello(self, run_dir: str, params: dict, tags: dict | None = None) -> dict:
+        """The logger process's first message: the options, the run dir, and the params and tags as the tracker may
+        have them (redacted here, at the sink, whoever built them)."""
+        from pitstop.config.secrets import redact  # (here: the logger process itself never imports the config)
+
+        return {
+            "opts": self.opts,
+            "run_dir": os.path.abspath(run_dir),
+            "params": redact(params),
+            "tags": redact({**self.tags, **(tags or {})}),
+        }
+
     def start(self, run_dir: str, params: dict, tags: dict | None = None) -> None:
         uri = self.opts["tracking_uri"]
         if uri.startswith("sqlite:///"):
@@ -67,14 +79,7 @@ class MLflowLogger(Logger):
             text=True,
             bufsize=1 << 16,
         )
-        self._send(
-            {
-                "opts": self.opts,
-                "run_dir": os.path.abspath(run_dir),
-                "params": params,
-                "tags": {**self.tags, **(tags or {})},
-            }
-        )
+        self._send(self.hello(run_dir, params, tags))
 
     def _send(self, msg: Any, now: bool = True) -> None:
         """Queue one message; write the queue to the pipe only every ``flush_every`` seconds (or ``now``),
