@@ -485,6 +485,19 @@ def live_env(pid: int, name: bytes) -> bytes:
     raise AssertionError(f"{name!r} is not in the memory of process {pid}")
 
 
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (the processes of a job started as ``pid``)."""
+    job, seen = {pid}, None
+    while seen != job:
+        seen = set(job)
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in job:
+                with contextlib.suppress(OSError):
+                    if parent(int(entry)) in job:
+                        job.add(int(entry))
+    return job
+
+
 def listening(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
     """The TCP sockets each process of ``pids`` listens on: (address, port), from /proc/net/tcp{,6} joined with the
     socket inodes of its open files."""
@@ -503,9 +516,13 @@ def listening(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
     out: dict[int, list[tuple[str, int]]] = {}
     for pid in pids:
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # (gone meanwhile)
             continue
+        links = []
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (a file closed meanwhile: the process is still listed)
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         inodes = [link[len("socket:[") : -1] for link in links if link.startswith("socket:[")]
         out[pid] = [listen[i] for i in inodes if i in listen]
     return out
@@ -526,15 +543,7 @@ def test_a_job_on_one_machine_listens_on_loopback_alone_and_heals_over_the_secre
     with background_job(args, data_root, tmp_path) as p:
         wait_for(lambda: len(attempts(run, 1)) == 2 and committed_step(run, 1) > 16, p=p)
         trainers = {attempts(run, k)[-1]["pid"] for k in (0, 1)}
-        job, seen = {p.pid}, None
-        while seen != job:  # the launcher and its descendants
-            seen = set(job)
-            for entry in os.listdir("/proc"):
-                if entry.isdigit() and int(entry) not in job:
-                    with contextlib.suppress(OSError):
-                        if parent(int(entry)) in job:
-                            job.add(int(entry))
-        sockets = listening(job)
+        sockets = listening(descendants(p.pid))
         alive = committed_step(run, 0) < 400 and committed_step(run, 1) < 400
         secret = live_env(attempts(run, 1)[-1]["pid"], b"PITSTOP_FT_SECRET")
         assert p.wait(timeout=240) == 0, (tmp_path / "job.log").read_text()[-3000:]

@@ -144,6 +144,39 @@ def test_busy_port_is_named(data_root, tmp_path):
     assert p.returncode == 2 and f"strategy.master_port={port} is not free" in p.stderr.strip().splitlines()[-1]
 
 
+def test_a_ddp_job_on_one_machine_listens_on_loopback_alone(data_root, tmp_path):
+    # Every TCP socket that a process of a one-node strategy=ddp job (2 ranks) listens on is on loopback: the agent's
+    # rendezvous store (in the launcher), rank 0's store, each rank's Gloo pairs. (torch's TCPStore listens on every
+    # interface whatever host it is given: before the fix the launcher listened on :: twice, the rendezvous store
+    # and the agent's shared store.) fsdp sets its process group up as ddp does (DDP.setup): not run again here.
+    import ipaddress
+
+    from test_ft import background_job, descendants, listening, wait_for
+
+    run, steps = tmp_path / "run", 300
+
+    def last_step() -> int:  # (rank 0's metrics: a line a step)
+        try:
+            lines = (run / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return 0
+        return max((json.loads(line).get("step", 0) for line in lines if line.endswith("}")), default=0)
+
+    args = ["strategy=ddp", "debug=tiny", f"trainer.max_steps={steps}", "trainer.eval_every_steps=null", "ckpt=none",
+            f"run_dir={run}"]  # fmt: skip
+    with background_job(args, data_root, tmp_path) as p:
+        wait_for(lambda: last_step() >= 3, timeout=120, p=p)  # both ranks train (a step all-reduces)
+        sockets = listening(descendants(p.pid))
+        alive = last_step() < steps
+        assert p.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert alive, f"the job had ended when its sockets were listed (step {steps})"
+    # the launcher (the rendezvous store) and both ranks (3 Gloo groups each; rank 0's store too)
+    counts = sorted(len(s) for s in sockets.values())
+    assert len(sockets[p.pid]) >= 1 and len(counts) >= 3 and counts[-2] >= 3, sockets
+    wide = {pid: [(a, port) for a, port in s if not ipaddress.ip_address(a).is_loopback] for pid, s in sockets.items()}
+    assert not any(wide.values()), f"listening beyond loopback (pid: address, port): {wide}"
+
+
 def test_stalled_peer_fails_the_job_after_the_timeout_instead_of_hanging(data_root, tmp_path):
     import time
 

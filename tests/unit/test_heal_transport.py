@@ -1,14 +1,21 @@
 """The heal transport of strategy=ft (``pitstop.strategy.heal_transport``) over real HTTP on loopback: a peer's state
 arrives bit for bit, nothing is unpickled, and a request or an answer without the job's secret is refused in one
-line: a stranger gets 403 (and the server goes on serving the right peer), a byte flipped in transit, another step,
-or a leaf that is no tensor and no JSON scalar never becomes a state; a group of a job of several without the
-secret is refused in one line."""
+line: a stranger gets 403 (and the server goes on serving the right peer); a request seen on the wire is worth
+nothing later (replayed, sent to another group's server, changed to another step, expired: refused); the static
+bearer token of earlier versions gets 401; a byte flipped in transit, another step, or a leaf that is no tensor and
+no JSON scalar never becomes a state; a group of a job of several without the secret is refused in one line."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import math
+import re
+import secrets
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -19,7 +26,7 @@ import pytest
 import torch
 
 from pitstop.strategy import heal_transport
-from pitstop.strategy.heal_transport import HealTransportError, RawHTTPTransport
+from pitstop.strategy.heal_transport import HealTransportError, RawHTTPTransport, authorization, derive_keys
 
 SECRET = "ab" * 32
 T = timedelta(seconds=5)
@@ -105,7 +112,7 @@ def test_a_pitstop_state_arrives_bit_for_bit_from_a_server_on_loopback(transport
     state = pitstop_like_state()
     sender.send_checkpoint([1], 7, state, T)
     url = sender.metadata()
-    assert url.startswith("http://127.0.0.1:") and url.endswith("/heal/") and SECRET not in url
+    assert re.fullmatch(r"http://127\.0\.0\.1:[0-9]+/heal/[0-9a-f]{16}/", url) and SECRET not in url
     assert sender._server.server_address[0] == "127.0.0.1"  # (no other interface)
     got = receiver.recv_checkpoint(0, url, 7, T)
     assert_same(state, got)
@@ -118,20 +125,109 @@ def test_a_pitstop_state_arrives_bit_for_bit_from_a_server_on_loopback(transport
     assert sender._served is None
 
 
-def test_a_request_without_the_jobs_secret_gets_403_and_the_right_peer_is_served_after(transports):
+def get(url: str, headers: dict) -> tuple[int, bytes]:
+    """A raw GET: the status and the body (the state's stream when 200, the error page otherwise)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def signed(url: str, step: int, when: float | None = None, secret: str = SECRET, nonce: str | None = None) -> dict:
+    """The headers of a request for ``step`` at ``url`` signed as the transport signs it (at ``when``)."""
+    path = url.split(":", 2)[2].split("/", 1)[1]
+    when = int(time.time() if when is None else when)
+    key = derive_keys(secret)[0]
+    return {"Authorization": authorization(key, f"/{path}{step}", step, nonce or secrets.token_hex(16), when)}
+
+
+def test_a_request_without_the_jobs_secret_gets_403_and_the_right_peer_is_served_after(transports, caplog):
     sender, stranger, peer = transports(), transports(secret="cd" * 32), transports()
     state = {"w": torch.arange(6.0)}
     sender.send_checkpoint([1], 3, state, T)
-    with pytest.raises(HealTransportError) as e:
+    with caplog.at_level(logging.WARNING, logger="pitstop.strategy"), pytest.raises(HealTransportError) as e:
         stranger.recv_checkpoint(0, sender.metadata(), 3, T)
-    assert "403" in str(e.value) and "\n" not in str(e.value)
-    # someone who only knows the port: no token, or a wrong one, or the secret itself as the token
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {SECRET}"}):
-        request = urllib.request.Request(sender.metadata() + "3", headers=headers)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=5)
-        assert refused.value.code == 403
+    text = str(e.value)
+    assert "answered 403 (a request not signed with this job's secret)" in text and "\n" not in text, text
+    # the refusal is logged once, naming the peer's address and not what it sent
+    (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert record.getMessage() == (
+        "heal transport: refused a request from 127.0.0.1: a request not signed with this job's secret (403)"
+    )
+    # someone who only knows the port: no token, a wrong one, the secret itself, or the static bearer token earlier
+    # versions sent with every request (whoever saw it once could fetch any later state): 401, no state
+    old_token = hmac.new(SECRET.encode(), b"pitstop heal: bearer token", hashlib.sha256).hexdigest()
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {SECRET}"},
+                    {"Authorization": f"Bearer {old_token}"}):  # fmt: skip
+        code, body = get(sender.metadata() + "3", headers)
+        assert code == 401 and b"PSH1" not in body, (headers, code)
+    assert get(sender.metadata() + "3", signed(sender.metadata(), 3, secret="cd" * 32))[0] == 403
+    assert get(sender.metadata() + "3", signed(sender.metadata(), 3))[0] == 200  # (the same, with the job's secret)
     assert_same(state, peer.recv_checkpoint(0, sender.metadata(), 3, T))
+
+
+def test_a_request_seen_on_the_wire_cannot_be_replayed_nor_sent_to_another_group(transports):
+    sender, other, receiver = transports(), transports(), transports()
+    state = {"w": torch.arange(6.0)}
+    sender.send_checkpoint([1], 4, state, T)
+    other.send_checkpoint([1], 4, state, T)  # (another group, serving the same step)
+    seen: list[bytes] = []
+    proxy = Proxy(sender.metadata(), request=lambda r: seen.append(r) or r)
+    try:
+        assert_same(state, receiver.recv_checkpoint(0, proxy.url, 4, T))  # the genuine request
+    finally:
+        proxy.close()
+    (request,) = seen
+    assert b"Authorization: PitstopHeal t=" in request
+
+    def send(port: int, raw: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(raw)
+            answer = b""
+            while chunk := s.recv(1 << 16):
+                answer += chunk
+            return answer
+
+    port = lambda t: int(t.metadata().split(":")[2].split("/")[0])  # noqa: E731
+    again = send(port(sender), request)
+    assert again.startswith(b"HTTP/1.0 403 a replayed request (its nonce was seen before)\r\n"), again[:200]
+    assert b"PSH1" not in again
+    # to another group's server, whose path names another instance: the same request is not its own
+    elsewhere = request.replace(
+        sender.metadata().split("/heal/")[1].encode(), other.metadata().split("/heal/")[1].encode()
+    )
+    assert send(port(other), elsewhere).startswith(b"HTTP/1.0 403 a request not signed with this job's secret")
+    assert send(port(other), request).startswith(b"HTTP/1.0 403 a request signed for another group's server")
+
+
+def test_a_request_outside_its_validity_window_is_refused(transports):
+    sender = transports()
+    sender.send_checkpoint([1], 2, {"w": torch.ones(3)}, T)
+    url, now = sender.metadata(), time.time()
+    window = heal_transport.WINDOW_S
+    # (the time is signed in whole seconds: 5 s beyond the window reads as 4 to 6)
+    cases = {window + 5: rf"an expired request \(signed ({window + 5}|{window + 6})s ago, at most {window}s\)",
+             -(window + 5): rf"a request signed ({window + 4}|{window + 5})s ahead of this machine's clock \(at most "
+                            rf"{window}s\)"}  # fmt: skip
+    for late, why in cases.items():
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url + "2", headers=signed(url, 2, now - late)), timeout=5)
+        assert refused.value.code == 403 and re.fullmatch(why, refused.value.reason), refused.value.reason
+        assert b"PSH1" not in refused.value.read()
+    # within the window either way (clocks that differ by less): served
+    for late in (window - 5, -(window - 5)):
+        code, body = get(url + "2", signed(url, 2, now - late))
+        assert code == 200 and body.startswith(b"PSH1"), (late, code)
+
+
+def test_the_nonces_remembered_are_bounded_and_forgotten_only_once_their_request_expired():
+    nonces = heal_transport._Nonces(window=30, limit=3)
+    assert [nonces.first_use(n, 100, 100) for n in "abc"] == [True, True, True]
+    assert nonces.first_use("a", 100, 110) is False  # (a replay, within the window)
+    assert nonces.first_use("d", 100, 110) is None  # full: refused, nothing forgotten early
+    assert nonces.first_use("a", 100, 130) is False  # (still within its window: 100 + 30)
+    assert nonces.first_use("d", 131, 131) is True and len(nonces._expiry) == 1  # (a, b, c expired: forgotten)
 
 
 class Proxy:
@@ -144,7 +240,7 @@ class Proxy:
         self.port = int(target.split(":")[2].split("/")[0])
         self.request, self.response = request, response
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/heal/"
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/{target.split('/', 3)[3]}"  # (the same path)
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -209,18 +305,21 @@ def test_a_byte_flipped_in_transit_is_refused_before_the_tree_is_rebuilt(transpo
         proxy.close()
 
 
-def test_another_step_is_refused_by_the_server_and_by_the_receiver(transports):
+def test_another_step_is_refused_by_the_server_and_a_changed_step_or_path_too(transports):
     sender, receiver = transports(), transports()
     sender.send_checkpoint([1], 5, {"a": torch.ones(2)}, T)
-    with pytest.raises(HealTransportError, match=r"HTTP 409"):  # the server serves step 5, not 6
+    with pytest.raises(HealTransportError, match=r"HTTP 409 serving step 5, not 6"):  # signed for 6, 5 is served
         receiver.recv_checkpoint(0, sender.metadata(), 6, T)
-    # a man in the middle asks for step 5 where the receiver asked for 6: the manifest's step gives it away
-    proxy = Proxy(sender.metadata(), request=lambda r: r.replace(b"GET /heal/6 ", b"GET /heal/5 "))
-    try:
-        with pytest.raises(HealTransportError, match=r"failed verification: the peer sent step 5, not step 6"):
-            receiver.recv_checkpoint(0, proxy.url, 6, T)
-    finally:
-        proxy.close()
+    # a man in the middle changes what a request asks for: step 6 -> 5 (served), or its path (/06, the same step
+    # number): the MAC the request carries is not theirs
+    for change in (lambda r: r.replace(b"/6 HTTP", b"/5 HTTP"), lambda r: r.replace(b"/6 HTTP", b"/06 HTTP")):
+        proxy = Proxy(sender.metadata(), request=change)
+        try:
+            with pytest.raises(HealTransportError) as e:
+                receiver.recv_checkpoint(0, proxy.url, 6, T)
+        finally:
+            proxy.close()
+        assert "answered 403 (a request not signed with this job's secret)" in str(e.value), str(e.value)
 
 
 def test_the_sender_refuses_a_leaf_that_is_neither_a_tensor_nor_a_json_scalar(transports):

@@ -1,5 +1,12 @@
 """Several ranks: torch's elastic agent starts them as warm forks, restarts them (``strategy.max_restarts``),
-hands a preemption notice to all of them, and its failures are reported as the one rank that explains them."""
+hands a preemption notice to all of them, and its failures are reported as the one rank that explains them.
+
+A job on one node (``strategy.nnodes=1``, and each group of several ranks of ``strategy=ft``) listens on loopback
+alone: torch's stores listen on every interface whatever host they are given, so the rendezvous store is hosted
+here on a socket bound to loopback (the agent joins it as a client, ``is_host=False``); the agent's shared store
+for the ranks is turned off and rank 0 hosts theirs on loopback (``local_addr=127.0.0.1``, see
+``pitstop.strategy.ddp.DDP._store``); Gloo's pairs listen on loopback (``GLOO_SOCKET_IFNAME=lo``, unless set).
+Several nodes: the store must be reachable from the others, and torch places it."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from pitstop.resilience.watchdog import HUNG_EXIT
 from pitstop.parts import launch_facts
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -50,7 +58,15 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     from pitstop.resilience.preempt import JobNotice
 
     job_start = launch_facts.job_start()
+    one_node = job.nodes[1] == 1
+    if one_node:
+        # (a given rdzv_endpoint's port is kept; its host can only be this machine: one node)
+        endpoint = f"127.0.0.1:{endpoint.rsplit(':', 1)[1]}"
+        if os.path.isdir("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (the ranks inherit it)
     config = agent_config(job, endpoint, run_id, method, run_dir)
+    # (kept referenced until the agent is done: the store's server lives as long as this object)
+    store = rendezvous_store(endpoint, job.rendezvous_timeout) if one_node else None
     nodes = job.nodes_text
     where = f"this node of {nodes} (rendezvous {endpoint}, max_restarts={job.restarts})"
     log.info("launching %d ranks on %s", job.ranks, where)
@@ -82,7 +98,21 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         raise rank_failed(e, job, run_dir, run_id) from None
     finally:
         notice.close()
+        del store
     return results[min(results)]  # keyed by global rank: this node's first
+
+
+def rendezvous_store(endpoint: str, timeout: float) -> TCPStore:
+    """The rendezvous store of a job on one node, on ``endpoint``'s port of loopback (listening there alone)."""
+    from datetime import timedelta
+
+    from pitstop.strategy.ddp import loopback_store
+
+    port = int(endpoint.rsplit(":", 1)[1])
+    try:
+        return loopback_store(port, 1, timedelta(seconds=timeout), wait_for_workers=False)
+    except PitstopError as e:
+        raise PitstopError(f"{e} (strategy.master_port={port}: pick another or leave it null)") from None
 
 
 def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_dir: str) -> LaunchConfig:
@@ -93,13 +123,14 @@ def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_d
     from torch.distributed.launcher.api import LaunchConfig
 
     min_nodes, max_nodes = job.nodes
-    is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else None
+    # one node: this process hosts the rendezvous store on loopback (see rendezvous_store); the agent joins it
+    is_host = hosts_store(os.environ, endpoint) if max_nodes > 1 else False
     torch_handles = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[s] not in job.notices]
     timeout = job.rendezvous_timeout
-    if max_nodes > 1:
-        # A fresh bootstrap store per rendezvous round: a node that joins later starts at restart count 0, so
-        # the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared across rounds.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # A fresh bootstrap store per rendezvous round, hosted by rank 0: several nodes, because a node that joins later
+    # starts at restart count 0, so the ranks' per-attempt key prefix cannot tell the rounds apart in a store shared
+    # across rounds; one node, because the agent's shared store listens on every interface, and rank 0's on loopback.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -116,6 +147,7 @@ def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_d
             "keep_alive_max_attempt": 5,
             **({} if is_host is None else {"is_host": is_host}),
         },
+        local_addr="127.0.0.1" if max_nodes == 1 else None,  # (the ranks' MASTER_ADDR: rank 0's store on loopback)
         max_restarts=job.restarts,
         monitor_interval=0.2,
         start_method=method,

@@ -7,8 +7,10 @@ cannot deadlock against gradient all-reduces, nor against the main thread's coll
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import ContextManager, TypeVar
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pitstop.errors import PitstopError
 from pitstop.strategy.single import Single
 
 T = TypeVar("T")
@@ -81,18 +84,19 @@ class DDP(Single):
         rank 0's gloo address), so each attempt gets its own prefix. That prefix (the agent's restart count)
         cannot tell rounds apart when nodes join later (a new agent counts from 0): a launch over several
         nodes (``strategy.nnodes``) therefore gets a fresh store per round instead
-        (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it).
+        (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it). So does a launch on one node, whose agent
+        names loopback as the ranks' address: rank 0's store then listens on loopback alone (the agent's own
+        shared store would listen on every interface).
         """
+        timeout = timedelta(seconds=self.timeout)
         if "MASTER_ADDR" not in os.environ:  # one process without a launcher: a world of one
-            return dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=self.timeout))
+            return loopback_store(0, 1, timeout)
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            self.world_size,
-            is_master=(not use_agent and self.rank == 0),
-            timeout=timedelta(seconds=self.timeout),
-        )
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        hosts = not use_agent and self.rank == 0
+        if hosts and is_loopback(host):  # (a job on one machine: the launcher named loopback, see launch/elastic.py)
+            return loopback_store(port, self.world_size, timeout)
+        store = dist.TCPStore(host, port, self.world_size, is_master=hosts, timeout=timeout)
         if not use_agent:  # our rank 0 hosts a fresh store for this rendezvous round: no stale keys
             return store
         return dist.PrefixStore(f"pitstop/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -145,9 +149,36 @@ class DDP(Single):
             self._owns_group = False
 
 
-def _free_port() -> int:
-    import socket
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (a name is not looked up)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def loopback_store(port: int, world_size: int, timeout: timedelta, wait_for_workers: bool = True) -> dist.TCPStore:
+    """A ``TCPStore`` server on ``127.0.0.1:port`` (0: a free port) that listens on loopback alone. (TCPStore's own
+    server listens on every interface whatever host it is given: it is handed a socket bound to loopback instead,
+    which it owns from then on.) A port that is taken is one line naming it."""
+    try:
+        listening = socket.create_server(("127.0.0.1", port), backlog=socket.SOMAXCONN)
+    except OSError as e:
+        raise PitstopError(
+            f"cannot listen on 127.0.0.1:{port} for the job's store ({e.strerror}): is it taken?"
+        ) from None
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            listening.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=wait_for_workers,
+            master_listen_fd=listening.fileno(),
+        )
+    except BaseException:
+        listening.close()
+        raise
+    listening.detach()
+    return store

@@ -7,15 +7,26 @@ torchft's default transport (``HTTPTransport``) listens on every interface and d
 
 - **Where it listens.** ``bind_host``: ``127.0.0.1`` when the whole job is on this machine (pitstop started its
   Lighthouse, on loopback); every interface (``::``) when groups run on several machines.
-- **Who may read.** The server answers 403 unless the request carries ``Authorization: Bearer <token>``, a token
-  derived from the job's secret (``PITSTOP_FT_SECRET``); the secret itself never travels, and the address that
-  torchft hands around (:meth:`RawHTTPTransport.metadata`) never holds either.
+- **Who may read.** Each request is signed: ``Authorization: PitstopHeal t=TIME,n=NONCE,m=MAC``, the MAC an
+  HMAC-SHA256 (keyed by a key derived from the job's secret, ``PITSTOP_FT_SECRET``) over the method, the path (which
+  names this server's instance and the step), the step, a fresh random nonce and the time (Unix seconds). The server
+  accepts a request only if its MAC matches (``hmac.compare_digest``), its time is within ``WINDOW_S`` (30 s) of
+  the server's clock either way (the clocks of a job's machines must agree to within that: NTP does), its nonce was
+  not seen before (nonces are remembered until their request expires, at most ``MAX_NONCES``), it names this server
+  and the step it serves now. Refused: 401 (no signed request: none, or the static bearer token of earlier
+  versions) or 403 (a MAC that does not match, an expired or replayed request, another server's), with no state in
+  the body, and a warning naming the peer's address (once per address and reason). A request seen on the wire is
+  worth nothing later: it cannot be replayed, nor changed to ask for another step or another group's state. The
+  secret itself never travels, and the address that torchft hands around (:meth:`RawHTTPTransport.metadata`) never
+  holds it. There is no TLS: whoever reads the wire reads the state in flight; the tags below keep them from
+  changing it.
 - **What travels.** One response: ``PSH1``, the manifest's length (8 bytes, big-endian), the manifest (JSON: the
   step, the requester's nonce, the tree's structure as ``treespec_dumps`` writes it, and per leaf either a tensor's
   dtype name, shape, byte count and memory order, or a JSON scalar's value), an HMAC-SHA256 tag of all that, every
   tensor's raw bytes in leaf order, and an HMAC-SHA256 tag of everything before it. Both tags are keyed by another
-  key derived from the secret and computed while streaming. The sender refuses a leaf that is neither a tensor nor
-  a JSON scalar (``None``, bool, int, float, str), in one line naming it.
+  key derived from the secret (not the requests' key) and computed while streaming: the answer is authenticated too,
+  and bound to its request by the nonce. The sender refuses a leaf that is neither a tensor nor a JSON scalar
+  (``None``, bool, int, float, str), in one line naming it.
 - **What the receiver accepts.** A manifest of bounded size whose tag matches, for the step it asked for and with
   its own nonce (no replay of an earlier answer), dtypes from an allowlist, byte counts that agree with the shapes,
   and a structure of plain containers only (dict, OrderedDict, list, tuple, torch.Size); the bytes are read into
@@ -34,11 +45,13 @@ import http.client
 import json
 import logging
 import math
+import re
 import secrets
 import socket
 import struct
 import sys
 import threading
+import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -59,7 +72,14 @@ log = logging.getLogger("pitstop.strategy")
 MAGIC = b"PSH1"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 bytes a leaf: room for ~500k leaves
 CHUNK = 4 << 20  # bytes per write of a tensor's data
-NONCE_HEADER = "X-Pitstop-Nonce"
+# A signed request is accepted for WINDOW_S seconds after its time, and as long before it (the clocks of a job's
+# machines may differ by that much); its nonce is remembered as long. MAX_NONCES bounds that memory: only requests
+# with a valid MAC are remembered, so only a holder of the secret could fill it (then 503 until they expire).
+WINDOW_S = 30
+MAX_NONCES = 16384
+SCHEME = "PitstopHeal"
+AUTH = re.compile(rf"{SCHEME} t=([0-9]{{1,12}}),n=([0-9a-f]{{32}}),m=([0-9a-f]{{64}})")
+PATH = re.compile(r"/heal/([0-9a-f]{16})/([0-9]{1,19})")
 # Plain containers only: a structure naming anything else (defaultdict's factory, an enum: both imported by name when
 # torch rebuilds them) is refused before torch reads it.
 CONTAINERS = ("builtins.dict", "collections.OrderedDict", "builtins.list", "builtins.tuple", "torch.Size")
@@ -78,11 +98,45 @@ class HealTransportError(PitstopError):
     """A heal's state could not be sent or received: refused, unverifiable, or not plain tensors and scalars."""
 
 
-def derive_keys(secret: str) -> tuple[str, bytes]:
-    """(the bearer token a receiver shows, the key of the tags): both from the job's secret, neither is it."""
+def derive_keys(secret: str) -> tuple[bytes, bytes]:
+    """(the key of the requests' MACs, the key of the answers' tags): both from the job's secret, neither is it,
+    and neither is the other (a tag an answer carried is no request's MAC)."""
     key = secret.encode()
-    token = hmac.new(key, b"pitstop heal: bearer token", hashlib.sha256).hexdigest()
-    return token, hmac.new(key, b"pitstop heal: tag key", hashlib.sha256).digest()
+    request_key = hmac.new(key, b"pitstop heal: request key", hashlib.sha256).digest()
+    return request_key, hmac.new(key, b"pitstop heal: tag key", hashlib.sha256).digest()
+
+
+def request_mac(key: bytes, method: str, path: str, step: int, nonce: str, when: int) -> str:
+    """The MAC of one request: what it asks for (method, path, step), once (nonce), now (time)."""
+    message = f"pitstop heal request v1\n{method}\n{path}\n{step}\n{nonce}\n{when}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def authorization(key: bytes, path: str, step: int, nonce: str, when: int) -> str:
+    """The ``Authorization`` header of a GET of ``path`` for ``step``, signed at ``when`` (Unix seconds)."""
+    return f"{SCHEME} t={when},n={nonce},m={request_mac(key, 'GET', path, step, nonce, when)}"
+
+
+class _Nonces:
+    """The nonces of the requests accepted within the window: a nonce is accepted once."""
+
+    def __init__(self, window: float = WINDOW_S, limit: int = MAX_NONCES):
+        self.window, self.limit = window, limit
+        self._lock = threading.Lock()
+        self._expiry: dict[str, float] = {}  # nonce -> when its request expires (insertion order ~ expiry order)
+
+    def first_use(self, nonce: str, when: float, now: float) -> bool | None:
+        """True the first time (remembered until ``when`` + the window), False again; None when full."""
+        with self._lock:
+            # (a request's time can be up to a window ahead of this clock: prune all that expired, not only the head)
+            if len(self._expiry) >= self.limit or next(iter(self._expiry.values()), now) < now:
+                self._expiry = {n: t for n, t in self._expiry.items() if t >= now}
+            if nonce in self._expiry:
+                return False
+            if len(self._expiry) >= self.limit:
+                return None
+            self._expiry[nonce] = when + self.window
+            return True
 
 
 class _Gate:
@@ -139,10 +193,15 @@ class RawHTTPTransport(CheckpointTransport):
         the name peers reach it by (default: ``bind_host``, or this machine's host name when that is a wildcard)."""
         if not secret:
             raise HealTransportError("the heal transport needs the job's secret (PITSTOP_FT_SECRET)")
-        self._token, self._key = derive_keys(secret)
+        self._request_key, self._key = derive_keys(secret)
         self._timeout = timeout.total_seconds()
         self._gate = _Gate(self._timeout)
         self._served: _Served | None = None
+        # (in the path, hence under each request's MAC: a request signed for another group's server, serving the same
+        # step, is refused here)
+        self._instance = secrets.token_hex(8)
+        self._nonces = _Nonces()
+        self._warned: set[tuple[str, str]] = set()  # (peer address, reason) already logged as a warning
         wildcard = bind_host in ("", "::", "0.0.0.0")
         host = host or (socket.gethostname() if wildcard else bind_host)
         try:
@@ -152,7 +211,7 @@ class RawHTTPTransport(CheckpointTransport):
                 raise
             self._server = _server(self, "0.0.0.0")
         port = self._server.server_address[1]
-        self._url = f"http://{f'[{host}]' if ':' in host else host}:{port}/heal/"
+        self._url = f"http://{f'[{host}]' if ':' in host else host}:{port}/heal/{self._instance}/"
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(0.1,), name="pitstop-heal-server", daemon=True
         )  # (0.1 s: how long a shutdown waits for the loop)
@@ -174,7 +233,7 @@ class RawHTTPTransport(CheckpointTransport):
         self._served = None  # (the CPU copies of device tensors go)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        return fetch(metadata, int(step), self._token, self._key, timeout.total_seconds())
+        return fetch(metadata, int(step), self._request_key, self._key, timeout.total_seconds())
 
     def shutdown(self, wait: bool = True) -> None:
         def stop() -> None:
@@ -189,19 +248,31 @@ class RawHTTPTransport(CheckpointTransport):
 
     # ---- the server's side --------------------------------------------------------------------------------------
     def _answer(self, req: BaseHTTPRequestHandler) -> None:
-        given = req.headers.get("Authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
-            log.warning(
-                "heal transport: refused a request from %s without this job's secret (403)", req.client_address[0]
+        signed = AUTH.fullmatch(req.headers.get("Authorization", ""))
+        if signed is None:
+            return self._refuse(req, 401, "no signed request (PitstopHeal): this job's secret is required")
+        when, nonce, mac = int(signed.group(1)), signed.group(2), signed.group(3)
+        path = PATH.fullmatch(req.path)
+        if path is None:
+            return self._refuse(req, 403, "a request for no heal state")
+        step_asked = int(path.group(2))
+        expected = request_mac(self._request_key, req.command, req.path, step_asked, nonce, when)
+        if not hmac.compare_digest(expected.encode(), mac.encode()):
+            return self._refuse(req, 403, "a request not signed with this job's secret")
+        now = time.time()
+        if now - when > WINDOW_S:
+            return self._refuse(req, 403, f"an expired request (signed {now - when:.0f}s ago, at most {WINDOW_S}s)")
+        if when - now > WINDOW_S:
+            return self._refuse(
+                req, 403, f"a request signed {when - now:.0f}s ahead of this machine's clock (at most {WINDOW_S}s)"
             )
-            req.send_error(403, "this job's secret is required")
-            return
-        parts = req.path.split("/")
-        nonce = req.headers.get(NONCE_HEADER, "")
-        step_asked = parts[2] if len(parts) == 3 and parts[1] == "heal" else ""
-        if not (step_asked.isascii() and step_asked.isdigit() and len(step_asked) < 20 and _is_nonce(nonce)):
-            req.send_error(400, "expected GET /heal/STEP with a nonce")
-            return
+        if path.group(1) != self._instance:
+            return self._refuse(req, 403, "a request signed for another group's server")
+        first = self._nonces.first_use(nonce, when, now)
+        if first is None:
+            return self._refuse(req, 503, f"{MAX_NONCES} requests within {WINDOW_S}s: try again later")
+        if not first:
+            return self._refuse(req, 403, "a replayed request (its nonce was seen before)")
         try:
             step = self._gate.enter()
         except TimeoutError:
@@ -209,12 +280,23 @@ class RawHTTPTransport(CheckpointTransport):
             return
         try:
             served = self._served
-            if served is None or step != int(step_asked):
+            if served is None or step != step_asked:
                 req.send_error(409, f"serving step {step}, not {step_asked}")
                 return
             _stream(req, served, nonce, self._key)
         finally:
             self._gate.leave()
+
+    def _refuse(self, req: BaseHTTPRequestHandler, code: int, why: str) -> None:
+        """Refused without a byte of the state; a warning naming the peer's address (never what it sent), once per
+        address and reason (a peer that keeps trying fills no log)."""
+        peer = str(req.client_address[0])
+        if (peer, why) not in self._warned and len(self._warned) < 1024:
+            self._warned.add((peer, why))
+            log.warning("heal transport: refused a request from %s: %s (%d)", peer, why, code)
+        else:
+            log.debug("heal transport: refused a request from %s: %s (%d)", peer, why, code)
+        req.send_error(code, why)
 
 
 def _server(transport: RawHTTPTransport, bind_host: str) -> ThreadingHTTPServer:
@@ -236,10 +318,6 @@ def _server(transport: RawHTTPTransport, bind_host: str) -> ThreadingHTTPServer:
         request_queue_size = 128
 
     return Server((bind_host, 0), Handler)
-
-
-def _is_nonce(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 # ---- sending ---------------------------------------------------------------------------------------------------
@@ -343,30 +421,33 @@ def _stream(req: BaseHTTPRequestHandler, served: _Served, nonce: str, key: bytes
 
 
 # ---- receiving -------------------------------------------------------------------------------------------------
-def fetch(metadata: str, step: int, token: str, key: bytes, timeout: float) -> Any:
-    """The state a peer serves at ``metadata`` for ``step``, verified (see the module's docstring)."""
+def fetch(metadata: str, step: int, request_key: bytes, key: bytes, timeout: float) -> Any:
+    """The state a peer serves at ``metadata`` for ``step``, asked for by a signed request and verified (see the
+    module's docstring)."""
     try:
         url = urlsplit(metadata)
         port = url.port
     except ValueError:
         port = None
-    if port is None or url.scheme != "http" or not url.path.endswith("/heal/") or not url.hostname:
+    if port is None or url.scheme != "http" or not PATH.fullmatch(f"{url.path}0") or not url.hostname:
         raise HealTransportError(
             f"the peer serves its state at {metadata!r}, not a pitstop heal address: every replica group of a job "
             f"must run the same pitstop"
         )
     nonce = secrets.token_hex(16)
+    path = f"{url.path}{step}"
+    signed = authorization(request_key, path, step, nonce, int(time.time()))
     conn = http.client.HTTPConnection(url.hostname, port, timeout=timeout)
     try:
         try:
-            conn.request("GET", f"{url.path}{step}", headers={"Authorization": f"Bearer {token}", NONCE_HEADER: nonce})
+            conn.request("GET", path, headers={"Authorization": signed})
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             raise HealTransportError(f"heal state from {metadata} unreachable ({type(e).__name__}: {e})") from None
-        if resp.status == 403:
+        if resp.status in (401, 403):
             raise HealTransportError(
-                f"heal state from {metadata} refused: the peer answered 403 (its PITSTOP_FT_SECRET is not this "
-                f"process's: every machine of a job needs the same)"
+                f"heal state from {metadata} refused: the peer answered {resp.status} ({resp.reason}); every "
+                f"machine of a job needs the same PITSTOP_FT_SECRET and clocks within {WINDOW_S}s of each other"
             )
         if resp.status != 200:
             raise HealTransportError(f"heal state from {metadata} refused: HTTP {resp.status} {resp.reason}")
