@@ -64,6 +64,9 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         endpoint = f"127.0.0.1:{endpoint.rsplit(':', 1)[1]}"
         if os.path.isdir("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (the ranks inherit it)
+            # NCCL's bootstrap listener too (one node: its data goes over NVLink/PCIe or shared memory, never a
+            # socket). Not yet run on a GPU here; a user's own NCCL_SOCKET_IFNAME wins.
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     config = agent_config(job, endpoint, run_id, method, run_dir)
     # (kept referenced until the agent is done: the store's server lives as long as this object)
     store = rendezvous_store(endpoint, job.rendezvous_timeout) if one_node else None
