@@ -157,14 +157,14 @@ def main(argv: list[str] | None = None) -> None:
 def measured(run_dir: str) -> tuple[float, float, float]:
     """C (blocking per save), W (save start -> durable) and R (per automatic restart) of a real run, from its
     ``summary.json`` (which carries the ledger's restarts and R)."""
-    import json
     import os
 
+    from pitstop.statefile import SUMMARY, Damaged, parse
+
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            summary = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --from {run_dir}: {e}; give a finished run dir") from None
+        summary = parse(os.path.join(run_dir, "summary.json"), SUMMARY)
+    except (OSError, Damaged) as e:  # (another shape: named, not a KeyError later)
+        raise SystemExit(f"error: --from {run_dir}: summary.json: {e}; give a finished run dir") from None
     ckpt, ledger = summary.get("checkpoint") or {}, summary.get("goodput") or {}
     if not ckpt.get("saves"):
         raise SystemExit(f"error: --from {run_dir}: the run saved no checkpoint (ckpt=none?), so C is unknown")

@@ -20,6 +20,8 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from pitstop.statefile import SAMPLE_RECORD, Shape, integer, optional, read_records, record
+
 
 @dataclass
 class EpochAudit:
@@ -36,9 +38,15 @@ class EpochAudit:
         return self.repeated == 0 and (self.missing == 0 or self.partial)
 
 
-def _records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+# metrics.jsonl: only the step and its epoch are read here
+METRIC = record({}, {"step": integer(0), "epoch": optional(integer(0))})
+
+
+def _records(path: str, shape: Shape) -> list[dict]:
+    """The lines of ``path`` that have ``shape``; others (a line cut by a kill, one of another shape) are skipped
+    and named in one warning (the audit reads the user's run dir: it never moves a file). A sample log's skipped
+    line loses its keys, which the verdict then counts as missing, never as consumed."""
+    return list(read_records(path, shape, then="skipped; the verdict below counts their samples as not consumed"))
 
 
 def _dirs(run_dir: str) -> list[str]:
@@ -71,7 +79,7 @@ def surviving_keys(run_dir: str) -> tuple[dict[tuple[int, int | None], list[str]
     orphans: list[tuple[list, int]] = []  # (rows, quorum): a group's last step, written before it died
     for name in names:
         attempt, pending = None, None  # pending: (rows, quorum) of a strategy=ft step not yet decided
-        for r in _records(name):
+        for r in _records(name, SAMPLE_RECORD):
             if "attempt" in r:
                 if pending is not None:
                     orphans.append(pending)
@@ -128,7 +136,7 @@ def epochs_of(run_dir: str) -> dict[int, int]:
     for d in _dirs(run_dir):
         if not os.path.exists(os.path.join(d, "metrics.jsonl")):  # (a group that never trained a step)
             continue
-        for r in _records(os.path.join(d, "metrics.jsonl")):
+        for r in _records(os.path.join(d, "metrics.jsonl"), METRIC):
             if "loss" in r and "epoch" in r:
                 out[int(r["step"])] = int(r["epoch"])
     return out
@@ -136,6 +144,8 @@ def epochs_of(run_dir: str) -> dict[int, int]:
 
 def audit(run_dir: str) -> list[EpochAudit]:
     steps, header = surviving_keys(run_dir)
+    if not header:  # (every header line damaged: nothing says what an epoch holds)
+        raise SystemExit(f"error: the sample logs in {run_dir} have no readable attempt header: nothing to audit")
     epoch_of = epochs_of(run_dir)
     unknown = sorted(s for s, e in steps if e is None and s not in epoch_of)
     if unknown:
@@ -160,6 +170,11 @@ def audit(run_dir: str) -> list[EpochAudit]:
     return out
 
 
+def _shown(key: str) -> str:
+    """A key as it reads, or as JSON where it holds what would break the line (a newline, a lone surrogate)."""
+    return key if key.isprintable() else json.dumps(key)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pitstop.audit", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'epoch':>5} {'expected':>9} {'once':>9} {'repeated':>9} {'missing':>9}")
     for r in rows:
         note = " (partial: the run ended by trainer.max_steps)" if r.partial and r.missing else ""
-        note += f" e.g. {', '.join(r.examples)}" if r.examples else ""
+        note += f" e.g. {', '.join(_shown(k) for k in r.examples)}" if r.examples else ""
         print(f"{r.epoch:>5} {r.expected:>9} {r.once:>9} {r.repeated:>9} {r.missing:>9}{note}")
     bad = [r for r in rows if not r.ok]
     print(

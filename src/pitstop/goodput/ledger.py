@@ -35,13 +35,13 @@ In-process ``-m`` sweeps: jobs after the first in one process import nothing; ea
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from pitstop.statefile import GOODPUT, read_state
 from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "init", "restore", "compile")
@@ -157,26 +157,17 @@ class GoodputLog:
                 pass
 
     def _read_attempts(self) -> list[dict]:
-        try:
-            with open(self.path) as f:
-                return list(json.load(f).get("attempts", []))
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as e:  # unreadable: start a fresh account rather than fail the run, and say so
-            if self.enabled:
-                aside = self.path + ".corrupt"
-                if os.path.exists(aside):  # (an earlier one kept aside stays too)
-                    aside = f"{aside}.{int(time.time())}"
-                os.replace(self.path, aside)
-                logging.getLogger("pitstop.goodput").warning(
-                    "%s is unreadable (%s: %s): kept aside as %s; the goodput account and the failure history that "
-                    "ckpt.interval=auto uses start again from this attempt",
-                    self.path,
-                    type(e).__name__,
-                    str(e).splitlines()[0][:120] if str(e) else "",
-                    aside,
-                )
-            return []
+        # Damaged or of another shape (a torn write, a hand edit, a file planted in the run dir): a fresh account
+        # rather than a run that cannot start; the file is kept aside (by rank 0, which owns it) and named.
+        doc = read_state(
+            self.path,
+            GOODPUT,
+            keep_aside=self.enabled,
+            then="the goodput account and the failure history that ckpt.interval=auto uses start again from this "
+            "attempt",
+            logger=logging.getLogger("pitstop.goodput") if self.enabled else None,  # (rank 0 says it, once)
+        )
+        return list(doc["attempts"]) if doc is not None else []
 
     # ---- observed failures (for ckpt.interval=auto) ---------------------------------------------------
     def failures(self) -> int:

@@ -22,6 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pitstop.goodput.ledger import JOB_BUCKETS
+from pitstop.statefile import SUMMARY, Damaged, parse
 from pitstop.telemetry.metrics import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
@@ -50,9 +51,24 @@ COLORS = {
 def _read_json(path: str) -> dict | None:
     try:
         with open(path) as f:
-            return json.load(f)
+            doc = json.load(f)
     except (OSError, ValueError):
         return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _summary(job_dir: str) -> tuple[dict | None, str]:
+    """The job's ``summary.json`` if it has the shape pitstop writes; else None and why (the report reads the
+    user's files: a damaged one is named, never moved)."""
+    path = os.path.join(job_dir, "summary.json")
+    try:
+        return parse(path, SUMMARY), ""
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, Damaged) as e:
+        why = f"{path} is unreadable ({e})"
+        log.warning("%s: its row says so", why)
+        return None, why
 
 
 def _overrides(job_dir: str) -> list[str]:
@@ -68,7 +84,7 @@ def _overrides(job_dir: str) -> list[str]:
 def _last_error(job_dir: str) -> str:
     failed = _read_json(os.path.join(job_dir, "failed.json"))
     if failed:
-        return failed.get("error", "failed")
+        return str(failed.get("error", "failed"))
     try:
         with open(os.path.join(job_dir, "train.log")) as f:
             errors = [ln.strip() for ln in f if "[ERROR]" in ln]
@@ -86,9 +102,9 @@ def collect(sweep_dir: str) -> list[dict[str, Any]]:
     for name in names:
         job_dir = os.path.join(sweep_dir, name)
         row: dict[str, Any] = {"job": int(name), "overrides": _overrides(job_dir), "dir": job_dir}
-        s = _read_json(os.path.join(job_dir, "summary.json"))
+        s, damaged = _summary(job_dir)
         if s is None:
-            row.update(status="FAILED", error=_last_error(job_dir))
+            row.update(status="FAILED", error=damaged or _last_error(job_dir))
         else:
             g = s.get("goodput") or {}
             totals = g.get("totals") or {}

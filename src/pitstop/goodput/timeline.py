@@ -11,11 +11,15 @@ draws it at the end of each attempt, in the tracker's own process, and logs it a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
 from pitstop.goodput.ledger import BUCKETS as LEDGER
+from pitstop.statefile import GOODPUT, Damaged, parse
+
+log = logging.getLogger("pitstop.goodput")
 
 # The ledger's buckets, in the order an attempt meets them (its start, then the loop's); the colours are fixed so
 # that pictures compare.
@@ -67,9 +71,13 @@ class Line:
 
 
 def read(run_dir: str, name: str = "") -> Line:
-    """The time line of one run dir (its ``goodput.json`` and ``metrics.jsonl``)."""
-    with open(os.path.join(run_dir, "goodput.json")) as f:
-        records = json.load(f).get("attempts", [])
+    """The time line of one run dir (its ``goodput.json`` and ``metrics.jsonl``). A ``goodput.json`` that is damaged
+    or of another shape: ValueError naming it (a drawing reads the user's file, it never moves it)."""
+    path = os.path.join(run_dir, "goodput.json")
+    try:
+        records = parse(path, GOODPUT)["attempts"]
+    except Damaged as e:
+        raise ValueError(f"{path} is unreadable ({e}): no time line from it") from None
     if not records:
         raise ValueError(f"{run_dir}/goodput.json has no attempt")
     t0 = float(records[0]["start"])
@@ -95,17 +103,17 @@ def read(run_dir: str, name: str = "") -> Line:
             for line in f:
                 try:
                     r = json.loads(line)
-                except ValueError:
-                    continue  # (a line cut by a kill)
-                if "time" not in r or "step" not in r:
-                    continue
-                at = float(r["time"]) - t0
+                    if not isinstance(r, dict) or "time" not in r or "step" not in r:
+                        continue
+                    at, step = float(r["time"]) - t0, int(r["step"])
+                except (ValueError, TypeError):
+                    continue  # (a line cut by a kill, or not one pitstop wrote)
                 if "loss" in r:
-                    steps.append((at, int(r["step"])))
+                    steps.append((at, step))
                 elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
-                    saves.append((at, int(r["step"])))
+                    saves.append((at, step))
                 elif any(k.startswith("val_") for k in r):
-                    evals.append((at, int(r["step"])))
+                    evals.append((at, step))
     except FileNotFoundError:
         pass
     return Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, steps, saves, evals)
@@ -118,9 +126,16 @@ def lines(run_dir: str) -> list[Line]:
     groups = sorted(
         (d for d in os.listdir(run_dir) if d.startswith("replica") and d[7:].isdigit()), key=lambda d: int(d[7:])
     )
-    found = [
-        read(os.path.join(run_dir, d), d) for d in groups if os.path.exists(os.path.join(run_dir, d, "goodput.json"))
-    ]
+    found, damaged = [], []
+    for d in groups:
+        if os.path.exists(os.path.join(run_dir, d, "goodput.json")):
+            try:
+                found.append(read(os.path.join(run_dir, d), d))
+            except ValueError as e:  # (one group's damaged account: the others are still drawn)
+                log.warning("%s", e)
+                damaged.append(str(e))
+    if not found and damaged:
+        raise ValueError(damaged[0])
     if not found:
         raise FileNotFoundError(f"{run_dir} has no goodput.json (nor replica*/goodput.json): not a pitstop run dir")
     return found

@@ -70,17 +70,15 @@ def cached_count(path: str, key: str, write: bool, count: Callable[[], int | Non
     """``count()``, remembered in ``path`` (the run dir's ``flops.json``) under ``key``: later attempts of the
     run read it back instead of counting again (counting is part of their start-up)."""
     import hashlib
-    import json
 
+    from pitstop.statefile import FLOPS, read_state
     from pitstop.telemetry.metrics import write_json_atomic
 
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    try:
-        with open(path) as f:
-            known = json.load(f)
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known.get(digest), int):
+    # (damaged or of another shape: kept aside by the rank that writes it, and counted again)
+    known = read_state(path, FLOPS, keep_aside=write, then="FLOPs counted again", logger=log if write else None)
+    known = known if known is not None else {}
+    if digest in known:
         return known[digest]
     flops = count()
     if flops is not None and write:

@@ -32,17 +32,21 @@ class SampleLog:
         def micro() -> str:  # which micro-batch of the step, and its epoch
             return f'"micro":{where()[1]},"epoch":{epoch()},' if accum > 1 and epoch is not None else ""
 
+        # The keys as JSON whatever they hold (a tar member named o'brien, a quote, a backslash, a newline, a lone
+        # surrogate of an undecodable name): ASCII escapes, so the line is JSON in any locale. (The rest of the line
+        # is numbers, formatted directly: this runs every step.)
+        keys_json = json.JSONEncoder(ensure_ascii=True).encode
         if quorum is not None:
 
             def write(keys: list[str]) -> None:
-                f.write(f'{{"step":{where()[0]},{micro()}"quorum":{quorum()},"keys":{keys!r}}}\n'.replace("'", '"'))
+                f.write(f'{{"step":{where()[0]},{micro()}"quorum":{quorum()},"keys":{keys_json(keys)}}}\n')
                 f.flush()
 
             self.write = write
         elif accum == 1:
-            self.write = lambda keys: f.write(f'{{"step":{where()[0]},"keys":{keys!r}}}\n'.replace("'", '"'))
+            self.write = lambda keys: f.write(f'{{"step":{where()[0]},"keys":{keys_json(keys)}}}\n')
         else:
-            self.write = lambda keys: f.write(f'{{"step":{where()[0]},{micro()}"keys":{keys!r}}}\n'.replace("'", '"'))
+            self.write = lambda keys: f.write(f'{{"step":{where()[0]},{micro()}"keys":{keys_json(keys)}}}\n')
 
     def header(
         self, resumed_from: int | None, world_size: int, epoch_samples: int, epochs: int | None, healed: bool = False

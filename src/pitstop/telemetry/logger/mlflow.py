@@ -227,12 +227,12 @@ def _client(uri: str):
 
 
 def _attempts(run_dir: str) -> int:
-    """The attempts of the run on record in its ``goodput.json`` (0 when there is none yet)."""
-    try:
-        with open(os.path.join(run_dir, "goodput.json")) as f:
-            return len(json.load(f).get("attempts", []))
-    except (OSError, ValueError):
-        return 0
+    """The attempts of the run on record in its ``goodput.json`` (0 when there is none yet, or it is damaged: the
+    trainer's ledger keeps that one aside; this reader, polled, says so once and never moves it)."""
+    from pitstop.statefile import GOODPUT, read_state
+
+    doc = read_state(os.path.join(run_dir, "goodput.json"), GOODPUT, keep_aside=False, then="read as no attempt yet")
+    return len(doc["attempts"]) if doc is not None else 0
 
 
 def _import_matplotlib() -> None:

@@ -1,0 +1,299 @@
+"""State files a run reads back, each checked against the shape pitstop writes before a value of it is used.
+
+A run dir is written by pitstop, but also torn by a full disk, edited by hand, copied from another version or
+planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
+belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
+(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`), and :func:`read_state` reads one:
+
+- the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
+  (``NAME.corrupt``, ``NAME.corrupt-2``, ...: never deleted) with a one-line warning naming it, and starts afresh;
+- a read-only tool (report, time line, audit, the tracker) leaves the user's file as it is, says in one line that
+  it is damaged, and goes on without it.
+
+A shape is a function ``check(value, where)`` that raises :class:`Damaged` naming the first thing wrong; the
+combinators below build them. Keys a shape does not name are allowed (a newer pitstop may add some); keys it names
+must have their type when present, and the required ones must be present. This module sits in the lowest layer
+(stdlib only), so every reader, the CLI tools included, may import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import stat
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("pitstop.state")
+
+Shape = Callable[[Any, str], None]
+
+
+class Damaged(ValueError):
+    """A state file that is not the shape pitstop writes; the message names where and what."""
+
+
+def _what(value: Any) -> str:
+    text = json.dumps(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fail(where: str, belongs: str, value: Any) -> None:
+    raise Damaged(f"{where or 'the document'}: {belongs} belongs there, found {_what(value)}")
+
+
+def number(low: float | None = None) -> Shape:
+    """A finite int or float (not a bool), at least ``low``: a duration or a clock is never NaN or negative."""
+
+    def check(value: Any, where: str) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (low is not None and value < low):
+            _fail(where, "a number" if low is None else f"a number >= {low:g}", value)
+
+    return check
+
+
+def real(value: Any, where: str) -> None:
+    """An int or float, NaN and infinities included (an evaluation's metric of a diverged run)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        _fail(where, "a number", value)
+
+
+def integer(low: int | None = None) -> Shape:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+            _fail(where, "an integer" if low is None else f"an integer >= {low}", value)
+
+    return check
+
+
+def string(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        _fail(where, "a string", value)
+
+
+def boolean(value: Any, where: str) -> None:
+    if not isinstance(value, bool):
+        _fail(where, "true or false", value)
+
+
+def anything(value: Any, where: str) -> None:
+    pass
+
+
+def optional(shape: Shape) -> Shape:
+    """``shape`` or null."""
+
+    def check(value: Any, where: str) -> None:
+        if value is not None:
+            shape(value, where)
+
+    return check
+
+
+def listof(item: Shape) -> Shape:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, list):
+            _fail(where, "a list", value)
+        for i, v in enumerate(value):
+            item(v, f"{where}[{i}]")
+
+    return check
+
+
+def mapping(value_shape: Shape) -> Shape:
+    """An object whose every value has ``value_shape`` (its keys are names or digests, not fixed)."""
+
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            _fail(where, "an object", value)
+        for k, v in value.items():
+            value_shape(v, f"{where}.{k}" if where else str(k))
+
+    return check
+
+
+def record(required: dict[str, Shape], optional_keys: dict[str, Shape] | None = None) -> Shape:
+    """An object with the ``required`` keys, and the ``optional_keys`` of their shape when present."""
+
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            _fail(where, "an object", value)
+        for k, shape in required.items():
+            if k not in value:
+                raise Damaged(f"{where + '.' if where else ''}{k} is missing")
+            shape(value[k], f"{where}.{k}" if where else k)
+        for k, shape in (optional_keys or {}).items():
+            if k in value:
+                shape(value[k], f"{where}.{k}" if where else k)
+
+    return check
+
+
+# ---- the shapes pitstop writes --------------------------------------------------------------------------------
+SECONDS = number(0)
+_HEAL = record({}, {"step": integer(0), "from_step": integer(0), "seconds": SECONDS})
+ATTEMPT = record(
+    # (what every pitstop that wrote goodput.json wrote; the rest came later and is read with defaults)
+    {"start": SECONDS, "end": optional(SECONDS), "status": string, "step": integer(0), "buckets": mapping(SECONDS)},
+    {
+        "attempt": integer(1),
+        "pid": integer(0),
+        "auto_restart": boolean,
+        "restored": boolean,
+        "resumed_from": optional(integer(0)),
+        "start_method": optional(string),
+        "saves": integer(0),
+        "marks": mapping(mapping(SECONDS)),  # {step: the work done up to that checkpoint, per bucket}
+        "ft": optional(record({}, {"heals": listof(_HEAL), "discarded_steps": anything})),
+    },
+)
+GOODPUT = record({"attempts": listof(ATTEMPT)})  # RUN_DIR/goodput.json (its totals are derived: not read back)
+FLOPS = mapping(integer(0))  # RUN_DIR/flops.json: {digest of the model and batch: FLOPs of one micro-batch}
+SUMMARY = record(  # RUN_DIR/summary.json, the keys that are read back (the sweep report, recipe.goodput --from)
+    {
+        "samples_seen": integer(0),
+        "goodput": record(
+            {"goodput": number(0), "totals": mapping(SECONDS), "restarts": integer(0), "failures": integer(0)},
+            {"restart_seconds": optional(SECONDS)},
+        ),
+    },
+    {
+        "final_step": integer(0),
+        "wall_clock": mapping(SECONDS),
+        "metrics": mapping(real),
+        "throughput": record(
+            {},
+            {
+                "samples_per_s_per_device": optional(number(0)),
+                "step_seconds_p50": optional(SECONDS),
+                "mfu": optional(number(0)),
+            },
+        ),
+        "checkpoint": record(
+            {}, {"saves": integer(0), "block_seconds_mean": optional(SECONDS), "total_seconds_mean": optional(SECONDS)}
+        ),
+    },
+)
+# samples.rank{R}.jsonl (train/sample_log.py): an attempt's header, a step's (or micro-batch's) keys, or (ft) a
+# step's outcome
+SAMPLE_HEADER = record(
+    {
+        "attempt": number(),
+        "resumed_from": integer(0),
+        "rank": integer(0),
+        "world_size": integer(1),
+        "epoch_samples": integer(0),
+        "epochs": optional(integer(0)),
+    },
+    {"t": number(), "healed": boolean},
+)
+SAMPLE_STEP = record(
+    {"step": integer(0), "keys": listof(string)},
+    {"micro": integer(0), "epoch": optional(integer(0)), "quorum": integer()},
+)
+SAMPLE_COMMIT = record({"commit": integer(0), "ok": boolean, "quorum": integer()}, {"t": number()})
+
+
+def SAMPLE_RECORD(value: Any, where: str) -> None:  # noqa: N802 - a shape, named like the others
+    if isinstance(value, dict) and "attempt" in value:
+        SAMPLE_HEADER(value, where)
+    elif isinstance(value, dict) and "commit" in value:
+        SAMPLE_COMMIT(value, where)
+    else:
+        SAMPLE_STEP(value, where)
+
+
+# ---- reading --------------------------------------------------------------------------------------------------
+MAX_BYTES = 256 << 20  # a state file is KBs to a few MBs; one larger than this is not one pitstop wrote
+_said: set[tuple[str, str]] = set()  # (path, why) already warned about in this process (a poller reads often)
+
+
+def parse(path: str, shape: Shape) -> Any:
+    """``path``'s document if it has ``shape``. Raises FileNotFoundError (no file), :class:`Damaged` (not JSON, or
+    another shape, or not a regular file) or another OSError (unreadable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO planted in its place must not hang the reader)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise Damaged("not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise Damaged(f"{st.st_size} bytes, more than pitstop writes")
+        data = f.read(MAX_BYTES + 1)
+    try:
+        value = json.loads(data)
+    except ValueError as e:  # (UnicodeDecodeError included)
+        raise Damaged(f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}") from None
+    shape(value, "")
+    return value
+
+
+def read_state(
+    path: str, shape: Shape, *, keep_aside: bool, then: str = "", logger: logging.Logger | None = log
+) -> Any:
+    """``path``'s document if it has ``shape``; None if there is none or it is damaged (said in one warning that
+    names it; with ``keep_aside``, by the process that owns the file, moved aside first). ``then``: what the
+    caller does without it, for the warning; ``logger`` None: say nothing (another process says it)."""
+    try:
+        return parse(path, shape)
+    except FileNotFoundError:
+        return None
+    except (OSError, Damaged) as e:
+        why = str(e) if isinstance(e, Damaged) else f"{type(e).__name__}: {e.strerror or e}"
+        aside = keep_aside_copy(path) if keep_aside else None  # (unreadable too: rewriting it would lose it)
+        if logger is None:
+            pass
+        elif aside is not None:
+            logger.warning("%s is unreadable (%s): kept aside as %s%s", path, why, aside, f"; {then}" if then else "")
+        elif (path, why) not in _said:
+            _said.add((path, why))
+            logger.warning("%s is unreadable (%s): %s", path, why, then or "ignored")
+        return None
+
+
+def keep_aside_copy(path: str) -> str | None:
+    """Move ``path`` to the first free ``PATH.corrupt``, ``PATH.corrupt-2``, ...; never over another file (an
+    earlier one kept aside stays too). Returns the new name, or None if it could not be moved."""
+    for n in range(1, 10_000):
+        aside = f"{path}.corrupt" if n == 1 else f"{path}.corrupt-{n}"
+        try:
+            os.link(path, aside)  # (fails if the name is taken: no race can overwrite an earlier one)
+        except FileExistsError:
+            continue
+        except OSError:  # (a file system without hard links)
+            if os.path.lexists(aside):
+                continue
+            try:
+                os.rename(path, aside)
+                return aside
+            except OSError:
+                return None
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return aside
+    return None
+
+
+def read_records(path: str, shape: Shape, *, then: str = "skipped", logger: logging.Logger = log) -> Iterator[dict]:
+    """The lines of a JSON-lines file that have ``shape``, in order (read-only: the file is left as it is). Lines
+    that do not (a line cut by a kill, a hand edit) are skipped and said in one warning naming the file, the count
+    and the first one."""
+    bad, first = 0, ""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+                shape(value, "")
+            except (ValueError, Damaged) as e:  # (Damaged is a ValueError: kept for the reader)
+                bad += 1
+                if not first:
+                    first = f"line {n}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+                continue
+            yield value
+    if bad:
+        logger.warning("%s has %d damaged line(s) (first: %s): %s", path, bad, first, then)
