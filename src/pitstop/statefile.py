@@ -213,7 +213,12 @@ _said: set[tuple[str, str]] = set()  # (path, why) already warned about in this 
 def parse(path: str, shape: Shape) -> Any:
     """``path``'s document if it has ``shape``. Raises FileNotFoundError (no file), :class:`Damaged` (not JSON, or
     another shape, or not a regular file) or another OSError (unreadable)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO planted in its place must not hang the reader)
+    try:  # (a FIFO planted in its place must not hang the reader; a link must not read another run's file)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as e:
+        if os.path.islink(path):
+            raise Damaged("a symbolic link, not a file of this run") from None
+        raise e
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -258,7 +263,7 @@ def keep_aside_copy(path: str) -> str | None:
     for n in range(1, 10_000):
         aside = f"{path}.corrupt" if n == 1 else f"{path}.corrupt-{n}"
         try:
-            os.link(path, aside)  # (fails if the name is taken: no race can overwrite an earlier one)
+            os.link(path, aside, follow_symlinks=False)  # (fails if the name is taken: never over an earlier one)
         except FileExistsError:
             continue
         except OSError:  # (a file system without hard links)

@@ -175,9 +175,19 @@ def test_read_only_readers_of_goodput_json_name_it_and_never_move_it(tmp_path, c
     assert len(said) == 1 and said[0].startswith(f"{bad} is unreadable (")  # (the tracker polls: said once)
 
 
-def test_a_fifo_in_place_of_a_state_file_is_damaged_not_a_hang(tmp_path, caplog):
+def test_a_fifo_or_a_link_in_place_of_a_state_file_is_damaged_not_a_hang_nor_another_runs(tmp_path, caplog):
     os.mkfifo(tmp_path / "goodput.json")
     with caplog.at_level(logging.WARNING, "pitstop.goodput"):
         log = _ledger(tmp_path)
     assert log.previous == [] and (tmp_path / "goodput.json.corrupt").exists()
     assert "(not a regular file)" in caplog.text
+    other = tmp_path / "other"  # (another run's account, linked in: its attempts are not this run's)
+    other.mkdir()
+    _ledger(other).write(3, status="failed")
+    os.remove(tmp_path / "goodput.json")
+    os.symlink(other / "goodput.json", tmp_path / "goodput.json")
+    with caplog.at_level(logging.WARNING, "pitstop.goodput"):
+        log = _ledger(tmp_path)
+    assert log.previous == [] and os.path.islink(tmp_path / "goodput.json.corrupt-2")
+    assert "(a symbolic link, not a file of this run)" in caplog.text
+    assert json.loads((other / "goodput.json").read_text())["attempts"][0]["status"] == "failed"  # (untouched)
