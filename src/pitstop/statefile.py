@@ -210,27 +210,45 @@ MAX_BYTES = 256 << 20  # a state file is KBs to a few MBs; one larger than this 
 _said: set[tuple[str, str]] = set()  # (path, why) already warned about in this process (a poller reads often)
 
 
-def parse(path: str, shape: Shape) -> Any:
-    """``path``'s document if it has ``shape``. Raises FileNotFoundError (no file), :class:`Damaged` (not JSON, or
-    another shape, or not a regular file) or another OSError (unreadable)."""
-    try:  # (a FIFO planted in its place must not hang the reader; a link must not read another run's file)
+def open_regular(path: str) -> Any:
+    """``path`` opened for reading if it is a regular file of its own (a FIFO planted in its place must not hang
+    the reader; a link must not read another run's file); :class:`Damaged` otherwise."""
+    try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as e:
         if os.path.islink(path):
             raise Damaged("a symbolic link, not a file of this run") from None
         raise e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise Damaged("not a regular file")
-        if st.st_size > MAX_BYTES:
-            raise Damaged(f"{st.st_size} bytes, more than pitstop writes")
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise Damaged("not a regular file")
+    return f
+
+
+def parse(path: str, shape: Shape) -> Any:
+    """``path``'s document if it has ``shape``. Raises FileNotFoundError (no file), :class:`Damaged` (not JSON, or
+    another shape, or not a regular file) or another OSError (unreadable)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_BYTES:
+            raise Damaged(f"{size} bytes, more than pitstop writes")
         data = f.read(MAX_BYTES + 1)
+    return loads(data, shape)
+
+
+def loads(data: bytes, shape: Shape) -> Any:
+    """One JSON document of ``shape``; :class:`Damaged` naming what is wrong (nested too deep for the parser
+    included: a crafted file must not crash the reader)."""
     try:
         value = json.loads(data)
-    except ValueError as e:  # (UnicodeDecodeError included)
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError included)
         raise Damaged(f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}") from None
-    shape(value, "")
+    try:
+        shape(value, "")
+    except RecursionError:
+        raise Damaged("nested too deep") from None
     return value
 
 
@@ -287,13 +305,17 @@ def read_records(path: str, shape: Shape, *, then: str = "skipped", logger: logg
     that do not (a line cut by a kill, a hand edit) are skipped and said in one warning naming the file, the count
     and the first one."""
     bad, first = 0, ""
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path)
+    except Damaged as e:
+        logger.warning("%s is unreadable (%s): %s", path, e, then)
+        return
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
-                shape(value, "")
+                value = loads(line, shape)
             except (ValueError, Damaged) as e:  # (Damaged is a ValueError: kept for the reader)
                 bad += 1
                 if not first:

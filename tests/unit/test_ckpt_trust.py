@@ -373,3 +373,123 @@ def test_a_short_key_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match="PITSTOP_CKPT_KEY is 5 characters"):
         integrity.verify(str(path))
     assert verify_main([str(path)]) == 2 and "PITSTOP_CKPT_KEY is 5 characters" in capsys.readouterr().err
+
+
+# ---- found by the red-team pass over this change: each was a crash (a bug, restarted forever) or a hang ----------
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "qint32",  # torch read past the bytes: a segfault in 1 of 3 tries
+        "properties-none",
+        "size-int",
+        "chunks-none",
+        "offsets-int",
+        "fqn-int",
+        "train-as-bytes",
+        "train-2d",
+        "huge-dim-of-empty",
+    ],
+)
+def test_malformed_or_unloadable_metadata_is_corrupt_never_a_crash(tmp_path, edit, capsys):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = write(tmp_path / "ckpts")
+
+    def craft(md):
+        t = md.state_dict_metadata
+        if edit == "qint32":
+            t["model.weight"].properties.dtype = torch.qint32
+        elif edit == "properties-none":
+            t["model.weight"].properties = None
+        elif edit == "size-int":
+            t["model.weight"].size = 5
+        elif edit == "chunks-none":
+            t["model.weight"].chunks = None
+        elif edit == "offsets-int":
+            t["model.weight"].chunks[0].offsets = 0
+        elif edit == "fqn-int":
+            t[7] = t.pop("model.bias")
+        elif edit == "train-as-bytes":
+            t["train.rank0"] = BytesStorageMetadata()
+        elif edit == "train-2d":
+            meta = t["train.rank0"]
+            n = meta.size[0]
+            meta.size = meta.chunks[0].sizes = torch.Size([1, n])
+            meta.chunks[0].offsets = torch.Size([0, 0])
+        elif edit == "huge-dim-of-empty":
+            meta = t["model.weight"]
+            meta.size = torch.Size([0, 1 << 70])
+            meta.chunks[0].sizes = torch.Size([0, 1 << 70])
+
+    edit_metadata(path, craft)
+    refused(path, ".metadata")
+    assert verify_main([str(path)]) == 1 and "CORRUPT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "train",
+    [5, {"a": 1}, "bf16", "nested", "rank-superscript"],
+)
+def test_a_crafted_train_state_in_state_pt_is_corrupt_never_a_crash(tmp_path, train):
+    path = tmp_path / "ckpts" / "step_00000004"
+    state = app_state()
+    if train == "bf16":
+        state["train.rank0"] = torch.zeros(8, dtype=torch.bfloat16)
+    elif train == "nested":
+        state["train.rank0"] = encode_json(None)[:0].new_tensor(list(b"[" * 100_000 + b"]" * 100_000))
+    elif train == "rank-superscript":
+        state["train.rank\u00b2"] = state["train.rank0"]
+    else:
+        state["train.rank0"] = train
+    write_torch_save(state, str(path), 0, 1, None, 4, None)
+    with pytest.raises(CorruptCheckpoint):
+        read_checkpoint(str(path), None, None, None)
+
+
+def test_a_linked_checkpoints_dir_is_refused_before_it_deletes_anything(tmp_path, monkeypatch):
+    from pitstop.ckpt.sync_dcp import SyncDCP
+
+    victim = tmp_path / "victim"
+    for step in (10, 20):
+        write(victim, step)
+    (victim / "step_00000100").mkdir()  # another run's save in flight: no commit marker yet
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(victim, target_is_directory=True)
+
+    class OneRank:
+        rank, world_size = 0, 1
+
+        def ckpt_group(self):
+            return None
+
+    with pytest.raises(ConfigError, match="is a symbolic link .* set ckpt.dir to the real dir"):
+        SyncDCP(dir=str(run / "checkpoints"), interval_steps=1, keep_last_k=1).setup(OneRank(), lambda *a: None)
+    assert sorted(p.name for p in victim.iterdir()) == ["step_00000010", "step_00000020", "step_00000100"]
+
+
+@pytest.mark.parametrize("planted", ["other-owner", "open-mode", "link"])
+def test_a_local_tier_dir_someone_else_made_or_can_write_is_not_used(tmp_path, planted):
+    from pitstop.ckpt.layout import check_writable
+    from pitstop.errors import CheckpointError
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o777)
+    root = shm / "0123456789abcdef"
+    if planted == "link":
+        (tmp_path / "elsewhere").mkdir()
+        root.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    else:
+        root.mkdir()
+        write(root, 99)  # the planted checkpoint a restore would prefer
+        if planted == "other-owner":
+            os.chown(root, 65534, 65534)
+        else:
+            root.chmod(0o777)
+    with pytest.raises(CheckpointError, match="not a dir of this user's alone"):
+        check_writable(str(root), key="ckpt.local.dir", private=True)
+    mine = shm / "fedcba9876543210"
+    check_writable(str(mine), key="ckpt.local.dir", private=True)
+    assert oct(mine.stat().st_mode & 0o777) == "0o700"

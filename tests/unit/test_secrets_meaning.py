@@ -96,17 +96,20 @@ def test_a_secret_planted_by_each_route_is_refused_naming_its_key_not_its_bytes(
 CREDENTIAL_NAMES = [
     "api-key", "apikey", "apiKey", "API_KEY", "x-api-key", "pwd", "passwd", "pass", "passphrase", "auth",
     "auth_header", "Authorization", "bearer", "client_secret", "AWS_SECRET_ACCESS_KEY", "sas_token", "sastoken",
-    "access_tokens", "AccountKey", "X-Amz-Signature", "X-Amz-Security-Token", "sig", "cookie", "key", "credentials",
+    "access_tokens", "AccountKey", "X-Amz-Signature", "X-Amz-Security-Token", "sig", "cookie", "credentials", "token",
+    "hf_token", "github_token",
 ]  # fmt: skip
 PLAIN_NAMES = [
     "author", "authors", "authority", "tokenizer", "tokens_per_step", "max_tokens", "sort_key", "label_key",
     "image_keys", "exclude_keys", "keep_last_k", "keys", "monkey", "passage", "bypass", "compass", "auth_type",
-    "token_url", "secret_name", "signature_version", "key_file", "keyboard",
+    "token_url", "secret_name", "signature_version", "key_file", "keyboard", "key", "pad_token", "eos_token",
+    "bos_token", "unk_token", "mask_token", "cls_token", "sep_token", "pad_token_id", "eos_token_id", "image_token",
 ]  # fmt: skip
 
 
 def test_near_spellings_name_a_credential_and_whole_words_keep_plain_names_plain():
     assert [n for n in CREDENTIAL_NAMES if not credential_name(n)] == []
+    assert credential_name("key", storage=True)  # (fsspec's key: a credential under storage options only)
     assert [n for n in PLAIN_NAMES if credential_name(n)] == []
 
 

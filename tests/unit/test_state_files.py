@@ -33,6 +33,8 @@ GOODPUT_DAMAGED = {
     "bool step": '{"attempts": [{"start": 1, "end": 2, "status": "x", "step": true, "buckets": {}}]}',
     "torn": '{"attempts": [{"status": "fin',
     "not utf-8": b'{"attempts": "\xff"}',
+    "nested too deep": "[" * 200_000 + "]" * 200_000,
+    "attempts nested too deep": '{"attempts": ' + "[" * 200_000 + "]" * 200_000 + "}",
 }
 FLOPS_DAMAGED = {
     "null": "null",
@@ -44,6 +46,7 @@ FLOPS_DAMAGED = {
     "bool": '{"%s": true}',
     "list count": '{"%s": [1]}',
     "torn": '{"%s": 1',
+    "nested too deep": "[" * 200_000 + "]" * 200_000,
 }
 KEY = "model+batch"
 DIGEST = hashlib.sha256(KEY.encode()).hexdigest()[:16]  # (as cached_count names it)
@@ -191,3 +194,23 @@ def test_a_fifo_or_a_link_in_place_of_a_state_file_is_damaged_not_a_hang_nor_ano
     assert log.previous == [] and os.path.islink(tmp_path / "goodput.json.corrupt-2")
     assert "(a symbolic link, not a file of this run)" in caplog.text
     assert json.loads((other / "goodput.json").read_text())["attempts"][0]["status"] == "failed"  # (untouched)
+
+
+@pytest.mark.timeout(60)
+def test_the_audit_reads_a_fifo_or_a_deeply_nested_sample_log_as_damaged_and_ends(tmp_path, caplog):
+    """A FIFO in place of the sample log or metrics.jsonl hung ``pitstop.audit``; a line nested 200,000 deep crashed
+    it (RecursionError): both are damaged input, said in one line, and the audit ends."""
+    from pitstop.audit import main as audit_main
+
+    os.mkfifo(tmp_path / "samples.rank0.jsonl")
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    (tmp_path / "goodput.json").write_text('{"attempts": []}')
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit, match="no readable attempt header"):
+        audit_main([str(tmp_path)])  # (its one-line refusal: nothing it could read)
+    assert time.monotonic() - t0 < 30 and "not a regular file" in caplog.text
+    os.remove(tmp_path / "samples.rank0.jsonl")
+    (tmp_path / "samples.rank0.jsonl").write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit, match="no readable attempt header"):
+        audit_main([str(tmp_path)])
+    assert "damaged line" in caplog.text

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import re
 from typing import IO, Any, Callable
 
 import torch
@@ -31,10 +32,15 @@ def encode_json(obj: object) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
 
 
-def decode_json(t: torch.Tensor, key: str = "train state") -> Any:
+def decode_json(t: object, key: str = "train state") -> Any:
+    """What :func:`encode_json` wrote; CorruptCheckpoint for anything else (another kind of tensor, a value that is
+    no tensor, bytes that are not JSON, JSON nested too deep to parse)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        kind = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise CorruptCheckpoint(f"{key} is a {kind}, not the bytes of the JSON pitstop wrote")
     try:
         return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpoint(f"{key} is not the JSON pitstop wrote ({type(e).__name__})") from None
 
 
@@ -100,7 +106,11 @@ def read_checkpoint(
             sd = safe_torch_load(io.BytesIO(fs.cat_file(p)), fsurl.join(path, STATE_FILE), map_location="cpu")
         else:
             where = os.path.join(path, STATE_FILE)
-            sd = safe_torch_load(where, where, map_location="cpu", mmap=True)
+            with integrity.open_regular(where) as f:  # (the file verify checked: never a link swapped in since)
+                fd_path = f"/proc/self/fd/{f.fileno()}"
+                sd = safe_torch_load(
+                    fd_path if os.path.exists(fd_path) else where, where, map_location="cpu", mmap=True
+                )
         if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict) or not isinstance(sd.get("optim"), dict):
             raise CorruptCheckpoint(f"{path}/{STATE_FILE} holds no model and optimizer state")
         trains = {k: decode_json(v, k) for k, v in sd.items() if train_key(path, k)}
@@ -113,7 +123,7 @@ def train_key(path: str, key: object) -> bool:
     form (a rank is a number)."""
     if not isinstance(key, str) or not key.startswith(TRAIN_PREFIX):
         return False
-    if not key[len(TRAIN_PREFIX) :].isdigit() or len(key) > len(TRAIN_PREFIX) + 9:
+    if not re.fullmatch(r"train\.rank[0-9]{1,9}", key):  # (ASCII digits: str.isdigit() takes '²' too)
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: it holds {key[:60]!r}, not a rank's train state")
     return True
 

@@ -235,11 +235,20 @@ def purge_up_to(root: str, step: int) -> None:
             remove(path)
 
 
-def check_writable(root: str, key: str = "ckpt.dir") -> None:
+def check_writable(root: str, key: str = "ckpt.dir", private: bool = False) -> None:
+    """CheckpointError in one line unless ``root`` can be written (made if missing).  ``private``: a dir in a place
+    others may write (the local tier's tmpfs): it and its parent must be real dirs of this user's, ``root`` made
+    ``0700``, so nobody else can plant a checkpoint the restore would prefer, or a link that saves would follow."""
     if fsurl.is_url(root):
         return _check_writable_url(root, key)
     probe = os.path.join(root, f".write-probe-{os.getpid()}")
     try:
+        if private:
+            os.makedirs(os.path.dirname(root), mode=0o700, exist_ok=True)
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            wrong = _not_ours(root)  # (its parent may be shared, as /dev/shm is: its sticky bit keeps ours ours)
+            if wrong:
+                raise CheckpointError(f"{key}: {root} {wrong}, not a dir of this user's alone")
         os.makedirs(root, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"ok")
@@ -250,6 +259,20 @@ def check_writable(root: str, key: str = "ckpt.dir") -> None:
         raise CheckpointError(
             f"{key} {root} is not writable ({e.strerror or e}); point {key} at a writable directory"
         ) from None
+
+
+def _not_ours(path: str) -> str | None:
+    """What is wrong with ``path`` as a dir of this user's that others may not write; None if nothing."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"is a symbolic link (to {os.readlink(path)[:80]})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"may be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _check_writable_url(root: str, key: str) -> None:

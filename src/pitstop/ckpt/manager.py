@@ -110,6 +110,11 @@ class CheckpointManager(Checkpointer):
         self.rank, self.world_size = strategy.rank, strategy.world_size
         self.group = strategy.ckpt_group()
         integrity.signing_key()  # (a key too short to sign anything stops the run here, in one line: exit 2)
+        if layout.is_link(self.root):  # (cleanup and retention would delete in whatever it points at)
+            raise ConfigError(
+                f"ckpt.dir {self.root} is a symbolic link (to {os.readlink(self.root)[:80]}): pitstop removes partial "
+                f"and old checkpoints in ckpt.dir, never through a link; set ckpt.dir to the real dir instead"
+            )
         if self.rank == 0:
             layout.check_writable(self.root)
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
@@ -135,10 +140,7 @@ class CheckpointManager(Checkpointer):
         root = os.path.join(c["dir"], run_id)
         problem = None
         try:
-            if os.path.islink(root) or os.path.islink(c["dir"]):  # (saves and retention would act on another place)
-                link = root if os.path.islink(root) else c["dir"]
-                raise CheckpointError(f"{link} is a symbolic link (to {os.readlink(link)[:80]}), not this run's dir")
-            layout.check_writable(root, key="ckpt.local.dir")
+            layout.check_writable(root, key="ckpt.local.dir", private=True)
         except CheckpointError as e:
             problem = str(e)
         if self.strategy.any(problem is not None):  # every rank uses the local tier, or none does

@@ -191,15 +191,28 @@ def load_into(
             f"checkpoint {path} is corrupt: its name says step {named}, its train state step {train['step']} (a "
             f"checkpoint moved under another step's name: not loaded)"
         )
-    dcp.load(target, model_sd, optim_sd, full)
+    try:
+        dcp.load(target, model_sd, optim_sd, full)
+    except UNFIT as e:  # (a full state dict read from a verified file: its tensors do not fit this model)
+        if not full:
+            raise
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is corrupt: its model or optimizer state does not fit this run ({type(e).__name__}: "
+            f"{one_line(e)})"
+        ) from None
     if len(peers) != world_size:
         log.info("resharding: checkpoint written by %d rank(s), resuming on %d", len(peers), world_size)
     try:
         target.state.load_state_dict(train, peers=peers)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # (its bytes passed their checksums)
+    except UNFIT as e:  # (its bytes passed their checksums: what they hold does not fit together)
         raise CorruptCheckpoint(
             f"checkpoint {path} is corrupt: its train state does not fit this run ({type(e).__name__}: {one_line(e)})"
         ) from None
+
+
+# What loading a train state, an RNG state or a full state dict read from a checkpoint raises when its values do
+# not fit this run (a generator state of the wrong size, a count too large for numpy, a tensor of another shape).
+UNFIT = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError, RecursionError)
 
 
 TRAIN_SHAPE = {"step": int, "samples_seen": int, "loader": dict, "scheduler": dict, "fingerprint": dict}

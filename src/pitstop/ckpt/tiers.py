@@ -41,7 +41,7 @@ class Tier:
         self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
 
 
-LOCAL_AUTO_DIR = "/dev/shm/pitstop"
+LOCAL_AUTO_DIR = f"/dev/shm/pitstop-{os.getuid()}"  # (per user: the local tier's dir must be this user's alone)
 
 
 def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async: bool) -> dict | None:

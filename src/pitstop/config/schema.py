@@ -91,7 +91,9 @@ PHASE = (
 class LocalTier:
     """``ckpt.local``: a second, fast tier next to ``ckpt.dir`` (tmpfs, node-local NVMe); off while ``dir`` is null."""
 
-    dir: Optional[str] = key(None, "e.g. /dev/shm/pitstop, or auto (= /dev/shm/pitstop); the run's own subdir is made")
+    dir: Optional[str] = key(
+        None, "e.g. /dev/shm/pitstop, or auto (= /dev/shm/pitstop-UID); the run's own subdir is made 0700"
+    )
     interval_steps: Optional[int] = key(None, "save there every N steps ...", check=Positive(optional=True))
     interval_seconds: Optional[float] = key(None, "... and/or every N seconds", check=Positive(optional=True))
     interval: Optional[str] = key(

@@ -42,6 +42,7 @@ import binascii
 import functools
 import logging
 import re
+import unicodedata
 from typing import Any, Iterator
 
 from hydra.experimental.callback import Callback
@@ -70,7 +71,14 @@ QUALIFIERS = {
 DESCRIPTORS = {
     "type", "types", "kind", "method", "methods", "mode", "scheme", "enabled", "enable", "required", "provider",
     "env", "var", "vars", "url", "uri", "endpoint", "file", "path", "dir", "name", "names", "version", "length",
-    "len", "ttl", "timeout", "seconds", "expiry", "expires",
+    "len", "ttl", "timeout", "seconds", "expiry", "expires", "id", "ids", "index", "count", "limit", "size",
+}  # fmt: skip
+# Words before ``token`` that make it a vocabulary's token, not a credential (a language model's ``pad_token``,
+# ``eos_token``, ``image_token``).
+TOKEN_ROLES = {
+    "pad", "eos", "bos", "unk", "mask", "cls", "sep", "start", "end", "stop", "special", "image", "vision", "audio",
+    "video", "chat", "system", "user", "assistant", "tool", "extra", "additional", "default", "decoder", "encoder",
+    "max", "min", "num", "new", "first", "last", "sentinel", "placeholder",
 }  # fmt: skip
 CODE_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_"}  # (they name code: hydra.callbacks.secrets)
 _CONCAT = re.compile(r"secret|passw|credential|token$|tokens$")  # (inside one word: ``clientSecret``'s, ``sastoken``)
@@ -109,6 +117,7 @@ _TOKENISH = re.compile(r"(?=[^\d]*\d)(?=[^A-Za-z]*[A-Za-z])[A-Za-z0-9._~+/=-]{20
 # ---- names --------------------------------------------------------------------------------------------------------
 def words(name: str) -> list[str]:
     """A key's name as lower-case words: ``X-Amz-Signature``, ``apiKey``, ``AWS_SECRET_ACCESS_KEY``, ``+a.b``."""
+    name = unicodedata.normalize("NFKC", name)  # (full-width ``ｐａｓｓｗｏｒｄ`` is ``password``)
     split = re.sub(r"([a-z0-9])([A-Z])|([A-Z])([A-Z][a-z])", r"\1\3_\2\4", name)
     return [w for w in re.split(r"[^A-Za-z0-9]+", split.lower()) if w]
 
@@ -120,14 +129,14 @@ def credential_name(name: str, storage: bool = False) -> bool:
     if storage and any(w in name.lower() for w in STORAGE_WORDS):
         return True
     ws = words(name)
-    if ws == ["key"]:  # (a key named ``key`` alone: fsspec's, boto's)
-        return True
-    if not ws or ws[-1] in DESCRIPTORS:
+    if not ws or ws[-1] in DESCRIPTORS:  # (a key named ``key`` alone is fsspec's only under storage options, above)
         return False
     for i, w in enumerate(ws):
         if w in ("key", "keys", "tokens"):  # (``api_key``, ``access_tokens``; not ``sort_key``, ``max_tokens``)
             if i and ws[i - 1] in QUALIFIERS:
                 return True
+        elif w == "token" and i and ws[i - 1] in TOKEN_ROLES:  # (``pad_token``: a vocabulary's)
+            continue
         elif w in WORDS or _CONCAT.search(w):
             return True
     return False
