@@ -286,7 +286,14 @@ def test_a_checkpoint_dir_on_s3_that_cannot_be_written_is_a_one_line_error(s3, d
             PolicyDocument=json.dumps(
                 {
                     "Version": "2012-10-17",
-                    "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+                    # (AWS names a listing s3:ListBucket; moto 5.2.6 asks for s3:ListObjectsV2: both, read only)
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": ["s3:GetObject", "s3:ListBucket", "s3:ListObjectsV2", "s3:ListObjects"],
+                            "Resource": "*",
+                        }
+                    ],
                 }
             ),
         )
