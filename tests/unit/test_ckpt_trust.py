@@ -493,3 +493,16 @@ def test_a_local_tier_dir_someone_else_made_or_can_write_is_not_used(tmp_path, p
     mine = shm / "fedcba9876543210"
     check_writable(str(mine), key="ckpt.local.dir", private=True)
     assert oct(mine.stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_save_is_signed_with_the_key_the_trainer_had_when_it_made_the_writer(tmp_path, monkeypatch):
+    """A checkpoint process may have started before the key was set (or without it): the writer carries the
+    trainer's key into it, so what signs a save is what its restore checks (in the suite, a checkpoint process
+    of an earlier test's made unsigned saves for a signed run)."""
+    monkeypatch.setenv(integrity.KEY_ENV, KEY)
+    writer = dcp_writer(str(tmp_path / "step_00000004"), None, "raw")
+    monkeypatch.delenv(integrity.KEY_ENV)  # (the checkpoint process's environment)
+    dcp.save(app_state(), storage_writer=writer, no_dist=True)
+    assert integrity.is_signed((tmp_path / "step_00000004" / integrity.MANIFEST).read_bytes())
+    monkeypatch.setenv(integrity.KEY_ENV, KEY)
+    integrity.verify(str(tmp_path / "step_00000004"))

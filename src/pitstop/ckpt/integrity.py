@@ -134,11 +134,14 @@ def entry(nbytes: int, value: int, strong: str | None = None) -> dict:
     return out
 
 
-def seal(body: dict, key: bytes | None = None) -> bytes:
+FROM_ENV: Any = object()  # (a writer's key: the environment's, read where the writer runs)
+
+
+def seal(body: dict, key: bytes | None = FROM_ENV) -> bytes:
     """``body`` as one line of JSON, then a line with the checksum of that line's bytes: any changed byte (a space
-    included) is found when it is read back.  With a ``key`` (default: :func:`signing_key`), a third line holds
-    an HMAC-SHA256 of the first: without the key, nobody can make one that matches."""
-    key = signing_key() if key is None else key
+    included) is found when it is read back.  With a ``key`` (by default :func:`signing_key`'s; None: unsigned), a
+    third line holds an HMAC-SHA256 of the first: without the key, nobody can make one that matches."""
+    key = signing_key() if key is FROM_ENV else key
     line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     out = line + f"\n{ALGORITHM} {crc(line):08x}\n".encode()
     if key:
@@ -185,13 +188,13 @@ def unseal(data: bytes, path: str, name: str) -> dict:
     return doc
 
 
-def manifest_bytes(files: dict[str, dict], dir_name: str | None = None) -> bytes:
+def manifest_bytes(files: dict[str, dict], dir_name: str | None = None, key: bytes | None = FROM_ENV) -> bytes:
     """The manifest for ``files`` (name -> entry) of the checkpoint dir named ``dir_name`` (kept in it: a step dir
-    moved or renamed under another step's name is told; signed with the rest when a key is set)."""
+    moved or renamed under another step's name is told; signed with the rest when a ``key`` is set)."""
     body: dict[str, Any] = {"format": FORMAT, "algorithm": ALGORITHM, "files": dict(sorted(files.items()))}
     if dir_name is not None:
         body["dir"] = dir_name
-    return seal(body)
+    return seal(body, key)
 
 
 def dir_name(path: str) -> str:

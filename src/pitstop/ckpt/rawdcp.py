@@ -83,14 +83,15 @@ class _RawWrites:
         items = [(item, planner.resolve_data(item)) for item in plan.items]
         results: list[WriteResult] = []
         on = getattr(self, "checksums", True)
-        running = integrity.Running() if on else None  # the file's checksum, as its bytes go out (in order)
+        strong = writer_key(self) is not None
+        running = integrity.Running(strong) if on else None  # the file's checksum, as its bytes go out (in order)
         offset = 0
         if type(self.fs) is FileSystem:  # local and unthrottled
             regions, rest = page_regions(items)
             if regions:
                 offset = write_direct(str(path), name, regions, results, running)
                 if offset is None:  # O_DIRECT refused here: all of it buffered
-                    offset, rest, results, running = 0, items, [], integrity.Running() if on else None
+                    offset, rest, results, running = 0, items, [], integrity.Running(strong) if on else None
         else:
             rest = items
         with self.fs.create_stream(path, "r+b" if offset else "wb") as stream:
@@ -194,6 +195,13 @@ def write_direct(path: str, name: str, regions: list, results: list, running: in
         os.close(fd)
 
 
+def writer_key(writer: object) -> bytes | None:
+    """The key a writer signs with: the one the trainer read when it made the writer (``sync_dcp.dcp_writer``),
+    else the environment's where it runs."""
+    key = getattr(writer, "signing_key", integrity.FROM_ENV)
+    return integrity.signing_key() if key is integrity.FROM_ENV else key
+
+
 def checksum_result(name: str, entry: dict) -> WriteResult:
     """The checksum of file ``name``, as a write result: DCP gathers every rank's results to the coordinator, whose
     ``finish`` takes these out into the manifest (:mod:`pitstop.ckpt.integrity`) before writing ``.metadata``."""
@@ -222,10 +230,11 @@ class _Manifest:
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        running = integrity.Running()
+        key = writer_key(self)
+        running = integrity.Running(key is not None)
         running.update(blob)
         files[METADATA] = running.entry()
-        self._put(integrity.MANIFEST, integrity.manifest_bytes(files, integrity.dir_name(str(self.path))))
+        self._put(integrity.MANIFEST, integrity.manifest_bytes(files, integrity.dir_name(str(self.path)), key))
         self._put(METADATA, blob)
 
     def _put(self, name: str, data: bytes) -> None:
@@ -255,7 +264,7 @@ class _ReadBackChecksums:
             [] if not getattr(self, "checksums", True) else sorted({r.storage_data.relative_path for r in results})
         ):
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                entry = integrity.stream_checksum(stream).entry()
+                entry = integrity.stream_checksum(stream, writer_key(self) is not None).entry()
             results.append(checksum_result(name, entry))
         fut: Future = Future()
         fut.set_result(results)

@@ -45,6 +45,9 @@ def dcp_writer(path: str, throttle_mbps: float | None, fmt: str = "raw") -> dcp.
         if throttle_mbps:
             writer.fs = ThrottledFileSystem(throttle_mbps)
     writer.checksums = integrity.ENABLED
+    # (the key as the trainer has it, carried with the writer into a checkpoint process, which may have started
+    # before: what signs a save is what its restore will check)
+    writer.signing_key = integrity.signing_key()
     return writer
 
 
