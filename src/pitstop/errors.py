@@ -20,6 +20,10 @@ class ConfigError(PitstopError):
     """A configuration value is invalid; raised before training starts."""
 
 
+class CrashLoop(PitstopError):
+    """An attempt failed the same way as the one before it, with no progress between: a restart would replay it."""
+
+
 class DataError(PitstopError):
     """The data set is missing, corrupt or inconsistent with its index."""
 

@@ -23,6 +23,7 @@ CONTRACTS = {"ckpt": Checkpointer, "loader": ShardLoader, "strategy": Strategy, 
 REQUIRED = {
     "fault": {
         "crash_at_step": ["fault.step=3"],
+        "bug": ["fault.step=3"],
         "stall": ["fault.step=3"],
         "preempt": ["fault.step=3"],
         "random": ["fault.mtbf_seconds=9"],

@@ -362,6 +362,13 @@ class Crash(AtStep):
 
 
 @dataclass
+class Bug(AtStep):
+    """``fault=bug``: a rank raises the same error at a step in every attempt that reaches it (a deterministic bug)."""
+
+    _target_: str = "pitstop.resilience.fault.BugAtStep"
+
+
+@dataclass
 class Preempt(AtStep):
     """``fault=preempt``: a rank gets a preemption notice at a step (every rank stops at the same step)."""
 
@@ -525,6 +532,7 @@ SCHEMAS = {
         "none": NoFault,
         "at_step": AtStep,
         "crash": Crash,
+        "bug": Bug,
         "preempt": Preempt,
         "stall": Stall,
         "random": RandomFault,

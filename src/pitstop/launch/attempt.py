@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.errors import ConfigError, Interrupt, PitstopError
+from pitstop.launch import repeats
+from pitstop.launch.failures import lost_peer
 from pitstop.launch.plan import LaunchPlan
+from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure, signature
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
@@ -40,29 +44,61 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     """One attempt in a process a launcher started (pitstop's supervisor or torch's elastic agent): log to the
     run dir, run the Runner, and end as the launcher expects. A preemption notice exits with PREEMPTED_EXIT.
     Under the supervisor (``facts.supervised``) any failure is written down in one line (read by the
-    supervisor) and the exit status says its kind (2: a configuration error, not worth a restart); under the
-    agent the exception propagates (the agent records it)."""
+    supervisor) and the exit status says its kind (2: a configuration error, not worth a restart;
+    ``CRASH_LOOP_EXIT``: the same failure as the attempt before, with no progress between); under the agent the
+    exception propagates (the agent records it), and a crash loop stops the agent (:func:`crash_loop`)."""
     from pitstop.train.runner import Runner
 
     log_to(run_dir, rank)
     logger = logging.getLogger("pitstop")
+    runner = None
     try:
-        return Runner(OmegaConf.create(cfg_yaml), run_dir, facts).run()
+        runner = Runner(OmegaConf.create(cfg_yaml), run_dir, facts)
+        return runner.run()
     except Preempted as e:
         logger.warning("%s", e)
         raise SystemExit(PREEMPTED_EXIT) from None
-    except PitstopError as e:
+    except ConfigError as e:
         logger.error("%s", e)
         if not facts.supervised:
             raise
         record_error(run_dir, str(e))
-        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        raise SystemExit(2) from None
     except BaseException as e:
+        if isinstance(e, PitstopError):
+            logger.error("%s", e)
+        elif facts.supervised:
+            logger.exception("attempt failed")
+        loop = None
+        # (a hang, an interrupt: their own rules; a rank that only lost its peer did not fail on its own, and a kill
+        # of the peer is no loop of this rank's)
+        if not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
+            step = runner.step if runner is not None and hasattr(runner, "progress") else None
+            loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts)
         if not facts.supervised:
             raise
-        logger.exception("attempt failed")
-        record_error(run_dir, f"{type(e).__name__}: {e}".splitlines()[0][:300])
-        raise SystemExit(1) from None
+        text = str(e) if isinstance(e, PitstopError) else f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        record_error(run_dir, loop or text)
+        raise SystemExit(CRASH_LOOP_EXIT if loop else 1) from None
+
+
+def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts) -> str | None:
+    """Record this attempt's failure; if it repeats the one before (:mod:`pitstop.launch.repeats`), the one line
+    that stops the job. Under torch's agent the verdict is left for the launcher and the agent is told to stop
+    (SIGHUP, which the agent handles by stopping every rank, and which is no preemption notice by default): it would
+    otherwise restart the ranks into the same failure."""
+    repeated = repeats.note(run_dir, failure)
+    if repeated is None:
+        return None
+    line = repeats.verdict(failure, repeated, run_dir)
+    logging.getLogger("pitstop").error("%s", line)
+    if not facts.supervised and facts.agent_pid:
+        repeats.mark(run_dir, line)
+        try:
+            os.kill(facts.agent_pid, signal.SIGHUP)
+        except OSError:
+            pass
+    return line
 
 
 def warm_modules(cfg: DictConfig) -> set[str]:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import schema
-from pitstop.errors import PitstopError
+from pitstop.errors import CrashLoop, PitstopError
+from pitstop.launch import repeats
 from pitstop.launch.attempt import start_warm, worker
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
@@ -92,12 +93,18 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             f"address and that strategy.nnodes={nodes} nodes come up"
         ) from None
     except SignalException as e:
+        loop = repeats.marked(run_dir, job_start)  # (a rank found the same failure twice and stopped the agent)
+        if loop is not None:
+            raise CrashLoop(loop) from None
         if e.sigval not in job.notices:
             raise
         raise Preempted(
             f"preempted after a notice ({e.sigval.name}); run the same command again to resume ({run_dir})"
         ) from None
     except ChildFailedError as e:
+        loop = repeats.marked(run_dir, job_start)  # (the agent had no restart left when the rank stopped it)
+        if loop is not None:
+            raise CrashLoop(loop) from None
         raise rank_failed(e, job, run_dir, run_id) from None
     finally:
         notice.close()

@@ -14,8 +14,10 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.errors import ConfigError, CrashLoop, PitstopError
+from pitstop.launch import repeats
 from pitstop.launch.attempt import run_attempt, start_warm
+from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure
 from pitstop.launch.plan import LaunchPlan
 from pitstop.notices import notices_blocked
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
@@ -121,6 +123,12 @@ def attempts(
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         if code == 2:
             raise ConfigError(why)
+        if code == CRASH_LOOP_EXIT:  # (the attempt found its failure repeated the one before: said in `why`)
+            raise CrashLoop(why)
+        if code is not None and code < 0:  # killed: nothing in the attempt could say so; the same signal at the same
+            loop = killed(run_dir, attempt, -code, child.pid)  # step as the last is a loop too (out-of-memory kills)
+            if loop:
+                raise CrashLoop(loop)
         if attempt < max_restarts:
             log.warning(
                 "%s %d failed (%s); restarting (%d of %s=%d)",
@@ -135,6 +143,41 @@ def attempts(
         f"the job failed {max_restarts + 1} times (last: {why}); "
         f"{limit_key}={max_restarts} is used up — see {run_dir}/train.log"
     )
+
+
+def killed(run_dir: str, attempt: int, signum: int, pid: int | None) -> str | None:
+    """Record an attempt killed by ``signum`` (at the step its ``goodput.json`` record had reached); the crash-loop
+    verdict if it repeats the failure before it.  A kill that pitstop's fault injection made (``faults.jsonl`` names
+    the process) is no failure of the job's: it is a test of its restarts, never a loop."""
+    from pitstop.statefile import GOODPUT, read_state
+
+    if pid is not None and injected(run_dir, pid):
+        return None
+
+    doc = read_state(os.path.join(run_dir, "goodput.json"), GOODPUT, keep_aside=False, logger=None)
+    attempts = doc["attempts"] if doc else []
+    step = attempts[-1].get("step") if attempts else None
+    failure = Failure(0, attempt, step, f"killed by signal {signum} ({signal.Signals(signum).name})")
+    repeated = repeats.note(run_dir, failure)
+    return repeats.verdict(failure, repeated, run_dir) if repeated is not None else None
+
+
+def injected(run_dir: str, pid: int) -> bool:
+    """Fault injection killed process ``pid`` (it wrote its line in ``RUN_DIR/faults.jsonl`` first)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "faults.jsonl"), "rb") as f:
+            lines = f.read(4 << 20).splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("pid") == pid:
+                return True
+        except (ValueError, AttributeError, RecursionError):
+            continue
+    return False
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

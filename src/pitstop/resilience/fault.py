@@ -1,6 +1,7 @@
 """Fault injection: kill the job on purpose to see what a configuration loses and that it resumes.
 
-``crash_at_step``, ``stall`` and ``during_save`` fire once per run dir (``RUN_DIR/faults.jsonl`` remembers
+``bug`` raises the same error at its step in every attempt (a deterministic bug: what the crash-loop check is
+tested with). ``crash_at_step``, ``stall`` and ``during_save`` fire once per run dir (``RUN_DIR/faults.jsonl`` remembers
 them), so the restarted job gets past them. ``random`` fires in every attempt after a time drawn from an
 exponential distribution (mean ``mtbf_seconds``, seeded by (seed, attempt)), so a job with
 ``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
@@ -238,6 +239,30 @@ class StallAtStep(CrashAtStep):
             ctypes.PyDLL(None).sleep(max(1, int(self.seconds)))
         else:
             time.sleep(self.seconds)
+
+
+class BugAtStep(NoFault):
+    """A deterministic bug: rank ``rank`` raises ``ValueError`` at the end of step ``step`` in every attempt that
+    reaches it, as a shape bug on an epoch's last, partial batch would (not once per run dir: a restart resumes from
+    a checkpoint before it and replays it; what the crash-loop check is tested with)."""
+
+    name = "bug"
+
+    def __init__(self, step: int, rank: int = 0, replica: int | str | None = None):
+        self.replica = replica
+        self.step, self.rank = int(step), rank
+
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        if self.step > ctx.total_steps:
+            raise ConfigError(
+                f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault would never fire; "
+                f"lower fault.step"
+            )
+
+    def after_step(self, step: int) -> None:
+        if step == self.step and self.ctx.rank == self.rank:
+            raise ValueError(f"expected a batch of 64, got 14 (fault=bug: a deterministic bug at step {step})")
 
 
 class PreemptAtStep(CrashAtStep):
