@@ -1,5 +1,5 @@
 """A failure a restart cannot fix is told from one it can (pitstop.launch.repeats): pure logic of the run dir's
-failures.jsonl; the launchers' use of it is tests/system/test_crash_loop.py."""
+failures.jsonl; the launchers' use of it is tests/system/test_crash_loop_launchers.py."""
 
 from __future__ import annotations
 
