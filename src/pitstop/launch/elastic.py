@@ -68,9 +68,14 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             # NCCL's bootstrap listener too (one node: its data goes over NVLink/PCIe or shared memory, never a
             # socket). Not yet run on a GPU here; a user's own NCCL_SOCKET_IFNAME wins.
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    store = None  # (kept referenced until the agent is done: the store's server lives as long as this object)
+    if one_node:
+        # A port the user gave is used as given; one picked for us is picked again by the kernel as the store starts
+        # listening (a port found free a moment earlier can be listened on by then: another job's store, say).
+        pinned = bool(getattr(job.strategy, "master_port", None) or getattr(job.strategy, "rdzv_endpoint", None))
+        store = rendezvous_store(endpoint if pinned else "127.0.0.1:0", job.rendezvous_timeout)
+        endpoint = f"127.0.0.1:{store.port}"
     config = agent_config(job, endpoint, run_id, method, run_dir)
-    # (kept referenced until the agent is done: the store's server lives as long as this object)
-    store = rendezvous_store(endpoint, job.rendezvous_timeout) if one_node else None
     nodes = job.nodes_text
     where = f"this node of {nodes} (rendezvous {endpoint}, max_restarts={job.restarts})"
     log.info("launching %d ranks on %s", job.ranks, where)
