@@ -246,7 +246,7 @@ def check_writable(root: str, key: str = "ckpt.dir", private: bool = False) -> N
         if private:
             os.makedirs(os.path.dirname(root), mode=0o700, exist_ok=True)
             os.makedirs(root, mode=0o700, exist_ok=True)
-            wrong = _not_ours(root)  # (its parent may be shared, as /dev/shm is: its sticky bit keeps ours ours)
+            wrong = not_ours(root)  # (its parent may be shared, as /dev/shm is: its sticky bit keeps ours ours)
             if wrong:
                 raise CheckpointError(f"{key}: {root} {wrong}, not a dir of this user's alone")
         os.makedirs(root, exist_ok=True)
@@ -261,17 +261,19 @@ def check_writable(root: str, key: str = "ckpt.dir", private: bool = False) -> N
         ) from None
 
 
-def _not_ours(path: str) -> str | None:
-    """What is wrong with ``path`` as a dir of this user's that others may not write; None if nothing."""
+def not_ours(path: str, mask: int = 0o022) -> str | None:
+    """What is wrong with ``path`` as a real dir of this user's that nobody else may write (``mask`` 0o022) or enter
+    (0o077); None if nothing."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         return f"is a symbolic link (to {os.readlink(path)[:80]})"
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
     if st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}"
-    if st.st_mode & 0o022:
-        return f"may be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
+        return f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & mask:
+        may = "enter" if mask & 0o011 else "write"
+        return f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others may {may} it)"
     return None
 
 

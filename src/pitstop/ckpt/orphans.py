@@ -55,19 +55,12 @@ def _folder() -> str:
 
 def _private(path: str) -> str | None:
     """None if ``path`` is a real dir of ours that only we may enter; else what is wrong with it."""
+    from pitstop.ckpt.layout import not_ours
+
     try:
-        st = os.lstat(path)
+        return not_ours(path, 0o077)
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-    if st.st_mode & 0o077:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others may enter it)"
-    return None
 
 
 _refused: set[tuple[str, str]] = set()  # (folder, what is wrong) already warned about in this process
