@@ -58,6 +58,14 @@ ROUTES = {
         {"hydra": {"launcher": {"setup": [f"export A=1; tool login --password {S}", f"tool --token={S}"]}}},
         "hydra.launcher.setup.0",
     ),
+    "curl -u user:password in a setup line (red team)": (
+        {"hydra": {"launcher": {"setup": [f"curl -u alice:{S} https://h/x"]}}},
+        "hydra.launcher.setup.0",
+    ),
+    "mysql -pPASSWORD in a setup line (red team)": (
+        {"hydra": {"launcher": {"setup": [f"mysql -uroot -p{S} db < x.sql"]}}},
+        "hydra.launcher.setup.0",
+    ),
     "JSON inside a string (not in the issue)": ({"svc": {"j": '{"api_key": "%s"}' % S}}, "svc.j"),
     "sweeper params": ({"hydra": {"sweeper": {"params": {"+svc.api_key": S}}}}, "hydra.sweeper.params.+svc.api_key"),
     "api-key": ({"svc": {"api-key": S}}, "svc.api-key"),
@@ -121,6 +129,8 @@ def test_plain_values_and_settings_of_a_credential_are_not_secrets():
             "c": {"auth": {"type": "basic", "enabled": True}, "use_auth": False, "token_url": "https://h/oauth/token"},
             "d": {"api_key": None, "password": "", "secret": "???", "credentials": {}, "api_keys": []},
             "e": "train.sort_key=value ckpt.keep_last_k=3 Basic augmentation, a bearer of news",
+            "f": ["docker run -u 1000:1000 img", "python -m http.server -p8080", "ssh -p 2222 host"],
+            "g": {"pad_token": "<pad>", "eos_token_id": 2, "key": "jpg", "image_token": "<image>"},
         }
     )
     assert find_secrets(cfg) == []

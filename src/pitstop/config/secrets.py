@@ -108,6 +108,11 @@ _PAIR = re.compile(
     r"(?:=|:(?!//))\s*(?P<value>\{[^{}]*\}|\[[^\[\]]*\]|\"[^\"]*\"|'[^']*'|[^&;\s,'\"\]})]+)"
 )
 _FLAG = re.compile(r"(?<!\S)--?(?P<name>[A-Za-z][\w-]*)[ \t]+(?P<value>[^\s-]\S*)")
+# ``curl -u user:password`` (a uid:gid pair, ``docker -u 1000:1000``, is no password) and a MySQL client's
+# ``-pPASSWORD`` (only beside the client's name: ``-p8080`` is a port elsewhere)
+_USER_PASS = re.compile(r"(?<!\S)(?:-u|--user)[ \t]*[^\s:]+:(?P<value>[^\s]+)")
+_MYSQL = re.compile(r"\b(?:mysql|mysqldump|mysqladmin|mariadb)\b")
+_ATTACHED_PASS = re.compile(r"(?<!\S)-p(?P<value>[^\s-]\S*)")
 _BEARER = re.compile(r"(?i:\bbearer)\s+([A-Za-z0-9._~+/=-]{8,})")
 _BASIC = re.compile(r"\bBasic\s+([A-Za-z0-9+/]{8,}={0,2})(?![\w+/=])")
 _ENV = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)")  # (a credential's variable read into a plain key)
@@ -210,6 +215,12 @@ def secret_spans(text: str) -> list[tuple[int, int, str]]:
             spans.append(
                 (m.start("value"), m.end("value"), f"a credential as a command's flag (--{m.group('name')} ...)")
             )
+    for m in _USER_PASS.finditer(text):
+        if not m.group("value").isdigit():
+            spans.append((m.start("value"), m.end("value"), "a password on a command line (-u user:...)"))
+    if _MYSQL.search(text):
+        for m in _ATTACHED_PASS.finditer(text):
+            spans.append((m.start("value"), m.end("value"), "a password on a command line (-p...)"))
     for m in _ENV.finditer(text):
         if credential_name(m.group(1)):
             spans.append(
