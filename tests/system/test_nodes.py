@@ -225,7 +225,13 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(launcher, data
     assert worlds == [2, 1, 2]  # lost a node, got one back
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["goodput"]["restarts"] == 2
-    assert s["goodput"]["totals"]["recovery_gap"] > 0 and s["goodput"]["totals"]["lost"] > 0
+    assert s["goodput"]["totals"]["recovery_gap"] > 0
+    # Work is lost when the node went after the newest checkpoint's step; when it went right at it (rank 0 had
+    # reached a multiple of ckpt.interval_steps, saved, and lost its peer in the next step: ~1 time in 5 on a busy
+    # machine), nothing was redone and none may be booked as lost.
+    first, second = json.loads((run_dir / "goodput.json").read_text())["attempts"][:2]
+    redone = first["step"] > (second.get("resumed_from") or 0)
+    assert (s["goodput"]["totals"]["lost"] > 0) == redone, (first["step"], second.get("resumed_from"))
     log = (run_dir / "train.log").read_text()
     assert "resharding: checkpoint written by 2 rank(s), resuming on 1" in log
     assert "resharding: checkpoint written by 1 rank(s), resuming on 2" in log
