@@ -93,7 +93,7 @@ def _run(hydra_main: Callable[[], Any]) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     from pitstop.config import register
-    from pitstop.config.secrets import mask
+    from pitstop.config.credentials import mask
     from pitstop.errors import PitstopError
 
     register()  # config schemas and resolvers

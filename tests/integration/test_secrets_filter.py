@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pitstop.config import register
-from pitstop.config.secrets import find_secrets, mask, redact
+from pitstop.config.credentials import mask
+from pitstop.config.secrets import find_secrets, redact
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")  # (the integration tier: composes every option)
 GROUPS = sorted(g for g in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, g)) and g != "hydra")

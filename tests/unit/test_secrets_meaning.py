@@ -13,7 +13,8 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from pitstop.config.secrets import credential_name, find_secrets, mask, mask_logs, redact, sweep_overrides
+from pitstop.config.credentials import credential_name, mask
+from pitstop.config.secrets import find_secrets, mask_logs, redact, sweep_overrides
 from pitstop.telemetry.logger.mlflow import MLflowLogger
 from pitstop.telemetry.metrics import MetricsFile
 
