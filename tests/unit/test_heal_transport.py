@@ -25,7 +25,7 @@ from typing import Callable
 import pytest
 import torch
 
-from pitstop.strategy import heal_transport
+from pitstop.strategy import heal_auth, heal_transport
 from pitstop.strategy.heal_transport import HealTransportError, RawHTTPTransport, authorization, derive_keys
 
 SECRET = "ab" * 32
@@ -222,7 +222,7 @@ def test_a_request_outside_its_validity_window_is_refused(transports):
 
 
 def test_the_nonces_remembered_are_bounded_and_forgotten_only_once_their_request_expired():
-    nonces = heal_transport._Nonces(window=30, limit=3)
+    nonces = heal_auth.Nonces(window=30, limit=3)
     assert [nonces.first_use(n, 100, 100) for n in "abc"] == [True, True, True]
     assert nonces.first_use("a", 100, 110) is False  # (a replay, within the window)
     assert nonces.first_use("d", 100, 110) is None  # full: refused, nothing forgotten early

@@ -44,8 +44,6 @@ import hmac
 import http.client
 import json
 import logging
-import math
-import re
 import secrets
 import socket
 import struct
@@ -54,13 +52,29 @@ import threading
 import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten, treespec_dumps, treespec_loads
+from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from pitstop.errors import PitstopError
+from pitstop.strategy.heal_auth import (
+    AUTH,
+    MAX_NONCES,
+    PATH,
+    WINDOW_S,
+    Nonces,
+    authorization,
+    derive_keys,
+    request_mac,
+)
+from pitstop.strategy.heal_manifest import (
+    HealTransportError,
+    check_manifest,
+    inverse,
+    prepare,
+    Served,
+)
 
 try:
     from torchft.checkpointing import CheckpointTransport
@@ -72,71 +86,6 @@ log = logging.getLogger("pitstop.strategy")
 MAGIC = b"PSH1"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 bytes a leaf: room for ~500k leaves
 CHUNK = 4 << 20  # bytes per write of a tensor's data
-# A signed request is accepted for WINDOW_S seconds after its time, and as long before it (the clocks of a job's
-# machines may differ by that much); its nonce is remembered as long. MAX_NONCES bounds that memory: only requests
-# with a valid MAC are remembered, so only a holder of the secret could fill it (then 503 until they expire).
-WINDOW_S = 30
-MAX_NONCES = 16384
-SCHEME = "PitstopHeal"
-AUTH = re.compile(rf"{SCHEME} t=([0-9]{{1,12}}),n=([0-9a-f]{{32}}),m=([0-9a-f]{{64}})")
-PATH = re.compile(r"/heal/([0-9a-f]{16})/([0-9]{1,19})")
-# Plain containers only: a structure naming anything else (defaultdict's factory, an enum: both imported by name when
-# torch rebuilds them) is refused before torch reads it.
-CONTAINERS = ("builtins.dict", "collections.OrderedDict", "builtins.list", "builtins.tuple", "torch.Size")
-DTYPES = frozenset(
-    name
-    for name in (
-        "float64 float32 float16 bfloat16 complex128 complex64 int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool "
-        "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e8m0fnu"
-    ).split()
-    if isinstance(getattr(torch, name, None), torch.dtype)  # (torch's dtypes, by name: those of this version)
-)
-SCALARS = (bool, int, float, str)
-
-
-class HealTransportError(PitstopError):
-    """A heal's state could not be sent or received: refused, unverifiable, or not plain tensors and scalars."""
-
-
-def derive_keys(secret: str) -> tuple[bytes, bytes]:
-    """(the key of the requests' MACs, the key of the answers' tags): both from the job's secret, neither is it,
-    and neither is the other (a tag an answer carried is no request's MAC)."""
-    key = secret.encode()
-    request_key = hmac.new(key, b"pitstop heal: request key", hashlib.sha256).digest()
-    return request_key, hmac.new(key, b"pitstop heal: tag key", hashlib.sha256).digest()
-
-
-def request_mac(key: bytes, method: str, path: str, step: int, nonce: str, when: int) -> str:
-    """The MAC of one request: what it asks for (method, path, step), once (nonce), now (time)."""
-    message = f"pitstop heal request v1\n{method}\n{path}\n{step}\n{nonce}\n{when}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def authorization(key: bytes, path: str, step: int, nonce: str, when: int) -> str:
-    """The ``Authorization`` header of a GET of ``path`` for ``step``, signed at ``when`` (Unix seconds)."""
-    return f"{SCHEME} t={when},n={nonce},m={request_mac(key, 'GET', path, step, nonce, when)}"
-
-
-class _Nonces:
-    """The nonces of the requests accepted within the window: a nonce is accepted once."""
-
-    def __init__(self, window: float = WINDOW_S, limit: int = MAX_NONCES):
-        self.window, self.limit = window, limit
-        self._lock = threading.Lock()
-        self._expiry: dict[str, float] = {}  # nonce -> when its request expires (insertion order ~ expiry order)
-
-    def first_use(self, nonce: str, when: float, now: float) -> bool | None:
-        """True the first time (remembered until ``when`` + the window), False again; None when full."""
-        with self._lock:
-            # (a request's time can be up to a window ahead of this clock: prune all that expired, not only the head)
-            if len(self._expiry) >= self.limit or next(iter(self._expiry.values()), now) < now:
-                self._expiry = {n: t for n, t in self._expiry.items() if t >= now}
-            if nonce in self._expiry:
-                return False
-            if len(self._expiry) >= self.limit:
-                return None
-            self._expiry[nonce] = when + self.window
-            return True
 
 
 class _Gate:
@@ -176,14 +125,6 @@ class _Gate:
                 )
 
 
-class _Served:
-    """One step's state, ready to stream: the manifest's parts and each tensor's bytes (CPU, in memory order)."""
-
-    def __init__(self, step: int, spec: str, leaves: list[dict], data: list[torch.Tensor]):
-        self.step, self.spec, self.leaves, self.data = step, spec, leaves, data
-        self.data_bytes = sum(int(d.numel()) for d in data)
-
-
 class RawHTTPTransport(CheckpointTransport):
     """torchft's ``CheckpointTransport``: a peer's live state as raw tensor bytes over HTTP, authenticated by the
     job's secret (see the module's docstring)."""
@@ -196,11 +137,11 @@ class RawHTTPTransport(CheckpointTransport):
         self._request_key, self._key = derive_keys(secret)
         self._timeout = timeout.total_seconds()
         self._gate = _Gate(self._timeout)
-        self._served: _Served | None = None
+        self._served: Served | None = None
         # (in the path, hence under each request's MAC: a request signed for another group's server, serving the same
         # step, is refused here)
         self._instance = secrets.token_hex(8)
-        self._nonces = _Nonces()
+        self._nonces = Nonces()
         self._warned: set[tuple[str, str]] = set()  # (peer address, reason) already logged as a warning
         wildcard = bind_host in ("", "::", "0.0.0.0")
         host = host or (socket.gethostname() if wildcard else bind_host)
@@ -223,7 +164,7 @@ class RawHTTPTransport(CheckpointTransport):
         return self._url
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: object, timeout: timedelta) -> None:
-        served = _prepare(int(step), state_dict)
+        served = prepare(int(step), state_dict)
         self._gate.disallow()  # (a state served before, still read: the reads end first)
         self._served = served
         self._gate.allow(int(step))
@@ -321,83 +262,7 @@ def _server(transport: RawHTTPTransport, bind_host: str) -> ThreadingHTTPServer:
 
 
 # ---- sending ---------------------------------------------------------------------------------------------------
-def _prepare(step: int, state: object) -> _Served:
-    """The state flattened and checked; device tensors copied to CPU now (the server's threads touch no device)."""
-    pairs, spec = tree_flatten_with_path(state)
-    try:
-        spec_text = treespec_dumps(spec)
-        structure_ok = _check_spec(json.loads(spec_text)) == len(pairs) and treespec_loads(spec_text) == spec
-    except (TypeError, ValueError, NotImplementedError, HealTransportError) as e:
-        raise HealTransportError(
-            f"the heal state's structure cannot travel as JSON ({str(e).splitlines()[0][:200]}): only dicts "
-            f"(str/int/float/bool/None keys), OrderedDicts, lists and tuples"
-        ) from None
-    if not structure_ok:
-        raise HealTransportError(
-            "the heal state's structure does not survive JSON (a dict key that is not a str, int, float, bool or "
-            "None?): only plain keys travel"
-        )
-    devices = {v.device for _, v in pairs if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")}
-    for device in devices:  # (the copies below must see the step's last kernels)
-        sync = getattr(getattr(torch, device.type, None), "synchronize", None)
-        if sync is not None:
-            sync(device)
-    leaves: list[dict] = []
-    data: list[torch.Tensor] = []
-    for path, value in pairs:
-        if isinstance(value, torch.Tensor):
-            meta, raw = _tensor_leaf(keystr(path), value)
-            leaves.append(meta)
-            data.append(raw)
-        elif value is None or isinstance(value, SCALARS):
-            base = next(t for t in SCALARS if isinstance(value, t)) if value is not None else None
-            leaves.append({"v": base(value) if base is not None and type(value) is not base else value})
-        else:
-            raise HealTransportError(
-                f"the heal state's leaf {keystr(path) or '(the root)'} is a {type(value).__name__}: only tensors and "
-                f"JSON scalars (None, bool, int, float, str) travel to a healing peer"
-            )
-    return _Served(step, spec_text, leaves, data)
-
-
-def _tensor_leaf(where: str, value: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    t = value.detach()
-    name = str(t.dtype).removeprefix("torch.")
-    why = (
-        f"a {type(t).__name__} (a tensor subclass)"
-        if type(t) is not torch.Tensor
-        else f"of dtype {name}"
-        if name not in DTYPES
-        else f"of layout {t.layout}"
-        if t.layout != torch.strided
-        else "on the meta device (no data)"
-        if t.device.type == "meta"
-        else None
-    )
-    if why:
-        raise HealTransportError(f"the heal state's tensor {where} is {why}: it cannot travel to a healing peer")
-    t = t.resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    order = _memory_order(t)
-    dense = t.permute(order) if order is not None else t.contiguous()
-    raw = dense.reshape(-1).view(torch.uint8)
-    meta = {"t": name, "shape": list(t.shape), "nbytes": int(raw.numel())}
-    if order is not None and order != list(range(t.dim())):
-        meta["order"] = order
-    return meta, raw
-
-
-def _memory_order(t: torch.Tensor) -> list[int] | None:
-    """The dims from outermost to innermost in memory when ``t`` is dense (a permutation of a contiguous tensor:
-    channels_last, a transpose); None when it is not (it travels as a contiguous copy)."""
-    if t.dim() == 0:
-        return None
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-    return order if t.permute(order).is_contiguous() else None
-
-
-def _stream(req: BaseHTTPRequestHandler, served: _Served, nonce: str, key: bytes) -> None:
+def _stream(req: BaseHTTPRequestHandler, served: Served, nonce: str, key: bytes) -> None:
     manifest = json.dumps(
         {"step": served.step, "nonce": nonce, "byteorder": sys.byteorder, "spec": served.spec, "leaves": served.leaves},
         separators=(",", ":"),
@@ -477,7 +342,7 @@ def _receive(resp: http.client.HTTPResponse, metadata: str, step: int, nonce: st
     if not hmac.compare_digest(mac.digest(), tag):
         raise failed("HMAC mismatch in the manifest (corrupted in transit, or a peer without this job's secret)")
     mac.update(tag)
-    spec, leaves = _check_manifest(manifest, step, nonce, failed)
+    spec, leaves = check_manifest(manifest, step, nonce, failed)
     length = resp.getheader("Content-Length")
     expected = len(head) + size + 32 + sum(leaf["nbytes"] for leaf in leaves if "t" in leaf) + 32
     if length is not None and length.isdigit() and int(length) != expected:
@@ -503,98 +368,9 @@ def _receive(resp: http.client.HTTPResponse, metadata: str, step: int, nonce: st
         if "t" in leaf:  # (the bytes in memory order, viewed back in the dims' order)
             shape = leaf["shape"]
             order = leaf.get("order", list(range(len(shape))))
-            value = value.view(getattr(torch, leaf["t"])).reshape([shape[d] for d in order]).permute(_inverse(order))
+            value = value.view(getattr(torch, leaf["t"])).reshape([shape[d] for d in order]).permute(inverse(order))
         out.append(value)
     return tree_unflatten(out, treespec_loads(spec))
-
-
-def _check_manifest(
-    manifest: bytes, step: int, nonce: str, failed: Callable[[str], HealTransportError]
-) -> tuple[str, list[dict]]:
-    try:
-        m = json.loads(manifest)
-        if not isinstance(m, dict) or set(m) != {"step", "nonce", "byteorder", "spec", "leaves"}:
-            raise ValueError("not the manifest's keys")
-        if m["step"] != step or type(m["step"]) is not int:
-            raise failed(f"the peer sent step {m['step']!r}, not step {step}")
-        if m["nonce"] != nonce:
-            raise failed("an answer to another request (a replay)")
-        if m["byteorder"] != sys.byteorder:
-            raise failed(f"the peer's byte order is {m['byteorder']!r}, this machine's {sys.byteorder}")
-        leaves = m["leaves"]
-        if not isinstance(m["spec"], str) or not isinstance(leaves, list):
-            raise ValueError("spec or leaves of the wrong type")
-        if _check_spec(json.loads(m["spec"])) != len(leaves):
-            raise ValueError("the structure and the leaves disagree in number")
-        for leaf in leaves:
-            _check_leaf(leaf)
-        return m["spec"], leaves
-    except HealTransportError:
-        raise
-    except (ValueError, TypeError, KeyError, RecursionError) as e:
-        raise failed(f"a malformed manifest ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
-
-
-def _check_leaf(leaf: object) -> None:
-    if not isinstance(leaf, dict):
-        raise ValueError("a leaf that is not an object")
-    if set(leaf) == {"v"}:
-        if leaf["v"] is not None and type(leaf["v"]) not in SCALARS:
-            raise ValueError("a scalar leaf that is not a JSON scalar")
-        return
-    if not {"t", "shape", "nbytes"} <= set(leaf) <= {"t", "shape", "nbytes", "order"}:
-        raise ValueError(f"a leaf with keys {sorted(leaf)}")
-    name, shape, nbytes = leaf["t"], leaf["shape"], leaf["nbytes"]
-    if name not in DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ValueError(f"dtype {str(name)[:40]!r} is not one that travels")
-    if not isinstance(shape, list) or len(shape) > 64 or any(type(n) is not int or n < 0 for n in shape):
-        raise ValueError("a shape that is not a list of sizes")
-    if type(nbytes) is not int or nbytes != math.prod(shape) * getattr(torch, name).itemsize:
-        raise ValueError(f"{nbytes!r} bytes for a {name} tensor of shape {shape}")
-    order = leaf.get("order", list(range(len(shape))))
-    if (
-        not isinstance(order, list)
-        or sorted(order) != list(range(len(shape)))
-        or any(type(d) is not int for d in order)
-    ):
-        raise ValueError("a memory order that is not a permutation of the dims")
-
-
-def _check_spec(node: object) -> int:
-    """The number of leaves of a ``treespec_dumps`` structure made of plain containers (refused otherwise, before
-    torch reads it: its loader imports the names a defaultdict or an enum carries)."""
-    if not (isinstance(node, list) and len(node) == 2 and node[0] == 1):
-        raise ValueError("a structure of another format")
-    return _spec_leaves(node[1])
-
-
-def _spec_leaves(node: object) -> int:
-    if not isinstance(node, dict) or set(node) != {"type", "context", "children_spec"}:
-        raise ValueError("a structure node of another form")
-    kind, context, children = node["type"], node["context"], node["children_spec"]
-    if not isinstance(children, list):
-        raise ValueError("a structure node's children are no list")
-    if kind is None:
-        if context is not None or children:
-            raise ValueError("a leaf with a context")
-        return 1
-    if kind not in CONTAINERS or not isinstance(context, str):
-        raise ValueError(f"a container of type {str(kind)[:60]!r}")
-    keys = json.loads(context)
-    if kind in ("builtins.dict", "collections.OrderedDict"):
-        plain = isinstance(keys, list) and all(k is None or type(k) in SCALARS for k in keys)
-        if not plain or len(set(keys)) != len(keys) or len(keys) != len(children):
-            raise ValueError("a dict whose keys are not distinct plain keys, one per child")
-    elif keys is not None:
-        raise ValueError(f"a {kind} with a context")
-    return sum(_spec_leaves(child) for child in children)
-
-
-def _inverse(order: list[int]) -> list[int]:
-    inverse = [0] * len(order)
-    for i, d in enumerate(order):
-        inverse[d] = i
-    return inverse
 
 
 def _read(resp: http.client.HTTPResponse, n: int, metadata: str) -> bytes:
