@@ -35,7 +35,7 @@ from pitstop.ckpt.contract import (
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
-from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
+from pitstop.errors import CheckpointError, ConfigError
 from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
 log = logging.getLogger("pitstop.ckpt")
@@ -179,29 +179,11 @@ class CheckpointManager(Checkpointer):
         )
 
     def _load(self, path: str, target: Target) -> None:
-        self._verify(path)
+        fallback.verify(self.strategy, path)
         for callback in self.load_callbacks:
             callback(path)
         read = self._read(path, target)
         fallback.load_into(path, target, read, self.rank, self.world_size, self.load_model_only)
-
-    def _verify(self, path: str) -> None:
-        """Every rank checks its share of ``path``'s files against the checkpoint's checksum manifest (the small ones,
-        ``.metadata`` included, each rank itself) before anything is read; every rank then takes the same decision,
-        and the first finding is the one every rank reports."""
-        problem: str | None = None
-        try:
-            integrity.verify(path, share=(self.rank, self.world_size))
-        except CorruptCheckpoint as e:
-            problem = str(e)
-        if not self.strategy.any(problem is not None):
-            return
-        for src in range(self.world_size if self.world_size > 1 else 0):
-            found = self.strategy.broadcast_object(problem if self.rank == src else None, src=src)
-            if found:
-                problem = found
-                break
-        raise CorruptCheckpoint(problem or f"checkpoint {path} is corrupt")
 
     def _read(self, path: str, target: Target) -> tuple[dict[str, dict], Callable[[], tuple]]:
         return read_checkpoint(path, target.model, target.optimizer, self.group)

@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Callable
 
-from pitstop.ckpt import dcp, layout
+from pitstop.ckpt import dcp, integrity, layout
 from pitstop.ckpt.contract import StrategyLike, Target, interrupt_in, one_line
 from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
@@ -40,6 +40,26 @@ def candidates(strategy: StrategyLike, root: str, local_root: str | None, spec: 
     if isinstance(choice, str):
         raise CheckpointError(choice)
     return choice
+
+
+def verify(strategy: StrategyLike, path: str) -> None:
+    """Every rank checks its share of ``path``'s files against the checkpoint's checksum manifest (the small ones,
+    ``.metadata`` included, each rank itself) before anything is read; every rank then takes the same decision,
+    and the first finding is the one every rank reports."""
+    rank, world_size = strategy.rank, strategy.world_size
+    problem: str | None = None
+    try:
+        integrity.verify(path, share=(rank, world_size))
+    except CorruptCheckpoint as e:
+        problem = str(e)
+    if not strategy.any(problem is not None):
+        return
+    for src in range(world_size if world_size > 1 else 0):
+        found = strategy.broadcast_object(problem if rank == src else None, src=src)
+        if found:
+            problem = found
+            break
+    raise CorruptCheckpoint(problem or f"checkpoint {path} is corrupt")
 
 
 RETRIES = 3  # tries of a checkpoint whose read failed for a transient reason (a reset, a timeout, a 5xx)
