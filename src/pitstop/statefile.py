@@ -18,6 +18,7 @@ must have their type when present, and the required ones must be present. This m
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -210,21 +211,40 @@ MAX_BYTES = 256 << 20  # a state file is KBs to a few MBs; one larger than this 
 _said: set[tuple[str, str]] = set()  # (path, why) already warned about in this process (a poller reads often)
 
 
-def open_regular(path: str) -> Any:
-    """``path`` opened for reading if it is a regular file of its own (a FIFO planted in its place must not hang
-    the reader; a link must not read another run's file); :class:`Damaged` otherwise."""
+class NotPlain(Damaged):
+    """What is at a path is not a plain file of its own: ``kind`` says what (``symbolic link``, ``FIFO``,
+    ``directory``, ``device or special file``), ``target`` where a link points."""
+
+    def __init__(self, what: str, kind: str, target: str | None = None):
+        super().__init__(what)
+        self.kind, self.target = kind, target
+
+
+def open_fd(path: str) -> int:
+    """A file descriptor of ``path`` opened for reading if it is a regular file reached without a link (a FIFO
+    planted in its place must not hang the reader, a link must not read another run's file: ``O_NOFOLLOW``,
+    ``O_NONBLOCK``); :class:`NotPlain` otherwise. The one such open: state files and checkpoints use it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as e:
-        if os.path.islink(path):
-            raise Damaged("a symbolic link, not a file of this run") from None
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            raise NotPlain("a symbolic link, not a file of this run", "symbolic link", target) from None
         raise e
-    f = os.fdopen(fd, "rb")
-    st = os.fstat(f.fileno())
-    if not stat.S_ISREG(st.st_mode):
-        f.close()
-        raise Damaged("not a regular file")
-    return f
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or special file"
+        raise NotPlain("not a regular file", kind)
+    return fd
+
+
+def open_regular(path: str) -> Any:
+    """``path`` opened for reading (buffered) if it is a regular file of its own (:func:`open_fd`)."""
+    return os.fdopen(open_fd(path), "rb")
 
 
 def parse(path: str, shape: Shape) -> Any:

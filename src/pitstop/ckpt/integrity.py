@@ -25,7 +25,6 @@ Pure functions of the files (no torch, no process groups): the verify command st
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import io
@@ -37,7 +36,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from pitstop import fsurl
+from pitstop import fsurl, statefile
 from pitstop.errors import ConfigError, CorruptCheckpoint
 
 MANIFEST = "CHECKSUMS"
@@ -305,22 +304,19 @@ def read_file(url_or_path: str, limit: int | None = None) -> bytes:
 
 
 def open_regular(path: str) -> io.FileIO:
-    """A local file opened for reading only if it is a regular file reached without a link: a FIFO or a device
-    would hang or never end a read, a link reads what it points at; either is CorruptCheckpoint."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    """A local file opened for reading only if it is a regular file reached without a link
+    (:func:`pitstop.statefile.open_fd`): a FIFO or a device would hang or never end a read, a link reads what it
+    points at; either is CorruptCheckpoint."""
     try:
-        fd = os.open(path, flags)  # (O_NONBLOCK: opening a FIFO never waits for a writer)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
+        fd = statefile.open_fd(path)
+    except statefile.NotPlain as e:
+        if e.target is not None:
             raise CorruptCheckpoint(
-                f"{path} is a symbolic link (to {os.readlink(path)[:120]!r}): a checkpoint holds its own files only"
+                f"{path} is a symbolic link (to {e.target[:120]!r}): a checkpoint holds its own files only"
             ) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or special file"
-        raise CorruptCheckpoint(f"{path} is a {kind}, not a regular file: a checkpoint holds regular files only")
+        raise CorruptCheckpoint(
+            f"{path} is a {e.kind}, not a regular file: a checkpoint holds regular files only"
+        ) from None
     return io.FileIO(fd, "rb", closefd=True)
 
 
