@@ -9,7 +9,7 @@ import pytest
 
 from pitstop.launch import repeats
 from pitstop.launch.repeats import Failure
-from pitstop.launch.supervisor import injected
+from pitstop.resilience.fault import killed_by_fault
 
 
 def test_a_signature_is_the_type_and_first_line_with_what_differs_per_process_made_alike():
@@ -65,4 +65,4 @@ def test_the_verdict_marker_counts_only_for_this_launch(tmp_path):
 
 def test_a_kill_the_fault_injection_made_is_told_by_its_pid(tmp_path):
     (tmp_path / "faults.jsonl").write_text(json.dumps({"key": "random#0", "time": 1.0, "pid": 4242}) + "\n")
-    assert injected(str(tmp_path), 4242) and not injected(str(tmp_path), 4243)
+    assert killed_by_fault(str(tmp_path), 4242) and not killed_by_fault(str(tmp_path), 4243)

@@ -20,6 +20,7 @@ from pitstop.launch.attempt import run_attempt, start_warm
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure
 from pitstop.launch.plan import LaunchPlan
 from pitstop.notices import notices_blocked
+from pitstop.resilience.fault import killed_by_fault
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.parts import launch_facts
 from pitstop.parts.launch_facts import LaunchFacts, error_file
@@ -151,7 +152,7 @@ def killed(run_dir: str, attempt: int, signum: int, pid: int | None) -> str | No
     the process) is no failure of the job's: it is a test of its restarts, never a loop."""
     from pitstop.statefile import GOODPUT, read_state
 
-    if pid is not None and injected(run_dir, pid):
+    if pid is not None and killed_by_fault(run_dir, pid):
         return None
 
     doc = read_state(os.path.join(run_dir, "goodput.json"), GOODPUT, keep_aside=False, logger=None)
@@ -160,24 +161,6 @@ def killed(run_dir: str, attempt: int, signum: int, pid: int | None) -> str | No
     failure = Failure(0, attempt, step, f"killed by signal {signum} ({signal.Signals(signum).name})")
     repeated = repeats.note(run_dir, failure)
     return repeats.verdict(failure, repeated, run_dir) if repeated is not None else None
-
-
-def injected(run_dir: str, pid: int) -> bool:
-    """Fault injection killed process ``pid`` (it wrote its line in ``RUN_DIR/faults.jsonl`` first)."""
-    import json
-
-    try:
-        with open(os.path.join(run_dir, "faults.jsonl"), "rb") as f:
-            lines = f.read(4 << 20).splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        try:
-            if json.loads(line).get("pid") == pid:
-                return True
-        except (ValueError, AttributeError, RecursionError):
-            continue
-    return False
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

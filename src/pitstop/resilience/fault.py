@@ -390,13 +390,26 @@ class DuringHeal(NoFault):
             _kill(f"while a peer heals from this group's state at step {step}")
 
 
-def _fired(run_dir: str) -> list[str]:
-    """The keys of the faults that already fired in this run dir (RUN_DIR/faults.jsonl)."""
+def _records(run_dir: str) -> list[dict]:
+    """The faults that already fired in this run dir (RUN_DIR/faults.jsonl): each its key, time and process."""
     path = os.path.join(run_dir, "faults.jsonl")
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        return [json.loads(line).get("key", "") for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _fired(run_dir: str) -> list[str]:
+    """The keys of the faults that already fired in this run dir."""
+    return [r.get("key", "") for r in _records(run_dir)]
+
+
+def killed_by_fault(run_dir: str, pid: int) -> bool:
+    """Fault injection killed process ``pid`` (a fault writes its line, naming its process, before it kills)."""
+    try:
+        return any(isinstance(r, dict) and r.get("pid") == pid for r in _records(run_dir))
+    except (OSError, ValueError, AttributeError, RecursionError):  # (a damaged file: no proof it was injected)
+        return False
 
 
 def _count(run_dir: str, prefix: str) -> int:
