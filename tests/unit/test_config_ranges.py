@@ -4,6 +4,7 @@ to the composed config (``pitstop.config.validate``): one line naming the key, w
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 from omegaconf import OmegaConf
@@ -54,8 +55,9 @@ def test_a_range_is_checked_on_a_config_read_back_from_yaml_too(tmp_path, key, v
 def test_every_default_is_inside_its_own_range():
     # (a default out of its range would refuse every run that does not set the key)
     seen = 0
-    kinds = [*(k for options in schema.SCHEMAS.values() for k in options.values()), schema.Hang, schema.LocalTier]
-    for kind in kinds:
+    kinds = [k for options in schema.SCHEMAS.values() for k in options.values()]
+    for kind in kinds:  # (and the nested ones: trainer.hang, ckpt.local, ...)
+        kinds += [t for t in typing.get_type_hints(kind).values() if dataclasses.is_dataclass(t) and t not in kinds]
         for f in dataclasses.fields(kind):
             check, default = f.metadata.get("check"), f.default
             if check is None or default is dataclasses.MISSING or str(default).startswith(("${", "???")):

@@ -1,9 +1,12 @@
 """The one family of range checks: a value that is not what its key needs is one ``ConfigError`` line naming
 the key, what it must be and what it got. ``bool`` is never a number here (``True`` is an ``int`` to Python,
-not to a config). Each returns the value, so a constructor can check and keep in one line."""
+not to a config). Each returns the value, so a constructor can check and keep in one line. A schema declares a key
+with :func:`key`: its default, its one-line doc and one of these checks."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import field
 from typing import Any
 
 from pitstop.errors import ConfigError
@@ -99,3 +102,11 @@ class OneOf(Check):
             if self.say:
                 raise ConfigError(f"{key}={value!r}: {self.say}")
             raise ConfigError(f"{key} must be {' or '.join(repr(c) for c in self.choices)}, got {value!r}")
+
+
+def key(default: Any, doc: str, check: Check | None = None) -> Any:
+    """A key's default (its one home: the YAML options set only what differs), its one-line doc and its range."""
+    meta = {"doc": doc, "check": check}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)

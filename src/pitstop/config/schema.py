@@ -15,23 +15,26 @@ keeps the comments that say why an option is what it is. A required key defaults
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from pitstop.config.checks import AtLeastZero, Check, Integer, OneOf, Positive
-
-
-def key(default: Any, doc: str, check: Check | None = None) -> Any:
-    """A key's default (its one home: the YAML options set only what differs), its one-line doc and its range."""
-    meta = {"doc": doc, "check": check}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
+from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
+from pitstop.config.schema_loop import (
+    MLflow,
+    AtStep,
+    Bug,
+    Crash,
+    NoFault,
+    NullLogger,
+    Preempt,
+    RandomFault,
+    Stall,
+    Trainer,
+)
 
 
 def check(name: str, node: Any, kind: type | None = None) -> None:
@@ -77,12 +80,6 @@ def check_all(cfg: DictConfig) -> None:
         if isinstance(node, DictConfig):
             check(group, node, schema_of(group, node))
 
-
-PHASE = (
-    "where it fires: step (the end of step N), eval (inside the first evaluation at or after step N), restore "
-    "(as the first restore of a checkpoint of step N or later reads it), heal (strategy=ft: as the group applies "
-    "the state a peer sent, at step N or later)"
-)
 
 # ---- ckpt ----------------------------------------------------------------------------------------------
 
@@ -327,201 +324,6 @@ class FT(Single):
         60.0, "seconds a group waits for a quorum (min_replicas groups) before it fails", check=Positive()
     )
     max_restarts: int = key(5, "restarts per group (each restarts alone and heals from a live peer)", check=Integer(0))
-
-
-# ---- fault ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class NoFault:
-    """``fault=none``: nothing injected."""
-
-    _target_: str = "pitstop.resilience.fault.NoFault"
-    replica: Any = key(None, "strategy=ft: K = aimed at replica group K; null or any: every group")
-
-
-@dataclass
-class AtStep(NoFault):
-    """A fault at a step (``fault=during_save``, ``during_heal`` and the kinds below)."""
-
-    step: int = key(MISSING, "the step it fires at (or the first save or heal at or after it)", check=Integer())
-    rank: int = key(0, "which rank")
-
-
-@dataclass
-class Crash(AtStep):
-    """``fault=crash_at_step``: a rank kills itself (SIGKILL) at a step."""
-
-    _target_: str = "pitstop.resilience.fault.CrashAtStep"
-    micro_batch: Optional[int] = key(
-        None,
-        "K: inside step `step`, after its K-th micro-batch (trainer.grad_accum_steps > K)",
-        check=Integer(optional=True),
-    )
-    phase: str = key("step", PHASE)
-
-
-@dataclass
-class Bug(AtStep):
-    """``fault=bug``: a rank raises the same error at a step in every attempt that reaches it (a deterministic bug)."""
-
-    _target_: str = "pitstop.resilience.fault.BugAtStep"
-
-
-@dataclass
-class Preempt(AtStep):
-    """``fault=preempt``: a rank gets a preemption notice at a step (every rank stops at the same step)."""
-
-    _target_: str = "pitstop.resilience.fault.PreemptAtStep"
-    signal: str = key("SIGTERM", "the notice; SIGUSR2: what submitit has SLURM send under hydra/launcher=slurm")
-    phase: str = key("step", PHASE)
-
-
-@dataclass
-class Stall(AtStep):
-    """``fault=stall``: a rank sleeps at a step (hang detection's case)."""
-
-    _target_: str = "pitstop.resilience.fault.StallAtStep"
-    rank: int = key(1, "which rank stalls")
-    seconds: float = key(3600.0, "how long it sleeps")
-    hold_gil: bool = key(
-        False,
-        "sleep in native code holding the GIL (as a fork stuck in a C library's at-fork "
-        "handler does): the Python watcher cannot run; its native backstop ends it",
-    )
-    phase: str = key("step", PHASE)
-
-
-@dataclass
-class RandomFault(NoFault):
-    """``fault=random``: a rank is killed at random times (a seeded Poisson stream)."""
-
-    _target_: str = "pitstop.resilience.fault.RandomFault"
-    mtbf_seconds: float = key(
-        MISSING,
-        "mean time between failures (seconds of wall clock)",
-        check=Positive(what="a positive number of seconds"),
-    )
-    seed: int = key("${seed}", "the same seed gives the same failure times (attempt by attempt)")
-    rank: int = key(0, "which rank is killed (the others follow: the job restarts as a whole)")
-
-
-# ---- logger --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class NullLogger:
-    """``logger=none``: no tracker (metrics.jsonl and summary.json are always written)."""
-
-    _target_: str = "pitstop.telemetry.logger.base.NullLogger"
-
-
-@dataclass
-class MLflow(NullLogger):
-    """``logger=mlflow``: params, metrics, goodput and artifacts in an MLflow tracking store."""
-
-    _target_: str = "pitstop.telemetry.logger.mlflow.MLflowLogger"
-    tracking_uri: str = key("sqlite:///${paths.output_dir}/mlflow.db", "any MLflow URI (http://..., databricks, ...)")
-    experiment: str = key("pitstop", "the MLflow experiment")
-    run_name: Optional[str] = key("${run_name}", "the tracker run's name")
-    flush_every_seconds: float = key(
-        2.0, "metrics are sent in batches this often (off the loop's thread)", check=Positive()
-    )
-
-
-# ---- trainer -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Hang:
-    """``trainer.hang``: a phase (setup, restore, step, eval, checkpoint) that runs far longer than it ever did ends
-    the attempt, so that it restarts (``pitstop/resilience/watchdog.py``)."""
-
-    enabled: bool = key(True, "detect hangs")
-    factor: float = key(10.0, "limit = factor x the longest run of that phase in this attempt ...", check=Positive())
-    min_seconds: float = key(
-        60.0, "... but at least this (a remote store's retries, a slow epoch start)", check=Positive()
-    )
-    first_seconds: float = key(
-        900.0, "limit of a phase's first run (compilation, cold caches, peers starting)", check=Positive()
-    )
-    grace_seconds: float = key(
-        30.0,
-        "for reporting a hang; also how far past a limit the native backstop fires "
-        "when the watcher itself cannot run (a thread stuck in native code holding the GIL)",
-        check=Positive(),
-    )
-
-
-@dataclass
-class Profile:
-    """``trainer.profile``: a torch.profiler trace of a window of steps in ``RUN_DIR/profile/`` (off: no cost)."""
-
-    steps: Optional[Any] = key(None, "[start, end], e.g. [20, 25]; null: off")
-    memory: bool = key(False, "allocations in the trace too; on CUDA also a memory snapshot (memory_viz)")
-
-
-@dataclass
-class Trainer:
-    """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
-    ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
-
-    epochs: Optional[int] = key(15, "used when max_steps is null", check=Integer(optional=True))
-    max_steps: Optional[int] = key(None, "total optimizer steps (overrides epochs)", check=Integer(optional=True))
-    batch_size: int = key(64, "per rank", check=Integer())
-    eval_split: str = key("val", "the split evaluated")
-    eval_every_steps: Optional[int] = key(
-        None, "null: at the end of every epoch (and always at the last step)", check=Integer(optional=True)
-    )
-    eval_max_batches: Optional[int] = key(
-        None, "cap evaluation batches (null: the whole split)", check=Integer(optional=True)
-    )
-    log_every_steps: int = key(10, "tracker cadence; metrics.jsonl gets every step", check=Integer())
-    grad_clip: Optional[float] = key(None, "max grad norm (null: no clipping)", check=Positive(optional=True))
-    deterministic: bool = key(
-        True,
-        "deterministic kernels (torch.use_deterministic_algorithms, cuDNN "
-        "deterministic, CUBLAS_WORKSPACE_CONFIG): same seed => bitwise-identical losses",
-    )
-    progress_bar: Any = key("auto", "auto (only on an interactive terminal) | true | false")
-    max_restarts: int = key(
-        0,
-        "restart a failed job (it resumes from its newest checkpoint): a supervisor "
-        "process for strategy=single, the elastic agent for ddp/fsdp",
-        check=Integer(0),
-    )
-    warm_restarts: bool = key(
-        True, "attempts (single) and ranks (ddp/fsdp, via the elastic agent) fork from a copy of the launcher"
-    )
-    preempt_signals: Any = key(
-        ["SIGTERM", "SIGUSR1", "SIGUSR2"],
-        "preemption notices: finish the step, save, "
-        "exit 75 (requeue); SIGUSR2 is submitit's: its requeue runs after the save",
-    )
-    preempt_grace_seconds: float = key(
-        30.0,
-        "save on a notice only if a measured save takes less (else keep the newest checkpoint)",
-        check=AtLeastZero(what="a number of seconds >= 0"),
-    )
-    hang: Hang = field(default_factory=Hang)
-    precision: str = key(
-        "fp32",
-        "fp32 | bf16 | fp16: autocast for forward + loss (fp16: CUDA only, with a "
-        "GradScaler whose state is checkpointed); strategy=fsdp: its MixedPrecisionPolicy instead",
-    )
-    compile: bool = key(False, "torch.compile the model in place (its compile time: ledger bucket `compile`)")
-    compile_backend: str = key("inductor", "any of torch._dynamo.list_backends()")
-    compile_mode: Optional[str] = key(
-        None, "null | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs"
-    )
-    channels_last: bool = key(False, "NHWC memory format for the model and every 4-D input (convnets on GPUs)")
-    grad_accum_steps: int = key(
-        1,
-        "micro-batches per optimizer step: effective batch = batch_size x this x "
-        "ranks (gradients are reduced across ranks on the last micro-batch only)",
-        check=Integer(),
-    )
-    profile: Profile = field(default_factory=Profile)
 
 
 SCHEMAS = {

@@ -25,7 +25,7 @@ from pitstop.goodput.interval import IntervalPolicy
 from pitstop.goodput.ledger import GoodputLog, Ledger
 from pitstop import fsurl
 from pitstop.ckpt.contract import Checkpointer
-from pitstop.config.schema import Hang
+from pitstop.config.schema_loop import Hang
 from pitstop.data.dataset import ShardedDataset
 from pitstop.data.loader.base import ShardLoader
 from pitstop.parts.task import Task

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from pitstop.config.schema import Trainer
+from pitstop.config.schema_loop import Trainer
 from pitstop.data.loader.base import ShardLoader
 from pitstop.errors import ConfigError
 from pitstop.parts.lr import planned_steps, replan
