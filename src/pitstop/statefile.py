@@ -3,7 +3,8 @@
 A run dir is written by pitstop, but also torn by a full disk, edited by hand, copied from another version or
 planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
 belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
-(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`), and :func:`read_state` reads one:
+(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`SUSPECTS`), and :func:`read_state`
+reads one:
 
 - the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
   (``NAME.corrupt``, ``NAME.corrupt-2``, ...: never deleted) with a one-line warning naming it, and starts afresh;
@@ -177,6 +178,13 @@ SUMMARY = record(  # RUN_DIR/summary.json, the keys that are read back (the swee
         ),
     },
 )
+# RUN_DIR/suspects.json (train/sdc.py): the ranks whose state was found corrupted, each time one was; node health
+# reads it
+SUSPECT = record(
+    {"rank": integer(0), "step": integer(0), "how": string},
+    {"host": string, "time": SECONDS, "tensors": listof(string), "world_size": integer(1)},
+)
+SUSPECTS = record({"suspects": listof(SUSPECT)})
 # samples.rank{R}.jsonl (train/sample_log.py): an attempt's header, a step's (or micro-batch's) keys, or (ft) a
 # step's outcome
 SAMPLE_HEADER = record(

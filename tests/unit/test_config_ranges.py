@@ -26,6 +26,8 @@ from pitstop.errors import ConfigError
         (["ckpt=sync_save", "ckpt.on_error=ignore"], "ckpt.on_error must be 'raise' or 'warn', got 'ignore'"),
         (["ckpt=sync_save", "ckpt.keep_last_k=-1"], "ckpt.keep_last_k must be an integer >= 0 (0 keeps all), got -1"),
         (["logger=mlflow", "logger.flush_every_seconds=0"], "logger.flush_every_seconds must be a positive number"),
+        (["trainer.sdc.interval=0"], "trainer.sdc.interval must be a positive integer, got 0"),
+        (["fault=bitflip", "fault.step=3", "fault.bit=-1"], "fault.bit must be an integer >= 0, got -1"),
     ],
 )
 def test_a_value_out_of_its_keys_range_is_one_line_naming_the_key(tmp_path, overrides, message):

@@ -26,6 +26,7 @@ from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
 from pitstop.config.schema_loop import (
     MLflow,
     AtStep,
+    Bitflip,
     Bug,
     Crash,
     NoFault,
@@ -335,6 +336,7 @@ SCHEMAS = {
         "at_step": AtStep,
         "crash": Crash,
         "bug": Bug,
+        "bitflip": Bitflip,
         "preempt": Preempt,
         "stall": Stall,
         "random": RandomFault,

@@ -55,6 +55,20 @@ class Bug(AtStep):
 
 
 @dataclass
+class Bitflip(AtStep):
+    """``fault=bitflip``: silent data corruption. After step ``step``'s update one exponent bit of one parameter element
+    (the first element of the first parameter) flips on rank ``rank``, once per run dir (``trainer.sdc`` finds it)."""
+
+    _target_: str = "pitstop.resilience.bitflip.BitflipAtStep"
+    bit: int = key(
+        0,
+        "which exponent bit: 0 its lowest (the element doubles or halves: the run goes on, silently), up to the "
+        "dtype's highest (float32: 7, ~1e38)",
+        check=Integer(0),
+    )
+
+
+@dataclass
 class Preempt(AtStep):
     """``fault=preempt``: a rank gets a preemption notice at a step (every rank stops at the same step)."""
 
@@ -148,6 +162,19 @@ class Profile:
 
 
 @dataclass
+class Sdc:
+    """``trainer.sdc``: silent data corruption. Replicas that must be bitwise equal (``strategy=ddp``) compare a
+    digest of their parameters and optimizer state every ``interval`` steps in one small all-gather; a mismatch
+    names the rank, records it in ``RUN_DIR/suspects.json``, rolls back to the newest checkpoint at or before the
+    last step that agreed and goes on (ledger bucket ``sdc``; ``pitstop/train/sdc.py``)."""
+
+    enabled: bool = key(True, "compare the replicas (strategy=ddp; fsdp shards and single has no replica: nothing)")
+    interval: int = key(
+        10, "every K steps (and at the last step): at 10 the check costs < 1% of a step (bench/sdc.py)", check=Integer()
+    )
+
+
+@dataclass
 class Trainer:
     """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
     ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
@@ -208,3 +235,4 @@ class Trainer:
         check=Integer(),
     )
     profile: Profile = field(default_factory=Profile)
+    sdc: Sdc = field(default_factory=Sdc)

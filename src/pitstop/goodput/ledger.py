@@ -24,6 +24,9 @@ where they match:
 - ``lost``           compute, data wait, evaluation and logging of steps computed again (wasted progress);
 - ``quorum``         (``strategy=ft``) waiting for each step's quorum of replica groups, heals from a peer included;
 - ``discarded``      (``strategy=ft``) steps computed and thrown away because a peer group failed during them;
+- ``sdc``            silent data corruption (``trainer.sdc``): the replicas' digest checks, and on a mismatch the
+                     rollback's restore and the steps between the checkpoint it restored and the detection, which are
+                     computed again;
 - ``other``          logging and whatever the loop did outside those (e.g. the final close).
 
 Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore + compile of
@@ -46,8 +49,11 @@ from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "init", "restore", "compile")
 REPLICA = ("quorum", "discarded")  # strategy=ft only (a table shows them when they are not zero)
-BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA)
-JOB_BUCKETS = ("productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", *REPLICA, "other")
+RECOVERY = ("sdc",)  # what a run spends on failures that do not crash it (a table shows them when not zero)
+BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA, *RECOVERY)
+JOB_BUCKETS = (
+    "productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", *REPLICA, *RECOVERY, "other"
+)  # fmt: skip
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
 
@@ -252,7 +258,7 @@ def account(attempts: list[dict]) -> dict[str, Any]:
             t[k] += b.get(k, 0.0)
         t["init"] += b.get("startup", 0.0)  # goodput.json of an older pitstop: one startup bucket
         t["lost"] += sum(lost.values())
-        for k in REPLICA:
+        for k in (*REPLICA, *RECOVERY):
             t[k] += b.get(k, 0.0)
         t["eval"] += b.get("eval", 0.0) - lost["eval"]
         t["other"] += b.get("logging", 0.0) - lost["logging"] + b.get("other", 0.0)
@@ -283,7 +289,7 @@ def table(doc: dict) -> str:
         f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"
     ]
     for k in JOB_BUCKETS:
-        if k in REPLICA and not totals.get(k):
+        if k in (*REPLICA, *RECOVERY) and not totals.get(k):
             continue
         lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
     if doc.get("restart_seconds") is not None:

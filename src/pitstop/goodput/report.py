@@ -44,6 +44,7 @@ COLORS = {
     "lost": "#c62828",
     "quorum": "#00838f",
     "discarded": "#ef9a9a",
+    "sdc": "#ad1457",
     "other": "#9e9e9e",
 }
 

@@ -1,6 +1,6 @@
 """A run's time line: its attempts on one clock, coloured by the ledger's buckets, with its steps, saves,
-evaluations, failures, restarts and heals. Read from the run dir alone (``goodput.json``, ``metrics.jsonl``), so it
-draws any run, also one that was killed:
+evaluations, failures, restarts, heals and detected corruptions (``trainer.sdc``). Read from the run dir alone
+(``goodput.json``, ``metrics.jsonl``), so it draws any run, also one that was killed:
 
     python -m recipe.goodput --timeline RUN_DIR        # -> RUN_DIR/timeline.png
 
@@ -37,6 +37,7 @@ COLOURS = {
     "logging": "#6d4c41",
     "quorum": "#00acc1",
     "discarded": "#d81b60",
+    "sdc": "#ad1457",
     "recovery_gap": "#eeeeee",
 }
 ENDS = {
@@ -68,6 +69,7 @@ class Line:
     steps: list[tuple[float, int]]  # (seconds since the job's start, step)
     saves: list[tuple[float, int]]
     evals: list[tuple[float, int]]
+    sdc: list[tuple[float, int]] = field(default_factory=list)  # a corruption detected (then undone): at its step
 
 
 def read(run_dir: str, name: str = "") -> Line:
@@ -97,7 +99,7 @@ def read(run_dir: str, name: str = "") -> Line:
                 heals,
             )
         )
-    steps, saves, evals = [], [], []
+    steps, saves, evals, sdc = [], [], [], []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -114,9 +116,11 @@ def read(run_dir: str, name: str = "") -> Line:
                     saves.append((at, step))
                 elif any(k.startswith("val_") for k in r):
                     evals.append((at, step))
+                elif r.get("event") == "sdc":
+                    sdc.append((at, step))
     except FileNotFoundError:
         pass
-    return Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, steps, saves, evals)
+    return Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, steps, saves, evals, sdc)
 
 
 def lines(run_dir: str) -> list[Line]:
@@ -201,11 +205,13 @@ def _panel(ax: object, line: Line) -> set[str]:
     if line.steps:
         steps = ax.twinx()
         steps.plot([t for t, _ in line.steps], [s for _, s in line.steps], ".", color="#212121", markersize=2)
-        for points, marker, colour in ((line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0")):
+        marks = ((line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0"), (line.sdc, "X", COLOURS["sdc"]))
+        for points, marker, colour in marks:
             steps.plot(
                 [t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5, linestyle="none"
             )
-        steps.set_ylabel("step (saves: v, evals: o)", fontsize=7)
+        said = "step (saves: v, evals: o" + (", corruption found and undone: X)" if line.sdc else ")")
+        steps.set_ylabel(said, fontsize=7)
         steps.tick_params(labelsize=7)
     return used
 

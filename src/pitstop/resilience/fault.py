@@ -53,6 +53,7 @@ class FaultContext:
     on_heal_served: Callable[[Callable[[int], None]], None] | None = None
     # strategy=ft: registers a call made (with the step) as this process starts applying the state a peer sent it
     on_heal: Callable[[Callable[[int], None]], None] | None = None
+    model: Any = None  # the (wrapped) model: fault=bitflip corrupts one of its parameters
 
 
 class Fault(ABC):

@@ -20,6 +20,9 @@ class Strategy(ABC):
     device: torch.device = torch.device("cpu")
     compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
     channels_last_params: bool = True  # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
+    # every rank holds the whole model, bitwise equal to the others' after each step (DDP's replicas): what
+    # trainer.sdc compares
+    replicated: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -60,6 +63,14 @@ class Strategy(ABC):
         two threads' collectives on one group interleave differently on each rank (a deadlock)."""
         t = torch.tensor([float(flag)], device=self.device)
         return bool(self.all_reduce_sum(t).item() > 0)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape and dtype on each), in rank order, on the training group (main thread)."""
+        return [t]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        return [obj]
 
     @abstractmethod
     def ckpt_group(self) -> Any:

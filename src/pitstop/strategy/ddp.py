@@ -28,6 +28,7 @@ log = logging.getLogger("pitstop.strategy")
 
 class DDP(Single):
     name = "ddp"
+    replicated = True
 
     def __init__(
         self,
@@ -123,6 +124,16 @@ class DDP(Single):
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return out
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._control_group)
+        return out
 
     def ckpt_group(self) -> dist.ProcessGroup | None:
         return self._ckpt_group

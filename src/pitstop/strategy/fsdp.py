@@ -31,6 +31,7 @@ class FSDP(DDP):
     # fully_shard refuses non-contiguous parameters: with trainer.channels_last only the inputs are NHWC, which
     # is enough for cuDNN/oneDNN to run the convolutions (and their outputs) channels_last.
     channels_last_params = False
+    replicated = False  # each rank holds its shard alone: nothing for trainer.sdc to compare
 
     def __init__(
         self,

@@ -200,6 +200,7 @@ def build_fault(
     ledger: Ledger,
     ckpt: Checkpointer | None,
     hold: ExitStack,
+    model: nn.Module | None = None,
 ) -> Fault:
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
     (``strategy=ft``) aims it at replica groups (``ReplicaGroups.aim_fault``)."""
@@ -220,6 +221,7 @@ def build_fault(
             on_heal_served=groups.on_heal_served if in_groups else None,
             on_heal=groups.on_heal if in_groups else None,
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
+            model=model,
         )
     )
     return fault
