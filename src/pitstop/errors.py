@@ -24,6 +24,15 @@ class CrashLoop(PitstopError):
     """An attempt failed the same way as the one before it, with no progress between: a restart would replay it."""
 
 
+class Unrecoverable(PitstopError):
+    """The run stopped itself for a reason no restart can fix (its instability budgets are used up, nothing to roll
+    back to): exit status 2, never restarted by a launcher."""
+
+
+class NoRollbackPoint(Unrecoverable):
+    """A rollback found no verified checkpoint at or before the step it must go back to; nothing was deleted."""
+
+
 class DataError(PitstopError):
     """The data set is missing, corrupt or inconsistent with its index."""
 

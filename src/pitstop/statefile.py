@@ -3,8 +3,8 @@
 A run dir is written by pitstop, but also torn by a full disk, edited by hand, copied from another version or
 planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
 belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
-(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`SUSPECTS`), and :func:`read_state`
-reads one:
+(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`),
+and :func:`read_state` reads one:
 
 - the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
   (``NAME.corrupt``, ``NAME.corrupt-2``, ...: never deleted) with a one-line warning naming it, and starts afresh;
@@ -136,6 +136,7 @@ def record(required: dict[str, Shape], optional_keys: dict[str, Shape] | None = 
 # ---- the shapes pitstop writes --------------------------------------------------------------------------------
 SECONDS = number(0)
 _HEAL = record({}, {"step": integer(0), "from_step": integer(0), "seconds": SECONDS})
+_ROLLBACK = record({"to": integer(0), "from": integer(0)}, {"bucket": string, "seconds": SECONDS, "why": string})
 ATTEMPT = record(
     # (what every pitstop that wrote goodput.json wrote; the rest came later and is read with defaults)
     {"start": SECONDS, "end": optional(SECONDS), "status": string, "step": integer(0), "buckets": mapping(SECONDS)},
@@ -149,6 +150,7 @@ ATTEMPT = record(
         "saves": integer(0),
         "marks": mapping(mapping(SECONDS)),  # {step: the work done up to that checkpoint, per bucket}
         "ft": optional(record({}, {"heals": listof(_HEAL), "discarded_steps": anything})),
+        "rollbacks": listof(_ROLLBACK),
     },
 )
 GOODPUT = record({"attempts": listof(ATTEMPT)})  # RUN_DIR/goodput.json (its totals are derived: not read back)
@@ -178,6 +180,11 @@ SUMMARY = record(  # RUN_DIR/summary.json, the keys that are read back (the swee
         ),
     },
 )
+# RUN_DIR/instability.json (train/rollback.py): the data a rollback skipped, as every rank's loader position at that
+# moment, keyed by the step of the checkpoint it was rolled back to (applied whenever that checkpoint is restored);
+# the sample keys quarantined; the rollbacks so far
+SKIP = record({"world_size": integer(1), "loaders": listof(record({}))}, {"from": integer(0), "why": string})
+INSTABILITY = record({}, {"skips": mapping(SKIP), "quarantined": listof(string), "rollbacks": integer(0)})
 # RUN_DIR/suspects.json (train/sdc.py): the ranks whose state was found corrupted, each time one was; node health
 # reads it
 SUSPECT = record(
@@ -203,6 +210,14 @@ SAMPLE_STEP = record(
     {"micro": integer(0), "epoch": optional(integer(0)), "quorum": integer()},
 )
 SAMPLE_COMMIT = record({"commit": integer(0), "ok": boolean, "quorum": integer()}, {"t": number()})
+# the keys written last for the step were skipped, not consumed (a non-finite or spiking loss): their epoch
+SAMPLE_SKIP = record({"skip": integer(0)}, {"epoch": integer(0), "why": string, "t": number()})
+# steps (to, from] were rolled back in this attempt: their keys were skipped (keep_data) or are redone; "epochs":
+# {step: its epoch} of those steps
+SAMPLE_ROLLBACK = record(
+    {"rollback": integer(0), "from": integer(0), "keep_data": boolean},
+    {"epochs": mapping(integer(0)), "why": string, "t": number()},
+)
 
 
 def SAMPLE_RECORD(value: Any, where: str) -> None:  # noqa: N802 - a shape, named like the others
@@ -210,6 +225,10 @@ def SAMPLE_RECORD(value: Any, where: str) -> None:  # noqa: N802 - a shape, name
         SAMPLE_HEADER(value, where)
     elif isinstance(value, dict) and "commit" in value:
         SAMPLE_COMMIT(value, where)
+    elif isinstance(value, dict) and "skip" in value:
+        SAMPLE_SKIP(value, where)
+    elif isinstance(value, dict) and "rollback" in value:
+        SAMPLE_ROLLBACK(value, where)
     else:
         SAMPLE_STEP(value, where)
 

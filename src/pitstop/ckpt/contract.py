@@ -113,8 +113,14 @@ class Checkpointer(ABC):
         ``intervals``: what ``interval=auto`` knows of the job's failures (ignored by fixed intervals)."""
 
     @abstractmethod
-    def restore(self, target: Target) -> int | None:
-        """Load the checkpoint chosen by ``ckpt.load`` into ``target``; return its step, or None to start fresh."""
+    def restore(self, target: Target, at_most: int | None = None) -> int | None:
+        """Load the checkpoint chosen by ``ckpt.load`` into ``target``; return its step, or None to start fresh.
+        ``at_most`` (a rollback): the newest verified checkpoint of this run with a step at most that, whatever
+        ``ckpt.load`` says; None if there is none."""
+
+    def discard_after(self, step: int) -> None:
+        """Remove the complete checkpoints newer than ``step`` (after a rollback to ``step``: they hold the steps
+        rolled back, which a restart must never resume from)."""
 
     @abstractmethod
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:

@@ -166,17 +166,24 @@ class CheckpointManager(Checkpointer):
         """Per-run resources of a backend (stagers, checkpoint processes)."""
 
     # ---- restore (with fallback: .restore) ---------------------------------------------------------
-    def restore(self, target: Target) -> int | None:
+    def restore(self, target: Target, at_most: int | None = None) -> int | None:
         self._sd.info(target)  # per-run analysis for saves, done during setup rather than at the first save
-        if self.load_spec in (None, "none", False):
+        if self.load_spec in (None, "none", False) and at_most is None:
             return None
         local_root = self.local.root if self.local is not None else None
-        choice = fallback.candidates(self.strategy, self.root, local_root, self.load_spec)
-        explicit = self.load_spec != "auto"
+        spec = self.load_spec if at_most is None else "auto"
+        choice = fallback.candidates(self.strategy, self.root, local_root, spec, at_most)
+        if not choice and at_most is not None:
+            return None
+        explicit = spec != "auto"
         load = lambda path: self._load(path, target)  # noqa: E731
         return fallback.first_loadable(
             self.strategy, choice, explicit, load, self.root, local_root, lambda: target.state.step
         )
+
+    def discard_after(self, step: int) -> None:
+        local_root = self.local.root if self.local is not None else None
+        fallback.discard_after(self.strategy, self.root, local_root, step)
 
     def _load(self, path: str, target: Target) -> None:
         fallback.verify(self.strategy, path)

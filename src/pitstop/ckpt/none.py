@@ -39,7 +39,7 @@ class NoCheckpoint(Checkpointer):
     ) -> None:
         pass
 
-    def restore(self, target: Target) -> int | None:
+    def restore(self, target: Target, at_most: int | None = None) -> int | None:
         return None
 
     def maybe_save(self, target: Target, step: int, *, last: bool = False, force: bool = False) -> SaveResult:

@@ -23,9 +23,11 @@ from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismat
 log = logging.getLogger("pitstop.ckpt")
 
 
-def candidates(strategy: StrategyLike, root: str, local_root: str | None, spec: int | str) -> list[str]:
+def candidates(
+    strategy: StrategyLike, root: str, local_root: str | None, spec: int | str, at_most: int | None = None
+) -> list[str]:
     """The checkpoints ``spec`` names, newest first, the same on every rank (rank 0 decides and reports a bad
-    ``spec`` for everyone)."""
+    ``spec`` for everyone); ``at_most``: only those of a step at most that (a rollback)."""
     choice: Any = None
     if strategy.rank == 0:
         try:
@@ -34,12 +36,30 @@ def candidates(strategy: StrategyLike, root: str, local_root: str | None, spec: 
                 both = [(layout.step_of(p), 0, p) for p in layout.candidates(local_root, "auto")]
                 both += [(layout.step_of(p), 1, p) for p in choice]
                 choice = [p for _, _, p in sorted(both, key=lambda x: (-x[0], x[1]))]  # a tie: local (faster)
+            if at_most is not None:
+                choice = [p for p in choice if layout.is_step_dir(p) and layout.step_of(p) <= at_most]
         except CheckpointError as e:
             choice = str(e)
     choice = strategy.broadcast_object(choice)
     if isinstance(choice, str):
         raise CheckpointError(choice)
     return choice
+
+
+def discard_after(strategy: StrategyLike, root: str, local_root: str | None, step: int) -> None:
+    """Remove the complete checkpoints newer than ``step`` (a rollback abandoned their steps): rank 0 those of
+    ``root``, every rank those of the local tier (it may be per node). One that cannot be removed is said in one
+    line: it stays, and a restart would resume from it."""
+    roots = ([root] if strategy.rank == 0 else []) + ([local_root] if local_root is not None else [])
+    for where in roots:
+        for s, path, complete in layout.list_checkpoints(where):
+            if s > step and complete:
+                try:
+                    layout.remove(path)
+                    log.info("removed checkpoint %s: its steps were rolled back to step %d", path, step)
+                except OSError as e:
+                    log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
+    strategy.barrier()
 
 
 def verify(strategy: StrategyLike, path: str) -> None:

@@ -24,6 +24,8 @@ where they match:
 - ``lost``           compute, data wait, evaluation and logging of steps computed again (wasted progress);
 - ``quorum``         (``strategy=ft``) waiting for each step's quorum of replica groups, heals from a peer included;
 - ``discarded``      (``strategy=ft``) steps computed and thrown away because a peer group failed during them;
+- ``instability``    steps whose update was not applied (a non-finite or spiking loss), and the steps a rollback
+                     threw away with the rollback's own restore (``trainer.instability``);
 - ``sdc``            silent data corruption (``trainer.sdc``): the replicas' digest checks, and on a mismatch the
                      rollback's restore and the steps between the checkpoint it restored and the detection, which are
                      computed again;
@@ -49,11 +51,21 @@ from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "init", "restore", "compile")
 REPLICA = ("quorum", "discarded")  # strategy=ft only (a table shows them when they are not zero)
-RECOVERY = ("sdc",)  # what a run spends on failures that do not crash it (a table shows them when not zero)
-BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA, *RECOVERY)
+TROUBLE = ("instability", "sdc")  # steps not applied or rolled back in the attempt (a table shows them when not zero)
+SOMETIMES = (*REPLICA, *TROUBLE)
+BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA, *TROUBLE)
 JOB_BUCKETS = (
-    "productive", "data_wait", "checkpoint", "eval", *STARTUP, "recovery_gap", "lost", *REPLICA, *RECOVERY, "other"
-)  # fmt: skip
+    "productive",
+    "data_wait",
+    "checkpoint",
+    "eval",
+    *STARTUP,
+    "recovery_gap",
+    "lost",
+    *REPLICA,
+    *TROUBLE,
+    "other",
+)
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
 
@@ -199,6 +211,22 @@ class GoodputLog:
             marks.pop(next(iter(marks)))
         self.write(step)
 
+    def rolled_back(self, to: int, frm: int, bucket: str, why: str) -> None:
+        """This attempt went back from step ``frm`` to the checkpoint of step ``to`` in-process: the work done since
+        that checkpoint (since the attempt's start, if it was not this attempt's) moves to ``bucket``, the marks of
+        the steps thrown away are dropped, and the rollback is on record (written now)."""
+        marks = self.attempt["marks"]
+        base = marks.get(str(to)) or {k: 0.0 for k in WORK}
+        moved = 0.0
+        for k in WORK:
+            seconds = max(0.0, self.ledger.seconds[k] - base.get(k, 0.0))
+            self.ledger.move(k, bucket, seconds)
+            moved += seconds
+        self.attempt["marks"] = {s: w for s, w in marks.items() if int(s) <= to}
+        entry = {"to": to, "from": frm, "bucket": bucket, "seconds": round(moved, 4), "why": why[:200]}
+        self.attempt.setdefault("rollbacks", []).append(entry)
+        self.write(to)
+
     def tick(self, step: int) -> None:
         if self.enabled and time.monotonic() - self._last_write >= self._interval:
             self.write(step)
@@ -258,7 +286,7 @@ def account(attempts: list[dict]) -> dict[str, Any]:
             t[k] += b.get(k, 0.0)
         t["init"] += b.get("startup", 0.0)  # goodput.json of an older pitstop: one startup bucket
         t["lost"] += sum(lost.values())
-        for k in (*REPLICA, *RECOVERY):
+        for k in (*REPLICA, *TROUBLE):
             t[k] += b.get(k, 0.0)
         t["eval"] += b.get("eval", 0.0) - lost["eval"]
         t["other"] += b.get("logging", 0.0) - lost["logging"] + b.get("other", 0.0)
@@ -289,7 +317,7 @@ def table(doc: dict) -> str:
         f"{doc['attempts_count']} attempt(s), {doc['failures']} failure(s)"
     ]
     for k in JOB_BUCKETS:
-        if k in (*REPLICA, *RECOVERY) and not totals.get(k):
+        if k in SOMETIMES and not totals.get(k):
             continue
         lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
     if doc.get("restart_seconds") is not None:

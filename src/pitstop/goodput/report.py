@@ -44,7 +44,8 @@ COLORS = {
     "lost": "#c62828",
     "quorum": "#00838f",
     "discarded": "#ef9a9a",
-    "sdc": "#ad1457",
+    "instability": "#ff6f00",
+    "sdc": "#4a148c",
     "other": "#9e9e9e",
 }
 

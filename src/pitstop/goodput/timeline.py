@@ -37,7 +37,8 @@ COLOURS = {
     "logging": "#6d4c41",
     "quorum": "#00acc1",
     "discarded": "#d81b60",
-    "sdc": "#ad1457",
+    "instability": "#ff6f00",
+    "sdc": "#4a148c",
     "recovery_gap": "#eeeeee",
 }
 ENDS = {

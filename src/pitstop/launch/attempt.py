@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pitstop.errors import ConfigError, Interrupt, PitstopError
+from pitstop.errors import ConfigError, Interrupt, PitstopError, Unrecoverable
 from pitstop.launch import repeats
 from pitstop.launch.failures import lost_peer
 from pitstop.launch.plan import LaunchPlan
@@ -72,7 +72,9 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         loop = None
         # (a hang, an interrupt: their own rules; a rank that only lost its peer did not fail on its own, and a kill
         # of the peer is no loop of this rank's)
-        if not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
+        if isinstance(e, Unrecoverable):  # (the run stopped itself: no restart can fix it, stop as a loop does)
+            loop = stop_job(run_dir, str(e), facts)
+        elif not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
             step = runner.step if runner is not None and hasattr(runner, "progress") else None
             loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts)
         if not facts.supervised:
@@ -92,6 +94,12 @@ def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts) -> str | None
         return None
     line = repeats.verdict(failure, repeated, run_dir)
     logging.getLogger("pitstop").error("%s", line)
+    return stop_job(run_dir, line, facts)
+
+
+def stop_job(run_dir: str, line: str, facts: LaunchFacts) -> str:
+    """End the job with ``line`` and no restart: the supervisor reads the attempt's exit status; torch's agent is
+    told to stop (SIGHUP) and the launcher finds ``line`` marked in the run dir."""
     if not facts.supervised and facts.agent_pid:
         repeats.mark(run_dir, line)
         try:

@@ -52,6 +52,17 @@ class Records:
         if self.samples is not None and quorum is not None:
             self.samples.outcome(step, committed, quorum)
 
+    def rolled_back(
+        self, to: int, frm: int, keep_data: bool, epochs: dict[int, int], why: str, bucket: str, seconds: float
+    ) -> None:
+        """An in-process rollback from step ``frm`` to ``to``: the sample log (what the steps thrown away took),
+        ``metrics.jsonl`` (an event), the goodput log (their work moves to ``bucket``)."""
+        if self.samples is not None:
+            self.samples.rolled_back(to, frm, keep_data, epochs, why)
+        event = {"event": "rollback", "step": to, "from": frm, "bucket": bucket, "seconds": round(seconds, 4)}
+        self.metrics_file.write({**event, "why": why[:200], "time": round(time.time(), 3)})
+        self.goodput.rolled_back(to, frm, bucket, why)
+
     def flush(self) -> None:
         """What a resume would not redo, on disk (at a save's start, before a preemption's exit)."""
         self.metrics_file.flush()

@@ -36,6 +36,7 @@ from pitstop.parts.digest import model_sha256
 from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.records import Records
+from pitstop.train.rollback import Rollback, RunDirState
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
@@ -59,6 +60,7 @@ class Runner:
         self.records = Records()
         self.watchdog = assembly.watchdog(cfg.trainer.hang)
         self.stepper: Stepper | None = None  # (setup builds it)
+        self._batches: Batches | None = None  # (fit's batch stream: a rollback restarts it)
 
     @property
     def step(self) -> int:
@@ -106,6 +108,7 @@ class Runner:
             fp = assembly.fingerprint(cfg, self.data, self.accum)
             self.state = TrainState(self.progress, self.loader, self.scheduler, fp, self.precision)
             self.target = Target(self.model, self.optimizer, self.state)
+            self.run_state = RunDirState(self.run_dir, self.strategy.is_main)  # (RUN_DIR/instability.json)
             self.groups.attach(
                 lambda: live_state(self.target),
                 lambda sd: load_live_state(self.target, sd),
@@ -120,6 +123,7 @@ class Runner:
             goodput = self.records.goodput
             intervals = assembly.interval_policy(cfg, goodput.failures(), goodput.job_seconds())
             self.ckpt.setup(self.strategy, self.records.report, intervals)
+            self.rollbacks = Rollback(self.strategy, self.ckpt, self.target, self.loader, self.run_state)
             self.records.samples = assembly.build_sample_log(
                 cfg, self.run_dir, self.strategy, self.accum, self._taking, self.loader, hold
             )
@@ -179,6 +183,8 @@ class Runner:
                 self.resumed_from = self.step
             else:
                 self.resumed_from = self.ckpt.restore(self.target)
+                if self.resumed_from is not None:
+                    self.rollbacks.apply_skip(self.resumed_from)  # (data a rollback to it skipped stays skipped)
                 self.groups.restored(self.step)
         self.evals.resumed()
         t = self.cfg.trainer
@@ -195,7 +201,7 @@ class Runner:
 
     def fit(self) -> None:
         ledger, meter, watch = self.ledger, self.meter, self.watchdog
-        batches = Batches(self.loader, self.watchdog)
+        batches = self._batches = Batches(self.loader, self.watchdog)
         bar = progress_bar(self.cfg.trainer.progress_bar, self.strategy.is_main, self.total_steps, self.step)
         meter.start(self.records.logger, bar, lambda: self.loader.stats)
         for cb in self.callbacks:
@@ -224,6 +230,7 @@ class Runner:
                 self.progress.step += 1
                 self.records.outcome(self.step, True, self.groups.quorum_id)
                 self.total_steps = self.length.after_step(self.step, self.total_steps)
+                self.rollbacks.stepped(self.step, self.loader.epoch)
                 self.progress.samples_seen += out.samples * self.strategy.world_size * self.groups.participants
                 meter.step_done(out.samples, out.data_wait, compute, compiling)
                 if not meter.flops_counted:
@@ -263,6 +270,22 @@ class Runner:
         self._preempted = True
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
+
+    def rollback(self, at_most_step: int, why: str, keep_data: bool = True, bucket: str = "instability") -> int:
+        """Back, in-process, to the newest verified checkpoint of a step at most ``at_most_step`` (every rank takes
+        the same one; ``train.rollback``); ``keep_data``: the data position stays where it is (the data in between
+        is skipped exactly once, also after a restart or at another world size), else the checkpoint's (it is
+        trained on again). The steps thrown away and the restore are booked in ledger ``bucket``. Returns the step
+        the run goes on from; raises ``NoRollbackPoint`` (exit status 2, nothing deleted) when there is none."""
+        frm, t0 = self.step, time.perf_counter()
+        with self.ledger.measure(bucket), self.watchdog.phase("restore"):
+            to = self.rollbacks(at_most_step, why, keep_data, self._batches)
+            self.groups.restored(to)
+        self.total_steps = self.length.after_resume(to, self.total_steps)
+        self.evals.resumed()
+        epochs = self.rollbacks.epochs
+        self.records.rolled_back(to, frm, keep_data, epochs, why, bucket, time.perf_counter() - t0)
+        return to
 
     def train_step(self, batches: Batches) -> StepResult:
         """One optimizer step (``step.Stepper``)."""

@@ -72,6 +72,25 @@ class SampleLog:
         self.file.write(f'{{"commit":{step},"ok":{str(committed).lower()},"quorum":{quorum},"t":{t}}}\n')
         self.file.flush()
 
+    def skipped(self, step: int, epoch: int, why: str) -> None:
+        """The keys written last for ``step`` were skipped, not consumed: its update was not applied."""
+        line = {"skip": step, "epoch": epoch, "why": why, "t": round(time.time(), 3)}
+        self.file.write(json.dumps(line) + "\n")
+
+    def rolled_back(self, to: int, frm: int, keep_data: bool, epochs: dict[int, int], why: str) -> None:
+        """Steps ``to``+1..``frm`` of this attempt were rolled back: their keys were skipped (``keep_data``: the
+        data position stayed where it was) or will be taken again; ``epochs``: each of those steps' epoch."""
+        line = {
+            "rollback": to,
+            "from": frm,
+            "keep_data": keep_data,
+            "epochs": {str(s): e for s, e in epochs.items() if to < s <= frm},
+            "why": why,
+            "t": round(time.time(), 3),
+        }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
     def flush(self) -> None:
         self.file.flush()
 

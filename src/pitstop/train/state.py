@@ -156,5 +156,10 @@ class Batches:
             self.it = iter(self.loader)  # new ones resume from the position of the last batch received
             return next(self.it)
 
+    def restart(self) -> None:
+        """Fetch from the loader's position as it is now (a rollback moved it): the workers are started again."""
+        self.it.close()
+        self.it = iter(self.loader)
+
     def close(self) -> None:
         self.it.close()
