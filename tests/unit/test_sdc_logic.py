@@ -114,3 +114,20 @@ def test_the_time_line_marks_a_detected_corruption(tmp_path):
         f.write(json.dumps({"event": "sdc", "step": 3, "ranks": [1], "time": 1003.5}) + "\n")
     line = read(str(tmp_path))
     assert [s for _, s in line.sdc] == [3] and len(line.steps) == 6
+
+
+def test_with_two_ranks_the_replay_names_the_rank_whose_own_worst_element_the_other_does_not_share():
+    from pitstop.parts.digest import deviation_at, named_by_replay, worst_element
+
+    replay = [torch.tensor([[0.5, -0.25], [0.125, 1.0]]), torch.tensor([0.3, 0.2])]
+    drift = [t + 1e-4 for t in replay]  # (what the averaged gradients carried: both ranks')
+    rank0 = [t.clone() for t in drift]
+    rank1 = [t.clone() for t in drift]
+    flip_exponent_bit(rank1[0], 0)  # (0.5 -> 1.0 on rank 1 alone)
+    places = [worst_element(rank0, replay), worst_element(rank1, replay)]
+    assert places[1] == (0, 0)
+    devs = [[deviation_at(k, replay, w) for w in places] for k in (rank0, rank1)]
+    assert named_by_replay(devs) == [1]
+    assert named_by_replay([[1e-4, 1e-4], [1e-4, 1e-4]]) == []  # (only the shared drift: nobody)
+    assert named_by_replay([[0.1, 0.02], [0.02, 0.1]]) == []  # (not 10 times apart: nobody)
+    assert named_by_replay([[0.0, 0.0], [0.0, 0.0]]) == []

@@ -84,3 +84,40 @@ def differing(digests: list[list[int]], names: list[str], limit: int = 3) -> lis
     """The names of the tensors whose digests are not the same on every rank (at most ``limit``)."""
     out = [names[i] for i in range(len(names)) if len({d[i] for d in digests}) > 1]
     return out[:limit]
+
+
+def worst_element(kept: list[torch.Tensor], now: list[torch.Tensor]) -> tuple[int, int]:
+    """Where ``kept`` (a rank's tensors at a detection) is farthest from ``now`` (the same tensors, replayed): (the
+    tensor's index, the element's flat index), the difference taken over the largest magnitude of its tensor."""
+    best, where = -1.0, (0, 0)
+    for t, (a, b) in enumerate(zip(kept, now)):
+        if a.numel() == 0:
+            continue
+        diff = (a.detach().to(b.device, torch.float64) - b.detach().to(torch.float64)).abs().reshape(-1)
+        diff = torch.nan_to_num(diff, nan=float("inf"))
+        i = int(diff.argmax())
+        score = float(diff[i]) / max(float(b.detach().abs().max()), 1e-30)
+        if score > best:
+            best, where = score, (t, i)
+    return where
+
+
+def deviation_at(kept: list[torch.Tensor], now: list[torch.Tensor], where: tuple[int, int]) -> float:
+    """How far element ``where`` (:func:`worst_element`) of ``kept`` is from ``now``'s (inf when not finite)."""
+    t, i = where
+    a, b = kept[t].detach().reshape(-1)[i], now[t].detach().reshape(-1)[i]
+    d = abs(float(a) - float(b))
+    return d if d == d else float("inf")
+
+
+def named_by_replay(deviations: list[list[float]], factor: float = 10.0) -> list[int]:
+    """``deviations[r][j]``: how far rank ``r``'s element at rank ``j``'s worst place is from the replay. Rank ``j``
+    is named when its own worst element is at least ``factor`` times farther from the replay than the other ranks'
+    same element: a flipped bit is its rank's alone, while what the averaged gradients carried is every rank's."""
+    out = []
+    for j in range(len(deviations)):
+        mine = deviations[j][j]
+        others = max((deviations[r][j] for r in range(len(deviations)) if r != j), default=0.0)
+        if mine > 0 and mine >= factor * others:
+            out.append(j)
+    return out

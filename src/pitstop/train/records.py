@@ -87,3 +87,10 @@ class Records:
             self.goodput.withdraw()
         elif exc is not None and not isinstance(exc, (Preempted, Hung)) and not preempted:
             self.goodput.write(step, status="failed")
+
+    def sdc_found(self, step: int, fields: dict) -> None:
+        """Silent data corruption found at ``step`` (``train.sdc``): a line in ``metrics.jsonl`` (the time line marks
+        it) and a metric in the tracker."""
+        self.metrics_file.write({"event": "sdc", "step": step, **fields, "time": round(time.time(), 3)})
+        if self.logger is not None:
+            self.logger.log_metrics({"sdc_detected": 1.0}, step)

@@ -37,6 +37,7 @@ from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.records import Records
 from pitstop.train.rollback import Rollback, RunDirState
+from pitstop.train.sdc import SdcCheck
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
@@ -128,8 +129,9 @@ class Runner:
                 cfg, self.run_dir, self.strategy, self.accum, self._taking, self.loader, hold
             )
             self.fault = assembly.build_fault(
-                cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold
-            )
+                cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold,
+                model=self.model,
+            )  # fmt: skip
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
                 progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
@@ -137,6 +139,10 @@ class Runner:
                 data=self.data, loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger,
                 watchdog=self.watchdog, meter=self.meter, accum=self.accum, batch_size=t.batch_size,
                 grad_clip=t.grad_clip, channels_last=t.channels_last,
+            )  # fmt: skip
+            self.sdc = SdcCheck(
+                t.sdc.enabled, t.sdc.interval, self.strategy, self.model, self.optimizer, self.ledger, self.run_dir,
+                self.records.sdc_found, lambda at_most, why: self.rollback(at_most, why, keep_data=False, bucket="sdc"),
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -187,6 +193,7 @@ class Runner:
                     self.rollbacks.apply_skip(self.resumed_from)  # (data a rollback to it skipped stays skipped)
                 self.groups.restored(self.step)
         self.evals.resumed()
+        self.sdc.started(self.step)  # (every rank holds the same state here)
         t = self.cfg.trainer
         if self.resumed_from is not None:
             self.total_steps = self.length.after_resume(self.step, self.total_steps)
@@ -240,6 +247,8 @@ class Runner:
                 with ledger.measure("logging"):  # 2. record
                     lr = self.optimizer.param_groups[0]["lr"]
                     meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait, compute)
+                if self.sdc.after_step(self.step, self.step >= self.total_steps):  # 2b. the replicas differed:
+                    continue  # rolled back to a checkpoint before the corruption, the same steps again
                 if self.evals.due(self.step, self.total_steps):  # 3. evaluate
                     self.evaluate()
                 last = self.step >= self.total_steps

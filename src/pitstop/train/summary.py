@@ -51,7 +51,8 @@ class RunView:
 
     def reports(self) -> dict[str, Any]:
         """What the components report of the run: the data position's epoch and the loader's counters, the
-        checkpointer's, the strategy's, the throughput and precision, and (replica groups) heals and quorums."""
+        checkpointer's, the strategy's, the throughput and precision, the corruption check's, and (replica groups) heals
+        and quorums."""
         r = self._runner
         out = {
             "epoch": r.loader.epoch,
@@ -61,6 +62,7 @@ class RunView:
             "world_size": r.strategy.world_size,
             "throughput": r.throughput.summary(),
             "precision": r.precision.name,
+            "sdc": r.sdc.stats(),
         }
         return {**out, "ft": r.groups.stats()} if r.groups.stats() is not None else out
 

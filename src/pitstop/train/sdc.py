@@ -1,0 +1,240 @@
+"""Silent data corruption found and undone (``trainer.sdc``).
+
+Under ``strategy=ddp`` every rank holds the whole model, and pitstop's steps are bitwise deterministic: after each
+step the replicas' parameters and optimizer state are bitwise equal. Every ``interval`` steps (and at the last step,
+before its save) each rank sums the bit patterns of each of those tensors (``parts.digest.replica_digest``: one
+pass, one int64 per tensor) and the ranks all-gather the vectors (one small collective). Any difference is
+corruption (a flipped bit in memory, a faulty core):
+
+- with three or more ranks the odd one out (the ranks that differ from the majority) is named at once;
+- with two there is no majority, and both ranks' states have left the right trajectory (the corrupted rank's
+  gradients were averaged into the other's): each rank keeps a host copy of its parameters at the detection, the
+  run rolls back and replays the same steps, and at the same step the replay (which every rank agrees on) names the
+  rank whose copy is far from it where it is farthest, while the other rank's same element is not (at least 10
+  times closer: a flipped bit is its rank's alone, what the averaged gradients carried is both ranks'); when that is
+  not clear no rank is named (said in the log);
+- the rank is recorded in ``RUN_DIR/suspects.json`` (shape ``statefile.SUSPECTS``, written by rank 0, atomically;
+  node health reads it), the detection is a line in ``metrics.jsonl`` (``"event": "sdc"``, the time line marks it)
+  and in the log, naming the step, the rank and the tensors that differ;
+- the run goes back to the newest verified checkpoint taken at or before the last step whose digests agreed (a
+  checkpoint saved after it may hold the corruption: never that one; the rollback removes those newer ones) and
+  takes the same data again, so it ends with the parameters of an uninterrupted run, bitwise.
+
+The checks, the rollback's restore and the steps computed again are booked in the ledger's ``sdc`` bucket. A
+mismatch at the same step again after its rollback (the corruption repeats: a faulty device that computes wrong,
+or a bug that is not deterministic) stops the run in one line (exit status 2).
+
+What is covered: ``strategy=ddp`` (parameters and optimizer state; not buffers, which follow each rank's batch).
+``strategy=fsdp`` shards parameters and optimizer state, so no rank holds a copy of another's: nothing to compare,
+the check is off (said once). ``strategy=single`` has no replica. ``strategy=ft`` (replica groups) is not covered
+yet: its groups would compare at the quorum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+
+from pitstop.errors import PitstopError
+from pitstop.goodput.ledger import Ledger
+from pitstop.parts.digest import (
+    deviation_at,
+    differing,
+    named_by_replay,
+    odd_ones_out,
+    replica_digest,
+    replica_state,
+    worst_element,
+)
+from pitstop.statefile import SUSPECTS, read_state
+from pitstop.strategy.base import Strategy
+from pitstop.telemetry.metrics import write_json_atomic
+
+log = logging.getLogger("pitstop")
+
+SUSPECTS_FILE = "suspects.json"
+
+
+class CorruptionRepeats(PitstopError):
+    """The replicas differ again at the step where a rollback already found them differing."""
+
+
+def read_suspects(run_dir: str) -> list[dict]:
+    """The ranks found corrupted in this run dir (``RUN_DIR/suspects.json``), oldest first; a damaged file is named
+    in one warning and read as none."""
+    doc = read_state(os.path.join(run_dir, SUSPECTS_FILE), SUSPECTS, keep_aside=False, then="no suspects read")
+    return list(doc["suspects"]) if doc is not None else []
+
+
+def covered(strategy: Strategy, enabled: bool) -> str:
+    """What the check compares under ``strategy`` (the log's first line and ``summary.json``)."""
+    if not enabled:
+        return "off (trainer.sdc.enabled=false)"
+    if strategy.replicated and strategy.world_size > 1:
+        return f"parameters and optimizer state of {strategy.world_size} replicas"
+    if strategy.name == "fsdp":
+        return "nothing: strategy=fsdp shards the parameters and optimizer state, no rank holds another's copy"
+    if strategy.world_size == 1 and strategy.name != "ft":
+        return "nothing: one process has no replica to compare"
+    return f"nothing: strategy={strategy.name} is not covered"
+
+
+class SdcCheck:
+    """The check, held by the Runner: ``started(step)`` after the restore, ``after_step(step, last)`` after each
+    step's update and before its save; True when it rolled back (the loop goes on from the step restored)."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        interval: int,
+        strategy: Strategy,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ledger: Ledger,
+        run_dir: str,
+        event: Callable[[int, dict[str, Any]], None],
+        rollback: Callable[[int, str], int],
+    ):
+        """``event(step, fields)``: a detection, to ``metrics.jsonl`` and the tracker; ``rollback(at_most, why)``:
+        back to the newest verified checkpoint of a step at most ``at_most``, the same data again (its step)."""
+        self.strategy, self.model, self.optimizer, self.ledger = strategy, model, optimizer, ledger
+        self.run_dir, self.event, self.rollback = run_dir, event, rollback
+        self.active = bool(enabled) and strategy.replicated and strategy.world_size > 1
+        self.interval = int(interval)
+        self.covers = covered(strategy, bool(enabled))
+        self.checks, self.seconds, self.digest_seconds = 0, 0.0, 0.0
+        self.found: list[dict[str, Any]] = []  # each detection: its step, the ranks named (or not yet), the tensors
+        self.agreed = 0  # the last step whose digests agreed (or that every rank restored)
+        self.pending: dict[str, Any] | None = None  # (no majority) the parameters at the detection, for the replay
+        self._hosts: list[str] | None = None
+        if enabled and strategy.is_main and not self.active:
+            log.info("trainer.sdc: %s", self.covers)
+
+    def started(self, step: int) -> None:
+        """The run starts (or resumes) from ``step``: every rank holds the same state there."""
+        self.agreed = step
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.active and (step % self.interval == 0 or last)
+
+    def after_step(self, step: int, last: bool) -> bool:
+        if not self.due(step, last):
+            return False
+        t = time.perf_counter()
+        with self.ledger.measure("sdc"):
+            named = replica_state(self.model, self.optimizer)
+            local = replica_digest([v for _, v in named])
+            if local.device.type == "cuda":
+                torch.cuda.synchronize(local.device)  # (the digest's own time, apart from the collective's)
+            t1 = time.perf_counter()
+            digests = [d.tolist() for d in self.strategy.all_gather(local)]
+        self.checks += 1
+        t2 = time.perf_counter()
+        self.digest_seconds += t1 - t
+        self.seconds += t2 - t
+        odd, majority = odd_ones_out(digests)
+        if majority is not None and not odd:
+            if self.pending is not None and self.pending["step"] == step:
+                self._named_by_replay(step)
+            self.agreed = step
+            return False
+        return self._mismatch(step, digests, odd, [n for n, _ in named])
+
+    # ---- a mismatch ---------------------------------------------------------------------------------------------
+    def _mismatch(self, step: int, digests: list[list[int]], odd: list[int], names: list[str]) -> bool:
+        tensors = differing(digests, names)
+        ranks = odd or [r for r in range(len(digests))]
+        if self.pending is not None and self.pending["step"] == step:
+            self._record(ranks, step, "differed again in the replay after a rollback", tensors)
+            raise CorruptionRepeats(
+                f"silent data corruption at step {step} again after rolling back: rank(s) "
+                f"{', '.join(map(str, ranks))} differ ({', '.join(tensors)}); a device that computes wrong, or a "
+                f"step that is not deterministic: stopped (see {os.path.join(self.run_dir, SUSPECTS_FILE)})"
+            )
+        if odd:
+            how = f"the odd one out of {len(digests)} replicas"
+            self._record(odd, step, how, tensors)
+            said = f"rank(s) {', '.join(map(str, odd))} differ from the other {len(digests) - len(odd)} replicas"
+        else:
+            kept = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]  # (freed once named)
+            self.pending = {"step": step, "kept": kept, "tensors": tensors}
+            said = f"the {len(digests)} replicas differ (no majority: the replay of the steps names the rank)"
+        detection = {"step": step, "ranks": odd, "tensors": tensors, "rolled_back_to": None}
+        self.found.append(detection)
+        self.event(step, {"sdc_detected": 1.0, "ranks": odd, "tensors": tensors})
+        if self.strategy.is_main:
+            log.error(
+                "silent data corruption at step %d: %s in %s; the last step that agreed is %d: rolling back to a "
+                "checkpoint at or before it",
+                step,
+                said,
+                ", ".join(tensors),
+                self.agreed,
+            )
+        why = f"silent data corruption at step {step}"
+        to = self.rollback(self.agreed, why)
+        detection["rolled_back_to"] = to
+        self.agreed = to
+        return True
+
+    def _named_by_replay(self, step: int) -> None:
+        pending, self.pending = self.pending, None
+        kept, now = pending["kept"], [p.detach() for p in self.model.parameters()]
+        places = self.strategy.all_gather_object(worst_element(kept, now))
+        devs = self.strategy.all_gather_object([deviation_at(kept, now, tuple(w)) for w in places])
+        ranks = named_by_replay(devs)
+        said = "; ".join(
+            f"rank {j}'s worst element: " + ", ".join(f"{devs[r][j]:.3g} on rank {r}" for r in range(len(devs)))
+            for j in range(len(devs))
+        )
+        if not ranks:
+            if self.strategy.is_main:
+                log.error(
+                    "silent data corruption at step %d: the replay cannot tell which rank it was on (how far each "
+                    "rank's parameters were from the replay: %s)",
+                    step,
+                    said,
+                )
+            return
+        how = f"its parameters at this step were far from the replay's, which every rank agrees on ({said})"
+        self._record(ranks, step, how, pending["tensors"])
+        for f in self.found:
+            if f["step"] == step and not f["ranks"]:
+                f["ranks"] = ranks
+        if self.strategy.is_main:
+            log.error(
+                "silent data corruption at step %d was on rank(s) %s (named by the replay: %s)", step, ranks, said
+            )
+
+    def _record(self, ranks: list[int], step: int, how: str, tensors: list[str]) -> None:
+        """``RUN_DIR/suspects.json`` gets each rank named (every rank takes part: the hosts are gathered)."""
+        if self._hosts is None:
+            self._hosts = [str(h) for h in self.strategy.all_gather_object(socket.gethostname())]
+        if not self.strategy.is_main:
+            return
+        path = os.path.join(self.run_dir, SUSPECTS_FILE)
+        doc = read_state(path, SUSPECTS, keep_aside=True, then="it starts again with this suspect", logger=log)
+        suspects = list(doc["suspects"]) if doc is not None else []
+        now = round(time.time(), 3)
+        world = self.strategy.world_size
+        for r in ranks:
+            host = self._hosts[r]
+            suspects.append({"rank": r, "step": step, "how": how, "host": host, "time": now, "tensors": tensors})
+            suspects[-1]["world_size"] = world
+        write_json_atomic(path, {"suspects": suspects}, fsync=True, indent=1, sort_keys=False)
+
+    def stats(self) -> dict[str, Any]:
+        """``summary.json``'s ``sdc``: what was compared, how often, and each corruption found."""
+        return {
+            "covered": self.covers,
+            "interval": self.interval if self.active else None,
+            "checks": self.checks,
+            "check_seconds": round(self.seconds, 4),  # digests and the all-gather (waiting for the slowest rank)
+            "digest_seconds": round(self.digest_seconds, 4),  # this rank's digest alone
+            "found": list(self.found),
+        }
