@@ -176,6 +176,11 @@ class Sdc:
         "(bench/sdc.py)",
         check=Integer(),
     )
+    replay: bool = key(
+        False,
+        "strategy=single: take every interval-th step twice and compare bitwise (a fault in the computation; not "
+        "corruption at rest). Off: it costs a whole step per check (5% at interval=20) and a copy of the state",
+    )
 
 
 @dataclass

@@ -143,6 +143,7 @@ class Runner:
             self.sdc = SdcCheck(
                 t.sdc.enabled, t.sdc.interval, self.strategy, self.model, self.optimizer, self.ledger, self.run_dir,
                 self.records.sdc_found, lambda at_most, why: self.rollback(at_most, why, keep_data=False, bucket="sdc"),
+                replay=t.sdc.replay, target=self.target, retake=self._retake,
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -297,8 +298,16 @@ class Runner:
         return to
 
     def train_step(self, batches: Batches) -> StepResult:
-        """One optimizer step (``step.Stepper``)."""
-        return self.stepper(batches)
+        """One optimizer step (``step.Stepper``); ``trainer.sdc.replay`` keeps a sampled step's batches."""
+        return self.stepper(self.sdc.before_step(self.step + 1, batches, self.step + 1 >= self.total_steps))
+
+    def _retake(self, batches: Any) -> None:
+        """(``trainer.sdc.replay``) The step just taken, again, on its own batches, from the state before it."""
+        self.progress.step -= 1
+        try:
+            self.stepper(batches)
+        finally:
+            self.progress.step += 1
 
     def evaluate(self) -> dict[str, float]:
         with self.ledger.measure("eval"), self.watchdog.phase("eval"):

@@ -24,10 +24,16 @@ The checks, the rollback's restore and the steps computed again are booked in th
 mismatch at the same step again after its rollback (the corruption repeats: a faulty device that computes wrong,
 or a bug that is not deterministic) stops the run in one line (exit status 2).
 
-What is covered: ``strategy=ddp`` (parameters and optimizer state; not buffers, which follow each rank's batch).
+One process (``strategy=single``) has no replica; with ``trainer.sdc.replay`` it takes every ``interval``-th step
+twice from the same state and batches and compares the results bitwise (``pitstop.train.replay``): a difference
+is a fault in that step's computation; rank 0 is recorded as suspect and the run rolls back to a checkpoint from
+before the step (at most the step before it), the same data again.
+
+What is covered: ``strategy=ddp`` (parameters and optimizer state; not buffers, which follow each rank's batch);
+``strategy=single`` with ``replay``: the computation of the sampled steps (not corruption at rest between steps).
 ``strategy=fsdp`` shards parameters and optimizer state, so no rank holds a copy of another's: nothing to compare,
-the check is off (said once). ``strategy=single`` has no replica. ``strategy=ft`` (replica groups) is not covered
-yet: its groups would compare at the quorum.
+the check is off (said once). ``strategy=ft`` (replica groups) is not covered yet: its groups would compare at the
+quorum.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from pitstop.errors import PitstopError
+from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.digest import (
     deviation_at,
@@ -54,6 +61,7 @@ from pitstop.parts.digest import (
 from pitstop.statefile import SUSPECTS, read_state
 from pitstop.strategy.base import Strategy
 from pitstop.telemetry.metrics import write_json_atomic
+from pitstop.train.replay import Recording, Replaying, Snapshot, state_digest
 
 log = logging.getLogger("pitstop")
 
@@ -71,7 +79,7 @@ def read_suspects(run_dir: str) -> list[dict]:
     return list(doc["suspects"]) if doc is not None else []
 
 
-def covered(strategy: Strategy, enabled: bool) -> str:
+def covered(strategy: Strategy, enabled: bool, replay: bool = False) -> str:
     """What the check compares under ``strategy`` (the log's first line and ``summary.json``)."""
     if not enabled:
         return "off (trainer.sdc.enabled=false)"
@@ -80,13 +88,16 @@ def covered(strategy: Strategy, enabled: bool) -> str:
     if strategy.name == "fsdp":
         return "nothing: strategy=fsdp shards the parameters and optimizer state, no rank holds another's copy"
     if strategy.world_size == 1 and strategy.name != "ft":
-        return "nothing: one process has no replica to compare"
+        if replay:
+            return "the computation of every sampled step, taken twice (not corruption at rest between steps)"
+        return "nothing: one process has no replica to compare (trainer.sdc.replay=true takes sampled steps twice)"
     return f"nothing: strategy={strategy.name} is not covered"
 
 
 class SdcCheck:
-    """The check, held by the Runner: ``started(step)`` after the restore, ``after_step(step, last)`` after each
-    step's update and before its save; True when it rolled back (the loop goes on from the step restored)."""
+    """The check, held by the Runner: ``started(step)`` after the restore, ``before_step(step, batches, last)`` around
+    the batches a step takes, ``after_step(step, last)`` after each step's update and before its save; True when it
+    rolled back (the loop goes on from the step restored)."""
 
     def __init__(
         self,
@@ -99,20 +110,28 @@ class SdcCheck:
         run_dir: str,
         event: Callable[[int, dict[str, Any]], None],
         rollback: Callable[[int, str], int],
+        replay: bool = False,
+        target: Target | None = None,
+        retake: Callable[[Any], None] | None = None,
     ):
         """``event(step, fields)``: a detection, to ``metrics.jsonl`` and the tracker; ``rollback(at_most, why)``:
-        back to the newest verified checkpoint of a step at most ``at_most``, the same data again (its step)."""
+        back to the newest verified checkpoint of a step at most ``at_most``, the same data again (its step).
+        ``replay`` (one process): ``retake(batches)`` takes the step just taken again, from ``target``'s state."""
         self.strategy, self.model, self.optimizer, self.ledger = strategy, model, optimizer, ledger
         self.run_dir, self.event, self.rollback = run_dir, event, rollback
         self.active = bool(enabled) and strategy.replicated and strategy.world_size > 1
+        single = strategy.world_size == 1 and not strategy.replicated and strategy.name != "ft"
+        self.replaying = bool(enabled) and bool(replay) and single and retake is not None
+        self.target, self.retake = target, retake
+        self._taken: tuple[int, Snapshot, Recording, float] | None = None  # (replay) the sampled step in flight
         self.interval = int(interval)
-        self.covers = covered(strategy, bool(enabled))
+        self.covers = covered(strategy, bool(enabled), self.replaying)
         self.checks, self.seconds, self.digest_seconds = 0, 0.0, 0.0
         self.found: list[dict[str, Any]] = []  # each detection: its step, the ranks named (or not yet), the tensors
         self.agreed = 0  # the last step whose digests agreed (or that every rank restored)
         self.pending: dict[str, Any] | None = None  # (no majority) the parameters at the detection, for the replay
         self._hosts: list[str] | None = None
-        if enabled and strategy.is_main and not self.active:
+        if enabled and strategy.is_main and not self.active and not self.replaying:
             log.info("trainer.sdc: %s", self.covers)
 
     def started(self, step: int) -> None:
@@ -120,10 +139,21 @@ class SdcCheck:
         self.agreed = step
 
     def due(self, step: int, last: bool) -> bool:
-        return self.active and (step % self.interval == 0 or last)
+        return (self.active or self.replaying) and (step % self.interval == 0 or last)
+
+    def before_step(self, step: int, batches: Any, last: bool) -> Any:
+        """(replay) Before a sampled step: a copy of the state, and the batches it takes kept."""
+        if not self.replaying or not self.due(step, last):
+            return batches
+        t = time.perf_counter()
+        snapshot, recording = Snapshot(self.target), Recording(batches)
+        self._taken = (step, snapshot, recording, time.perf_counter() - t)
+        return recording
 
     def after_step(self, step: int, last: bool) -> bool:
-        if not self.due(step, last):
+        if self._taken is not None:
+            return self._replayed(step)
+        if not self.active or not self.due(step, last):
             return False
         t = time.perf_counter()
         with self.ledger.measure("sdc"):
@@ -144,6 +174,39 @@ class SdcCheck:
             self.agreed = step
             return False
         return self._mismatch(step, digests, odd, [n for n, _ in named])
+
+    def _replayed(self, step: int) -> bool:
+        taken, snapshot, recording, copied = self._taken
+        self._taken = None
+        assert taken == step, (taken, step)
+        self.ledger.move("compute", "sdc", copied)  # (the copy was made inside the step's time)
+        t = time.perf_counter()
+        with self.ledger.measure("sdc"):
+            first = state_digest(self.target)
+            snapshot.restore(self.target)
+            del snapshot
+            self.retake(Replaying(recording.kept))
+            again = state_digest(self.target)
+        self.checks += 1
+        self.seconds += time.perf_counter() - t + copied
+        if first == again:
+            self.agreed = step
+            return False
+        tensors = [n for n in first if first[n] != again.get(n)][:3]
+        how = "its two computations of the step (trainer.sdc.replay) differed"
+        self._record([0], step, how, tensors)
+        self.found.append({"step": step, "ranks": [0], "tensors": tensors, "rolled_back_to": None})
+        self.event(step, {"sdc_detected": 1.0, "ranks": [0], "tensors": tensors})
+        log.error(
+            "silent data corruption at step %d: its two computations differ (in %s): rolling back to a checkpoint "
+            "from before it",
+            step,
+            ", ".join(tensors),
+        )
+        to = self.rollback(step - 1, f"silent data corruption at step {step}")
+        self.found[-1]["rolled_back_to"] = to
+        self.agreed = to
+        return True
 
     # ---- a mismatch ---------------------------------------------------------------------------------------------
     def _mismatch(self, step: int, digests: list[list[int]], odd: list[int], names: list[str]) -> bool:
@@ -232,7 +295,7 @@ class SdcCheck:
         """``summary.json``'s ``sdc``: what was compared, how often, and each corruption found."""
         return {
             "covered": self.covers,
-            "interval": self.interval if self.active else None,
+            "interval": self.interval if self.active or self.replaying else None,
             "checks": self.checks,
             "check_seconds": round(self.seconds, 4),  # digests and the all-gather (waiting for the slowest rank)
             "digest_seconds": round(self.digest_seconds, 4),  # this rank's digest alone
