@@ -130,7 +130,7 @@ def main() -> None:
     c = figures["clean_run"]
     print(f"clean run: {c['steps']} steps, {c['checks']} checks, {c['corruptions_found']} corruption(s) found "
           f"({c['seconds']} s)")  # fmt: skip
-    print(f"-> {save_result('sdc', figures, sys.argv)}")
+    print(f"-> {save_result('sdc', figures)}")
 
 
 if __name__ == "__main__":
