@@ -68,3 +68,15 @@ def test_a_flipped_bit_on_rank_1_is_named_undone_and_the_run_ends_as_the_uninter
     totals = json.loads((run_dir / "goodput.json").read_text())["totals"]
     assert totals["sdc"] > s["sdc"]["check_seconds"] > 0 and s["goodput"]["totals"]["sdc"] == totals["sdc"]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "sdc"] == [8]
+
+
+def test_with_three_ranks_the_odd_one_out_is_named_at_once(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    three = ["strategy.nproc_per_node=3", "strategy.oversubscribe=true"]
+    p = cli([*RUN, *three, "fault=bitflip", "fault.step=5", "fault.rank=2", f"run_dir={run_dir}"], data_root, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (found,) = summary(run_dir)["sdc"]["found"]  # (after the rollback every check agreed)
+    assert found["step"] == 8 and found["ranks"] == [2] and found["rolled_back_to"] == 3
+    assert "rank(s) 2 differ from the other 2 replicas" in (run_dir / "train.log").read_text()
+    (suspect,) = json.loads((run_dir / "suspects.json").read_text())["suspects"]
+    assert suspect["rank"] == 2 and suspect["how"] == "the odd one out of 3 replicas" and suspect["world_size"] == 3

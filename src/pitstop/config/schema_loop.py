@@ -172,8 +172,8 @@ class Sdc:
     interval: int = key(
         20,
         "every K steps (and at the last step); a mismatch rolls back to a checkpoint at or before the last check "
-        "that agreed. At 20 a check (a digest pass, one small all-gather) costs ~0.5% of a quick-start step "
-        "(bench/sdc.py)",
+        "that agreed. A check is a digest pass and one small all-gather: at 20 it costs under 1% of a quick-start "
+        "step (bench/sdc.py measures it)",
         check=Integer(),
     )
     replay: bool = key(

@@ -211,7 +211,7 @@ def _panel(ax: object, line: Line) -> set[str]:
             steps.plot(
                 [t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5, linestyle="none"
             )
-        said = "step (saves: v, evals: o" + (", corruption found and undone: X)" if line.sdc else ")")
+        said = "step (saves: v, evals: o" + (", sdc: X)" if line.sdc else ")")
         steps.set_ylabel(said, fontsize=7)
         steps.tick_params(labelsize=7)
     return used
