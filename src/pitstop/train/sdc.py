@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from pitstop.errors import PitstopError
+from pitstop.errors import Unrecoverable
 from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.digest import (
@@ -68,8 +68,9 @@ log = logging.getLogger("pitstop")
 SUSPECTS_FILE = "suspects.json"
 
 
-class CorruptionRepeats(PitstopError):
-    """The replicas differ again at the step where a rollback already found them differing."""
+class CorruptionRepeats(Unrecoverable):
+    """The replicas differ again at the step where a rollback already found them differing (exit status 2, never
+    restarted: the same steps would differ again)."""
 
 
 def read_suspects(run_dir: str) -> list[dict]:
