@@ -14,8 +14,9 @@ Figures: the step's median time (``off``); one check's time as the run's ledger 
 digests and the all-gather, waiting for the slower rank included, which the next step's gradient all-reduce would
 otherwise have waited) and this rank's digest alone (``digest``); the check's cost per step at the default interval
 (``check / interval / step``: the target is <= 1%); and the loop's wall time (the runs' ``compute`` + ``data_wait`` +
-``sdc`` + ``logging``) of ``default`` and ``every step`` over ``off`` (end to end; on a shared machine a few percent
-of noise). Then one clean run of ``--clean-steps`` steps with the check at every step: it must report no corruption.
+``sdc`` + ``logging``) of ``default`` and ``every step`` over ``off`` (end to end: on a machine shared with other
+jobs these move by tens of percent from run to run, far more than the check's share; read the per-check figure).
+Then one clean run of ``--clean-steps`` steps with the check at every step: it must report no corruption.
 And a larger model in this process, one intra-op thread (a rank's share of this machine): torchvision's ResNet-50 with
 AdamW's state (~25 M parameters, ~75 M floats digested), one step (batch 16, 32x32 images) against one digest.
 
