@@ -32,6 +32,7 @@ from pitstop.ckpt.contract import (
     interrupt_in,
     one_line,
 )
+from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
@@ -277,6 +278,7 @@ class CheckpointManager(Checkpointer):
     def _app_state(self, target: Target) -> dict:
         self.strategy.sync_buffers(target.model)
         model_sd, optim_sd = self._sd.get(target)
+        refuse_nonfinite(model_sd, optim_sd)  # (never a checkpoint of a NaN: refused, the run goes on)
         return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(target.state.state_dict())}
 
     def wait_staging(self) -> float:
@@ -366,7 +368,7 @@ class CheckpointManager(Checkpointer):
                 log.warning("the failed checkpoint's files stay (no commit marker: never loaded): %s", one_line(e))
         with self._lock:
             self._done.append(record)
-        if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run
+        if self.on_error == "raise" and not local and not isinstance(error, NonFiniteState):  # (a tmpfs full, a NaN)
             raise CheckpointError(f"checkpoint at step {record.step} failed: {record.error}") from error
 
     def _report_finished(self) -> None:

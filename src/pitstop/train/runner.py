@@ -36,6 +36,7 @@ from pitstop.parts.digest import model_sha256
 from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.records import Records
+from pitstop.train.instability import Guard, Instability
 from pitstop.train.rollback import Rollback, RunDirState
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
@@ -128,7 +129,15 @@ class Runner:
                 cfg, self.run_dir, self.strategy, self.accum, self._taking, self.loader, hold
             )
             self.fault = assembly.build_fault(
-                cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold
+                cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold, self.data
+            )
+            settings = t.instability
+            guard = None
+            if settings.enabled:
+                shares = self.groups.shares_data_order
+                guard = Guard(settings, self.strategy, self.precision, self.task, self.fault, shares)
+            self.instability = Instability(
+                settings, self.run_state, self.loader, self._skipped, lambda at, why: self.rollback(at, why)
             )
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
@@ -136,7 +145,7 @@ class Runner:
                 optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision, task=self.task,
                 data=self.data, loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger,
                 watchdog=self.watchdog, meter=self.meter, accum=self.accum, batch_size=t.batch_size,
-                grad_clip=t.grad_clip, channels_last=t.channels_last,
+                grad_clip=t.grad_clip, channels_last=t.channels_last, guard=guard,
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -222,6 +231,14 @@ class Runner:
                     if self.strategy.agree(self.preempt.received is not None):  # (a notice: stop at the last step
                         self._stop_for_preemption()  # committed, not in a quorum that may never form again)
                     continue
+                if out.skipped is not None:  # an unstable step: not applied (trainer.instability)
+                    ledger.add("instability", took - out.quorum)
+                    rolled = self.instability.skipped(self.step + 1, out.skipped, out.loss, out.culprits, out.keys)
+                    if not rolled:  # (epochs: its batches are behind the loader; a rollback re-planned already)
+                        self.total_steps = self.length.after_resume(self.step, self.total_steps)
+                    if self.strategy.agree(self.preempt.received is not None):
+                        self._stop_for_preemption()
+                    continue
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
                 compute = took - out.data_wait - out.staging - compiling - out.quorum
                 ledger.add("data_wait", out.data_wait)
@@ -270,6 +287,9 @@ class Runner:
         self._preempted = True
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
+
+    def _skipped(self, step: int, why: str, loss: float) -> None:
+        self.records.skipped(step, self.loader.epoch, why, loss)
 
     def rollback(self, at_most_step: int, why: str, keep_data: bool = True, bucket: str = "instability") -> int:
         """Back, in-process, to the newest verified checkpoint of a step at most ``at_most_step`` (every rank takes

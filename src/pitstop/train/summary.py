@@ -61,6 +61,7 @@ class RunView:
             "world_size": r.strategy.world_size,
             "throughput": r.throughput.summary(),
             "precision": r.precision.name,
+            "instability": r.instability.stats(),  # (skipped steps, rollbacks, quarantined samples)
         }
         return {**out, "ft": r.groups.stats()} if r.groups.stats() is not None else out
 
