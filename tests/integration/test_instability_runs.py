@@ -85,20 +85,22 @@ def test_a_poisoned_sample_is_quarantined_and_every_other_sample_is_taken_once_p
     _no_checkpoint_holds_a_nan(cfg.run_dir)
 
 
-def test_a_diverging_run_stops_in_one_line_after_its_budgets_and_no_checkpoint_holds_a_nan(make_cfg, caplog):
+def test_a_diverging_run_stops_in_one_line_after_its_budgets_and_no_checkpoint_holds_a_nan(make_cfg):
     cfg = make_cfg(*RUN, "optim.lr=1e6", "ckpt.interval_steps=2")
-    with caplog.at_level("ERROR"), pytest.raises(InstabilityStop) as e:
+    with pytest.raises(InstabilityStop) as e:
         train(cfg)
     line = str(e.value)
-    assert "\n" not in line and line.startswith("training is unstable: non-finite loss or gradient norm at step 5")
+    # (step 3's update leaves BatchNorm's statistics non-finite in step 4's forward: step 4 is never applied)
+    assert "\n" not in line and line.startswith(
+        "training is unstable: non-finite loss, gradient norm or buffer at step 4"
+    )
     assert "after 2 rollback(s) (max_rollbacks=2)" in line and "the last step's samples (this rank): " in line
     state = json.loads((Path(cfg.run_dir) / "instability.json").read_text())
-    assert state["rollbacks"] == 2 and list(state["skips"]) == ["2"]
-    assert "refused: the model state holds a non-finite value" in caplog.text  # (the save of step 4)
+    assert state["rollbacks"] == 2 and list(state["skips"]) == ["2"] and state["quarantined"] == []
     assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == ["step_00000002"]
     _no_checkpoint_holds_a_nan(cfg.run_dir)
     (epoch,) = audit(cfg.run_dir)
-    assert epoch.repeated == 0 and epoch.once == 4 * 16  # steps 1..4 of the last try; every other batch skipped
+    assert epoch.repeated == 0 and epoch.once == 3 * 16  # steps 1..3 of the last try; every other batch skipped
 
 
 @pytest.mark.parametrize(

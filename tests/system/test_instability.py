@@ -50,7 +50,7 @@ def test_a_diverging_run_stops_in_one_line_with_exit_status_2_and_no_restart(dat
     p = cli(args, data_root, tmp_path)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2, p.stderr[-3000:]
-    assert last.startswith("error: training is unstable: non-finite loss or gradient norm at step 5"), last
+    assert last.startswith("error: training is unstable: non-finite loss, gradient norm or buffer at step 4"), last
     assert "after 2 rollback(s) (max_rollbacks=2)" in last
     assert len(json.loads((run_dir / "goodput.json").read_text())["attempts"]) == 1  # (3 restarts left unused)
     assert run_cmd([PY, "-m", "pitstop.ckpt.verify", str(run_dir)]).returncode == 0

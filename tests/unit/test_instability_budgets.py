@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +130,16 @@ def test_the_audit_reads_a_rollback_keeping_the_data_and_a_restart_from_before_i
     _logs(tmp_path, {0: redo}, [(1, 0), (2, 0)])
     (epoch,) = audit(str(tmp_path))
     assert (epoch.once, epoch.skipped, epoch.repeated) == (4, 0, 0)
+
+
+def test_retention_keeps_the_checkpoint_a_rollback_may_go_back_to(tmp_path):
+    from pitstop.ckpt import layout
+
+    for step in (20, 40, 60, 80, 100):
+        d = Path(layout.step_dir(str(tmp_path), step))
+        d.mkdir()
+        (d / layout.SAVE_MARKER).write_text("")
+    layout.purge(str(tmp_path), keep_last_k=2, pinned=50)  # the trouble began at step 51
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000040", "step_00000080", "step_00000100"]
+    layout.purge(str(tmp_path), keep_last_k=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000080", "step_00000100"]

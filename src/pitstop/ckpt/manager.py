@@ -171,6 +171,8 @@ class CheckpointManager(Checkpointer):
         self._sd.info(target)  # per-run analysis for saves, done during setup rather than at the first save
         if self.load_spec in (None, "none", False) and at_most is None:
             return None
+        if at_most is not None and self._purger is not None:  # (retention still deleting: done before the listing)
+            self._purger.submit(int).result()
         local_root = self.local.root if self.local is not None else None
         spec = self.load_spec if at_most is None else "auto"
         choice = fallback.candidates(self.strategy, self.root, local_root, spec, at_most)
@@ -332,7 +334,7 @@ class CheckpointManager(Checkpointer):
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
                 tier = self._tier(record)
-                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k)
+                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k, self.pinned)
                 if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
                     self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)
         with self._lock:

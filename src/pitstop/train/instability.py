@@ -18,9 +18,9 @@ first unstable step.
 
 A non-finite step with ``quarantine`` on: each rank runs its batches' forward again, one sample at a time (no
 gradients, on the module itself, in eval mode: no collective, no statistics changed), and a sample whose loss alone
-is not finite is quarantined (every rank learns the same keys): kept in ``RUN_DIR/instability.json``, dropped from
-every batch from now on, named in ``summary.json``. A step explained so does not count against the budget: its cause
-is gone. A transient fault finds no such sample.
+is not finite is quarantined, unless more than half of its batch is (then the model is at fault); every rank learns
+the same keys, kept in ``RUN_DIR/instability.json``, dropped from every batch from now on, named in ``summary.json``.
+A step explained so does not count against the budget: its cause is gone. A transient fault finds no such sample.
 """
 
 from __future__ import annotations
@@ -133,19 +133,22 @@ class Guard:
 
     def check(self, step: int, loss: torch.Tensor, model: nn.Module) -> tuple[str | None, bool]:
         """``(why the step is unstable or None, whether it is non-finite)``, the same on every rank."""
-        finite = bool(torch.isfinite(loss))
+        finite, here = bool(torch.isfinite(loss)), f"loss {loss.item()}"
         if finite and self.grads:
             grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
-            if grads:
-                finite = bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))))
-        value = float(loss) if finite else 0.0
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+            finite, here = bool(torch.isfinite(norm)), f"gradient norm {norm.item()}"
+        if finite:  # (what the forward changed: BatchNorm's statistics, which a save would otherwise refuse)
+            bufs = [b for b, _ in self._buffers if b.is_floating_point()]
+            finite, here = not bufs or bool(torch.stack([torch.isfinite(b).all() for b in bufs]).all()), "a buffer"
+        mine, value = finite, float(loss) if finite else 0.0
         if self.strategy.world_size > 1:
             t = torch.tensor([0.0 if finite else 1.0, value], dtype=torch.float64, device=self.strategy.device)
             self.strategy.all_reduce_sum(t)
             finite, value = bool(t[0].item() == 0), float(t[1].item()) / self.strategy.world_size
         if not finite:
-            own = "" if bool(torch.isfinite(loss)) else f" (here: loss {loss.item()})"
-            return f"non-finite loss or gradient norm at step {step}{own}", True
+            own = "" if mine else f" (here: {here})"
+            return f"non-finite loss, gradient norm or buffer at step {step}{own}", True
         median = self.spikes.spike(value)
         if median is not None:
             return f"loss spike at step {step}: {value:.4g} > {self.spikes.factor:g} x the median {median:.4g}", False
@@ -161,10 +164,13 @@ class Guard:
             try:
                 with torch.no_grad(), self.precision.autocast():
                     for batch, keys in held:
+                        bad = []
                         for i, k in enumerate(keys):
                             one = map_tensors(lambda t, i=i, n=len(keys): t[i : i + 1] if _rows(t, n) else t, batch)
                             if not bool(torch.isfinite(self.fault.loss(step, [k], self.task.loss(net, one)))):
-                                mine.append(k)
+                                bad.append(k)
+                        if 2 * len(bad) <= len(keys):  # (more than half: the model is at fault, not the data)
+                            mine.extend(bad)
             finally:
                 net.train(was)
         return sorted({k for keys in gathered(self.strategy, mine) for k in keys})
@@ -192,8 +198,11 @@ class Instability:
         loader: Any,
         record: Callable[[int, str, float], None],
         rollback: Callable[[int, str], int],
+        pin: Callable[[int | None], None],
     ):
+        """``pin(step)``: retention keeps the newest checkpoint at or before ``step`` (None: no longer)."""
         self.settings, self.state, self.loader, self.record, self.rollback = settings, state, loader, record, rollback
+        self.pin = pin
         s = settings
         self.budget = Budget(s.on_instability, s.max_skips, s.skip_window, s.max_rollbacks, state.rollbacks)
         self.events: list[str] = []  # the unstable steps, said in the stop line
@@ -217,6 +226,7 @@ class Instability:
             return False
         self.events.append(why.split(" (here")[0].split(":")[0])
         action = self.budget.skipped(step)
+        self.pin(self.budget.began - 1 if self.budget.skips else None)  # (retention keeps what a rollback needs)
         s = self.settings
         if action == "skip":
             count = len(self.budget.skips)
@@ -227,6 +237,7 @@ class Instability:
             reason = f"{len(self.budget.skips)} unstable steps within {s.skip_window} (from step {began}; {why})"
             self.rollback(began - 1, reason)
             self.budget.rolled_back()
+            self.pin(None)
             return True
         shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
         if s.on_instability == "stop":

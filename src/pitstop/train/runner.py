@@ -137,7 +137,12 @@ class Runner:
                 shares = self.groups.shares_data_order
                 guard = Guard(settings, self.strategy, self.precision, self.task, self.fault, shares)
             self.instability = Instability(
-                settings, self.run_state, self.loader, self._skipped, lambda at, why: self.rollback(at, why)
+                settings,
+                self.run_state,
+                self.loader,
+                self._skipped,
+                lambda at, why: self.rollback(at, why),
+                lambda step: setattr(self.ckpt, "pinned", step),
             )
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
@@ -235,7 +240,7 @@ class Runner:
                     ledger.add("instability", took - out.quorum)
                     rolled = self.instability.skipped(self.step + 1, out.skipped, out.loss, out.culprits, out.keys)
                     if not rolled:  # (epochs: its batches are behind the loader; a rollback re-planned already)
-                        self.total_steps = self.length.after_resume(self.step, self.total_steps)
+                        self.total_steps = self.length.after_resume(self.step, self.total_steps, "a step skipped")
                     if self.strategy.agree(self.preempt.received is not None):
                         self._stop_for_preemption()
                     continue
@@ -301,7 +306,7 @@ class Runner:
         with self.ledger.measure(bucket), self.watchdog.phase("restore"):
             to = self.rollbacks(at_most_step, why, keep_data, self._batches)
             self.groups.restored(to)
-        self.total_steps = self.length.after_resume(to, self.total_steps)
+        self.total_steps = self.length.after_resume(to, self.total_steps, "rolled back")
         self.evals.resumed()
         epochs = self.rollbacks.epochs
         self.records.rolled_back(to, frm, keep_data, epochs, why, bucket, time.perf_counter() - t0)

@@ -104,9 +104,9 @@ class Stepper:
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
         why, nonfinite = guard.check(step, loss, self.model) if guard is not None else (None, False)
         if why is not None:  # not applied: gradients dropped, buffers put back; the loader is past its batches
+            guard.put_back()  # (before the look for a bad sample: the model as it was before the step)
             culprits = guard.culprits(step, held, self.model) if nonfinite else []
             self.optimizer.zero_grad(set_to_none=True)
-            guard.put_back()
             self.loader.commit()
             keys = [k for _, ks in held for k in ks]
             return StepResult(loss.item(), samples, wait, 0.0, quorum=quorum, skipped=why, culprits=culprits, keys=keys)
