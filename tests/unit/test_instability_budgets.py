@@ -143,3 +143,23 @@ def test_retention_keeps_the_checkpoint_a_rollback_may_go_back_to(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000040", "step_00000080", "step_00000100"]
     layout.purge(str(tmp_path), keep_last_k=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000080", "step_00000100"]
+
+
+def test_a_rollback_moves_the_work_since_its_checkpoint_to_its_bucket(tmp_path):
+    import time
+
+    from pitstop.goodput.ledger import GoodputLog, Ledger
+
+    ledger = Ledger(time.time())
+    g = GoodputLog(str(tmp_path), ledger)
+    ledger.add("compute", 4.0)
+    g.mark(4)  # a checkpoint of step 4 after 4 s of compute
+    ledger.add("compute", 3.0)
+    g.mark(7)
+    ledger.add("compute", 2.0)  # steps 8, 9
+    g.rolled_back(4, 9, "instability", "a test")
+    assert ledger.seconds["compute"] == 4.0 and ledger.seconds["instability"] == 5.0
+    doc = json.loads((tmp_path / "goodput.json").read_text())
+    (attempt,) = doc["attempts"]
+    assert list(attempt["marks"]) == ["4"] and attempt["rollbacks"][0]["seconds"] == 5.0
+    assert doc["totals"]["productive"] == 4.0 and doc["totals"]["instability"] == 5.0
