@@ -27,6 +27,8 @@ REQUIRED = {
         "stall": ["fault.step=3"],
         "preempt": ["fault.step=3"],
         "random": ["fault.mtbf_seconds=9"],
+        "nonfinite": ["fault.step=3"],
+        "poison": ["fault.sample=0000000"],
     }
 }
 

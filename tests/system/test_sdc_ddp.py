@@ -21,6 +21,7 @@ RUN = [
     "trainer.eval_every_steps=null",
     "ckpt=sync_dcp",
     "ckpt.interval_steps=3",
+    "ckpt.keep_last_k=1",  # (retention keeps the checkpoint a rollback needs: the newest at or before the last check)
     f"trainer.sdc.interval={K}",
 ]
 

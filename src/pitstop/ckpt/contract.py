@@ -100,6 +100,7 @@ class Checkpointer(ABC):
     last_durable: int | None = None  # the step of the newest save to the durable tier (ckpt.dir) started
     last_committed: int | None = None  # the step of the newest save to the durable tier that completed
     load_callbacks: tuple[Callable[[str], None], ...] = ()
+    pinned: int | None = None  # retention keeps the newest checkpoint at or before this step (a rollback's target)
 
     def on_load(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(path)`` as a restore starts reading a checkpoint it verified (fault injection)."""

@@ -171,15 +171,18 @@ def candidates(root: str, spec: int | str) -> list[str]:
     return [path for _, path, complete in reversed(found) if complete]
 
 
-def purge(root: str, keep_last_k: int) -> None:
+def purge(root: str, keep_last_k: int, pinned: int | None = None) -> None:
     """Remove all but the newest ``keep_last_k`` complete checkpoints (0 keeps all).  An in-flight save is
-    not complete yet, so it never counts and is never removed."""
+    not complete yet, so it never counts and is never removed. ``pinned``: the newest checkpoint at or before that
+    step is kept too (what a rollback may go back to: ``trainer.instability``)."""
     if not keep_last_k:
         return
     complete = [(s, p) for s, p, ok in list_checkpoints(root) if ok]
-    for _, path in complete[:-keep_last_k]:
-        remove(path)
-        log.debug("purged %s", path)
+    held = max((s for s, _ in complete if pinned is not None and s <= pinned), default=None)
+    for s, path in complete[:-keep_last_k]:
+        if s != held:
+            remove(path)
+            log.debug("purged %s", path)
 
 
 RUN_ID = re.compile(r"[0-9a-f]{16}")

@@ -32,6 +32,7 @@ from pitstop.ckpt.contract import (
     interrupt_in,
     one_line,
 )
+from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.storage import dir_bytes
 from pitstop.ckpt.tiers import Tier, local_settings
@@ -170,6 +171,8 @@ class CheckpointManager(Checkpointer):
         self._sd.info(target)  # per-run analysis for saves, done during setup rather than at the first save
         if self.load_spec in (None, "none", False) and at_most is None:
             return None
+        if at_most is not None and self._purger is not None:  # (retention still deleting: done before the listing)
+            self._purger.submit(int).result()
         local_root = self.local.root if self.local is not None else None
         spec = self.load_spec if at_most is None else "auto"
         choice = fallback.candidates(self.strategy, self.root, local_root, spec, at_most)
@@ -277,6 +280,7 @@ class CheckpointManager(Checkpointer):
     def _app_state(self, target: Target) -> dict:
         self.strategy.sync_buffers(target.model)
         model_sd, optim_sd = self._sd.get(target)
+        refuse_nonfinite(model_sd, optim_sd)  # (never a checkpoint of a NaN: refused, the run goes on)
         return {"model": model_sd, "optim": optim_sd, f"train.rank{self.rank}": encode_json(target.state.state_dict())}
 
     def wait_staging(self) -> float:
@@ -330,7 +334,7 @@ class CheckpointManager(Checkpointer):
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
                 tier = self._tier(record)
-                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k)
+                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k, self.pinned)
                 if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
                     self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)
         with self._lock:
@@ -366,7 +370,7 @@ class CheckpointManager(Checkpointer):
                 log.warning("the failed checkpoint's files stay (no commit marker: never loaded): %s", one_line(e))
         with self._lock:
             self._done.append(record)
-        if self.on_error == "raise" and not local:  # a fast tier failing (a full tmpfs) never stops the run
+        if self.on_error == "raise" and not local and not isinstance(error, NonFiniteState):  # (a tmpfs full, a NaN)
             raise CheckpointError(f"checkpoint at step {record.step} failed: {record.error}") from error
 
     def _report_finished(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from pitstop.config.checks import AtLeastZero, Integer, Positive, key
+from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
 
 PHASE = (
     "where it fires: step (the end of step N), eval (inside the first evaluation at or after step N), restore "
@@ -106,6 +106,21 @@ class RandomFault(NoFault):
     rank: int = key(0, "which rank is killed (the others follow: the job restarts as a whole)")
 
 
+@dataclass
+class NonFinite(AtStep):
+    """``fault=nonfinite``: the loss of a step is NaN on a rank, once per run dir (a transient numeric fault)."""
+
+    _target_: str = "pitstop.resilience.numeric_faults.NonFiniteAtStep"
+
+
+@dataclass
+class Poison(NoFault):
+    """``fault=poison``: every batch that holds a sample has a non-finite loss, every time it is seen (a bad record)."""
+
+    _target_: str = "pitstop.resilience.numeric_faults.PoisonSample"
+    sample: str = key(MISSING, "the sample key (a training sample's __key__, as samples.rank*.jsonl names it)")
+
+
 # ---- logger --------------------------------------------------------------------------------------------
 
 
@@ -184,6 +199,36 @@ class Sdc:
 
 
 @dataclass
+class Instability:
+    """``trainer.instability``: a step whose loss or gradient norm is non-finite on any rank (or whose loss spikes) is
+    not applied and its data is skipped; past the budgets the run rolls back to a checkpoint from before the trouble
+    and skips the data in between, and past those it stops in one line (``pitstop/train/instability.py``)."""
+
+    enabled: bool = key(True, "check every step's loss and gradient norm (one small all-reduce per step on >1 rank)")
+    on_instability: str = key(
+        "rollback",
+        "past max_skips in skip_window steps: rollback (to a checkpoint before the first of them, its data "
+        "skipped), skip (stop then), stop (at the first unstable step, as a spike detector that only stops)",
+        check=OneOf("rollback", "skip", "stop"),
+    )
+    spike_factor: Optional[float] = key(
+        None,
+        "a loss above this x the median of the last spike_window steps is a spike (null: off; no factor fits "
+        "every loss's scale, and a false spike skips good data)",
+        check=Positive(optional=True),
+    )
+    spike_window: int = key(50, "steps in the running median (spikes are looked for once it is full)", check=Integer(2))
+    max_skips: int = key(3, "unstable steps skipped within skip_window before escalating", check=Integer(0))
+    skip_window: int = key(100, "steps over which max_skips counts", check=Integer())
+    max_rollbacks: int = key(2, "rollbacks in the run dir before the run stops (exit status 2)", check=Integer(0))
+    quarantine: bool = key(
+        True,
+        "on a non-finite step, find the sample that is non-finite alone (a forward per sample, on that rank) and "
+        "never feed it again (RUN_DIR/instability.json; not under strategy=fsdp)",
+    )
+
+
+@dataclass
 class Trainer:
     """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
     ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
@@ -245,3 +290,4 @@ class Trainer:
     )
     profile: Profile = field(default_factory=Profile)
     sdc: Sdc = field(default_factory=Sdc)
+    instability: Instability = field(default_factory=Instability)

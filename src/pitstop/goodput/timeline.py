@@ -1,6 +1,7 @@
 """A run's time line: its attempts on one clock, coloured by the ledger's buckets, with its steps, saves,
-evaluations, failures, restarts, heals and detected corruptions (``trainer.sdc``). Read from the run dir alone
-(``goodput.json``, ``metrics.jsonl``), so it draws any run, also one that was killed:
+evaluations, failures, restarts and heals, the steps skipped and the rollbacks of ``trainer.instability``, and the
+corruptions found by ``trainer.sdc``. Read from the run dir alone (``goodput.json``, ``metrics.jsonl``), so it draws
+any run, also one that was killed:
 
     python -m recipe.goodput --timeline RUN_DIR        # -> RUN_DIR/timeline.png
 
@@ -70,6 +71,8 @@ class Line:
     steps: list[tuple[float, int]]  # (seconds since the job's start, step)
     saves: list[tuple[float, int]]
     evals: list[tuple[float, int]]
+    skips: list[tuple[float, int]] = field(default_factory=list)  # steps not applied (trainer.instability)
+    rollbacks: list[tuple[float, int]] = field(default_factory=list)  # (when, the step rolled back to)
     sdc: list[tuple[float, int]] = field(default_factory=list)  # a corruption detected (then undone): at its step
 
 
@@ -100,7 +103,7 @@ def read(run_dir: str, name: str = "") -> Line:
                 heals,
             )
         )
-    steps, saves, evals, sdc = [], [], [], []
+    steps, saves, evals, skips, rollbacks, sdc = [], [], [], [], [], []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -113,6 +116,10 @@ def read(run_dir: str, name: str = "") -> Line:
                     continue  # (a line cut by a kill, or not one pitstop wrote)
                 if "loss" in r:
                     steps.append((at, step))
+                elif r.get("event") == "skip":
+                    skips.append((at, step))
+                elif r.get("event") == "rollback":
+                    rollbacks.append((at, step))
                 elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
                     saves.append((at, step))
                 elif any(k.startswith("val_") for k in r):
@@ -121,7 +128,8 @@ def read(run_dir: str, name: str = "") -> Line:
                     sdc.append((at, step))
     except FileNotFoundError:
         pass
-    return Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, steps, saves, evals, sdc)
+    name = name or os.path.basename(os.path.normpath(run_dir))
+    return Line(name, attempts, steps, saves, evals, skips, rollbacks, sdc)
 
 
 def lines(run_dir: str) -> list[Line]:
@@ -206,13 +214,16 @@ def _panel(ax: object, line: Line) -> set[str]:
     if line.steps:
         steps = ax.twinx()
         steps.plot([t for t, _ in line.steps], [s for _, s in line.steps], ".", color="#212121", markersize=2)
-        marks = ((line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0"), (line.sdc, "X", COLOURS["sdc"]))
+        marks = [(line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0")]
+        marks += [(line.skips, "x", COLOURS["instability"]), (line.rollbacks, "<", "#000000")]
+        marks.append((line.sdc, "X", COLOURS["sdc"]))
         for points, marker, colour in marks:
             steps.plot(
                 [t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5, linestyle="none"
             )
-        said = "step (saves: v, evals: o" + (", sdc: X)" if line.sdc else ")")
-        steps.set_ylabel(said, fontsize=7)
+        said = "saves: v, evals: o" + (", skipped: x, rolled back: <" if line.skips or line.rollbacks else "")
+        said += ", sdc: X" if line.sdc else ""
+        steps.set_ylabel(f"step ({said})", fontsize=7)
         steps.tick_params(labelsize=7)
     return used
 

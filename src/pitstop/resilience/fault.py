@@ -54,6 +54,7 @@ class FaultContext:
     # strategy=ft: registers a call made (with the step) as this process starts applying the state a peer sent it
     on_heal: Callable[[Callable[[int], None]], None] | None = None
     model: Any = None  # the (wrapped) model: fault=bitflip corrupts one of its parameters
+    sample_keys: Callable[[], set[str]] | None = None  # the training split's sample keys (read when called)
 
 
 class Fault(ABC):
@@ -76,6 +77,10 @@ class Fault(ABC):
 
     def during_eval(self, step: int, batch: int) -> None:
         """Called inside the evaluation after step ``step``, after its ``batch``-th batch (1-based) was computed."""
+
+    def loss(self, step: int, keys: list[str], loss: Any) -> Any:
+        """The loss of step ``step``'s micro-batch of samples ``keys``, as the fault makes it (numeric faults)."""
+        return loss
 
     @abstractmethod
     def close(self) -> None:

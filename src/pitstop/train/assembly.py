@@ -200,6 +200,7 @@ def build_fault(
     ledger: Ledger,
     ckpt: Checkpointer | None,
     hold: ExitStack,
+    data: ShardedDataset | None = None,
     model: nn.Module | None = None,
 ) -> Fault:
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
@@ -221,10 +222,25 @@ def build_fault(
             on_heal_served=groups.on_heal_served if in_groups else None,
             on_heal=groups.on_heal if in_groups else None,
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
+            sample_keys=(lambda: train_keys(data)) if data is not None else None,
             model=model,
         )
     )
     return fault
+
+
+def train_keys(data: ShardedDataset) -> set[str]:
+    """The training split's sample keys, from its shards' member names (read when a fault names a sample)."""
+    import tarfile
+
+    from pitstop.data.shards import split_key
+
+    keys: set[str] = set()
+    for shard in data.index.shards("train"):
+        fs, path = fsurl.filesystem(data.index.resolve(shard))
+        with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+            keys.update(split_key(m.name)[0] for m in tar if m.isfile())
+    return keys
 
 
 def strategy_casts(strategy: Strategy, precision: str) -> bool:

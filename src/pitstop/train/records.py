@@ -52,6 +52,15 @@ class Records:
         if self.samples is not None and quorum is not None:
             self.samples.outcome(step, committed, quorum)
 
+    def skipped(self, step: int, epoch: int, why: str, loss: float) -> None:
+        """Step ``step`` was not applied (``trainer.instability``): the sample log and ``metrics.jsonl``."""
+        if self.samples is not None:
+            self.samples.skipped(step, epoch, why)
+        value = loss if loss == loss and abs(loss) != float("inf") else str(loss)  # (JSON has no NaN)
+        self.metrics_file.write(
+            {"event": "skip", "step": step, "value": value, "why": why, "time": round(time.time(), 3)}
+        )
+
     def rolled_back(
         self, to: int, frm: int, keep_data: bool, epochs: dict[int, int], why: str, bucket: str, seconds: float
     ) -> None:

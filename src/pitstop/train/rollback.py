@@ -109,9 +109,10 @@ class Rollback:
                 f"{why}; cannot roll back to a checkpoint at or before step {at_most}: {e}; stopped, nothing deleted"
             ) from None
         if to is None:
+            hint = "ckpt=none saves none: choose a ckpt option" if self.ckpt.root is None else "save more often"
             raise NoRollbackPoint(
                 f"{why}; no verified checkpoint at or before step {at_most} in {where} to roll back to: stopped at "
-                f"step {frm}, nothing deleted (save more often: ckpt.interval_steps)"
+                f"step {frm}, nothing deleted ({hint}, e.g. ckpt=sync_dcp ckpt.interval_steps=N)"
             )
         if position is not None:
             self.loader.load_state_dict(position)

@@ -36,6 +36,7 @@ from pitstop.parts.digest import model_sha256
 from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
 from pitstop.train.metering import progress_bar
 from pitstop.train.records import Records
+from pitstop.train.instability import Guard, Instability
 from pitstop.train.rollback import Rollback, RunDirState
 from pitstop.train.sdc import SdcCheck
 from pitstop.parts.seed import seed_everything
@@ -61,6 +62,7 @@ class Runner:
         self.records = Records()
         self.watchdog = assembly.watchdog(cfg.trainer.hang)
         self.stepper: Stepper | None = None  # (setup builds it)
+        self._pins: dict[str, int | None] = {}  # (what each kind of rollback needs retention to keep)
         self._batches: Batches | None = None  # (fit's batch stream: a rollback restarts it)
 
     @property
@@ -130,20 +132,34 @@ class Runner:
             )
             self.fault = assembly.build_fault(
                 cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold,
-                model=self.model,
+                self.data, model=self.model,
             )  # fmt: skip
+            settings = t.instability
+            guard = None
+            if settings.enabled:
+                shares = self.groups.shares_data_order
+                guard = Guard(settings, self.strategy, self.precision, self.task, self.fault, shares)
+            self.instability = Instability(
+                settings,
+                self.run_state,
+                self.loader,
+                self._skipped,
+                lambda at, why: self.rollback(at, why),
+                lambda step: self._pin("instability", step),
+            )
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
                 progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
                 optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision, task=self.task,
                 data=self.data, loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger,
                 watchdog=self.watchdog, meter=self.meter, accum=self.accum, batch_size=t.batch_size,
-                grad_clip=t.grad_clip, channels_last=t.channels_last,
+                grad_clip=t.grad_clip, channels_last=t.channels_last, guard=guard,
             )  # fmt: skip
             self.sdc = SdcCheck(
                 t.sdc.enabled, t.sdc.interval, self.strategy, self.model, self.optimizer, self.ledger, self.run_dir,
                 self.records.sdc_found, lambda at_most, why: self.rollback(at_most, why, keep_data=False, bucket="sdc"),
                 replay=t.sdc.replay, target=self.target, retake=self._retake,
+                pin=lambda step: self._pin("sdc", step),
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -230,6 +246,14 @@ class Runner:
                     if self.strategy.agree(self.preempt.received is not None):  # (a notice: stop at the last step
                         self._stop_for_preemption()  # committed, not in a quorum that may never form again)
                     continue
+                if out.skipped is not None:  # an unstable step: not applied (trainer.instability)
+                    ledger.add("instability", took - out.quorum)
+                    rolled = self.instability.skipped(self.step + 1, out.skipped, out.loss, out.culprits, out.keys)
+                    if not rolled:  # (epochs: its batches are behind the loader; a rollback re-planned already)
+                        self.total_steps = self.length.after_resume(self.step, self.total_steps, "a step skipped")
+                    if self.strategy.agree(self.preempt.received is not None):
+                        self._stop_for_preemption()
+                    continue
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
                 compute = took - out.data_wait - out.staging - compiling - out.quorum
                 ledger.add("data_wait", out.data_wait)
@@ -281,6 +305,9 @@ class Runner:
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
+    def _skipped(self, step: int, why: str, loss: float) -> None:
+        self.records.skipped(step, self.loader.epoch, why, loss)
+
     def rollback(self, at_most_step: int, why: str, keep_data: bool = True, bucket: str = "instability") -> int:
         """Back, in-process, to the newest verified checkpoint of a step at most ``at_most_step`` (every rank takes
         the same one; ``train.rollback``); ``keep_data``: the data position stays where it is (the data in between
@@ -291,7 +318,7 @@ class Runner:
         with self.ledger.measure(bucket), self.watchdog.phase("restore"):
             to = self.rollbacks(at_most_step, why, keep_data, self._batches)
             self.groups.restored(to)
-        self.total_steps = self.length.after_resume(to, self.total_steps)
+        self.total_steps = self.length.after_resume(to, self.total_steps, "rolled back")
         self.evals.resumed()
         epochs = self.rollbacks.epochs
         self.records.rolled_back(to, frm, keep_data, epochs, why, bucket, time.perf_counter() - t0)
@@ -300,6 +327,13 @@ class Runner:
     def train_step(self, batches: Batches) -> StepResult:
         """One optimizer step (``step.Stepper``); ``trainer.sdc.replay`` keeps a sampled step's batches."""
         return self.stepper(self.sdc.before_step(self.step + 1, batches, self.step + 1 >= self.total_steps))
+
+    def _pin(self, who: str, step: int | None) -> None:
+        """Retention keeps the newest checkpoint at or before the earliest step a rollback of ``who`` (instability,
+        sdc) may go back to (``None``: ``who`` needs none now)."""
+        self._pins[who] = step
+        held = [s for s in self._pins.values() if s is not None]
+        self.ckpt.pinned = min(held) if held else None
 
     def _retake(self, batches: Any) -> None:
         """(``trainer.sdc.replay``) The step just taken, again, on its own batches, from the state before it."""

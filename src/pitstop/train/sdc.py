@@ -114,10 +114,12 @@ class SdcCheck:
         replay: bool = False,
         target: Target | None = None,
         retake: Callable[[Any], None] | None = None,
+        pin: Callable[[int | None], None] | None = None,
     ):
         """``event(step, fields)``: a detection, to ``metrics.jsonl`` and the tracker; ``rollback(at_most, why)``:
         back to the newest verified checkpoint of a step at most ``at_most``, the same data again (its step).
-        ``replay`` (one process): ``retake(batches)`` takes the step just taken again, from ``target``'s state."""
+        ``replay`` (one process): ``retake(batches)`` takes the step just taken again, from ``target``'s state.
+        ``pin(step)``: retention keeps the newest checkpoint at or before ``step`` (a rollback's target)."""
         self.strategy, self.model, self.optimizer, self.ledger = strategy, model, optimizer, ledger
         self.run_dir, self.event, self.rollback = run_dir, event, rollback
         self.active = bool(enabled) and strategy.replicated and strategy.world_size > 1
@@ -129,11 +131,23 @@ class SdcCheck:
         self.covers = covered(strategy, bool(enabled), self.replaying)
         self.checks, self.seconds, self.digest_seconds = 0, 0.0, 0.0
         self.found: list[dict[str, Any]] = []  # each detection: its step, the ranks named (or not yet), the tensors
-        self.agreed = 0  # the last step whose digests agreed (or that every rank restored)
         self.pending: dict[str, Any] | None = None  # (no majority) the parameters at the detection, for the replay
         self._hosts: list[str] | None = None
+        self._pin = pin if pin is not None and (self.active or self.replaying) else (lambda step: None)
+        self.agreed = 0
         if enabled and strategy.is_main and not self.active and not self.replaying:
             log.info("trainer.sdc: %s", self.covers)
+
+    @property
+    def agreed(self) -> int:
+        """The last step whose digests agreed (or that every rank restored): a rollback goes back to a checkpoint at
+        or before it, which retention keeps (``pin``)."""
+        return self._agreed
+
+    @agreed.setter
+    def agreed(self, step: int) -> None:
+        self._agreed = step
+        self._pin(step)
 
     def started(self, step: int) -> None:
         """The run starts (or resumes) from ``step``: every rank holds the same state there."""

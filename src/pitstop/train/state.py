@@ -9,7 +9,7 @@ the watchdog's ``data`` phase and restarts stalled data workers once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,7 +122,8 @@ def _like(value: Any, model: Any) -> Any:
 @dataclass
 class StepResult:
     """One optimizer step: its mean loss, this rank's samples, and where its seconds went besides compute;
-    ``committed`` False: a replica group's step discarded because a peer failed during it (``strategy=ft``)."""
+    ``committed`` False: a replica group's step discarded because a peer failed during it (``strategy=ft``);
+    ``skipped``: an unstable step, not applied (``trainer.instability``)."""
 
     loss: float
     samples: int
@@ -130,6 +131,9 @@ class StepResult:
     staging: float
     committed: bool = True
     quorum: float = 0.0
+    skipped: str | None = None  # why its update was not applied (trainer.instability), else None
+    culprits: list[str] = field(default_factory=list)  # (skipped) the samples found non-finite alone
+    keys: list[str] = field(default_factory=list)  # (skipped) this rank's samples of the step
 
 
 class Batches:

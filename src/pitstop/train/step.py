@@ -1,7 +1,8 @@
 """One optimizer step, with the collaborators it uses passed in (the Runner builds it once, in setup).
 
 quorum (strategy=ft) -> per micro-batch: fetch, forward, backward (reduced on the last one only)
-  -> reduce across replica groups + commit -> clip -> wait for a save's staging -> optimizer + schedule
+  -> reduce across replica groups + commit -> the instability check (an unstable step stops here, not applied)
+  -> clip -> wait for a save's staging -> optimizer + schedule
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pitstop.resilience.watchdog import Watchdog
 from pitstop.strategy.base import Strategy
 from pitstop.strategy.groups import ReplicaGroups
 from pitstop.train.assembly import channels_last
+from pitstop.train.instability import Guard
 from pitstop.train.metering import StepMeter
 from pitstop.train.state import Batches, Progress, StepResult, TrainLoader
 from pitstop.train.steps import evaluate
@@ -54,6 +56,7 @@ class Stepper:
     batch_size: int
     grad_clip: float | None
     channels_last: bool
+    guard: Guard | None = None  # trainer.instability (None: off, a non-finite loss raises)
     micro: int = 1  # the micro-batch being taken (the sample log names it)
 
     def evaluate(
@@ -70,30 +73,44 @@ class Stepper:
             self.groups.begin_step()  # (strategy=ft) the step's quorum: a group that is behind heals here
         quorum = time.perf_counter() - t
         self.optimizer.zero_grad(set_to_none=True)
-        losses, samples, wait = [], 0, 0.0
+        guard = self.guard
+        if guard is not None:
+            guard.before(self.model)
+        losses, samples, wait, held = [], 0, 0.0, []
         for micro in range(1, self.accum + 1):
             self.micro = micro
             t = time.perf_counter()
             batch = self.device_batch(batches.next())
             wait += time.perf_counter() - t
+            keys = list(getattr(self.loader, "last_keys", ()))
+            held.append((batch, keys))
             samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.batch_size
             if micro == 1:
                 self.meter.first_batch(batch)  # its shapes, for counting a step's FLOPs once
             with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
                 with self.precision.autocast():
-                    loss = self.task.loss(self.model, batch)
+                    loss = self.fault.loss(step, keys, self.task.loss(self.model, batch))
                 self.precision.backward(loss / self.accum if self.accum > 1 else loss)
             losses.append(loss.detach())
             if micro < self.accum:
                 self.fault.after_micro_batch(step, micro)
         loss = losses[0] if self.accum == 1 else torch.stack(losses).float().mean()
-        if not torch.isfinite(loss):
+        if guard is None and not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check the data")
         with self.watchdog.phase("peers"):
             self.groups.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
             committed = self.groups.commit()
         if not committed:
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
+        why, nonfinite = guard.check(step, loss, self.model) if guard is not None else (None, False)
+        if why is not None:  # not applied: gradients dropped, buffers put back; the loader is past its batches
+            guard.put_back()  # (before the look for a bad sample: the model as it was before the step)
+            culprits = guard.culprits(step, held, self.model) if nonfinite else []
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loader.commit()
+            keys = [k for _, ks in held for k in ks]
+            return StepResult(loss.item(), samples, wait, 0.0, quorum=quorum, skipped=why, culprits=culprits, keys=keys)
+        del held
         self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
         self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
         if self.grad_clip:

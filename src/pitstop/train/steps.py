@@ -59,7 +59,7 @@ class RunLength:
     groups: ReplicaGroups
     strategy: Strategy  # (its world size)
 
-    def after_resume(self, step: int, total: int) -> int:
+    def after_resume(self, step: int, total: int, why: str = "resumed") -> int:
         """The new bound after a resume (with ``trainer.epochs``). Under replica groups (a loader that cuts one global
         order among the groups: ``fetches_left``) it comes from the data position, and the restored or healed
         schedule's plan is kept as it is, re-planned only after committed steps, the same in every group (a group's
@@ -71,7 +71,7 @@ class RunLength:
         if self.groups.shares_data_order:
             return step + self.loader.fetches_left(epochs, self.groups.participants) // self.accum
         return steps_at_this_world_size(
-            step, self.loader, epochs, self.accum, self.scheduler, total, self.strategy.world_size
+            step, self.loader, epochs, self.accum, self.scheduler, total, self.strategy.world_size, why
         )
 
     def after_step(self, step: int, total: int) -> int:
@@ -84,18 +84,26 @@ class RunLength:
 
 
 def steps_at_this_world_size(
-    step: int, loader: TrainLoader, epochs: int, accum: int, scheduler: LRScheduler, total: int, world_size: int
+    step: int,
+    loader: TrainLoader,
+    epochs: int,
+    accum: int,
+    scheduler: LRScheduler,
+    total: int,
+    world_size: int,
+    why: str = "resumed",
 ) -> int:
     """``trainer.epochs`` after a resume: the steps left are the batches left of the epochs at *this* world
     size (a checkpoint written by another number of ranks, e.g. after a node was lost or came back, leaves
-    the rest of its epoch to more or fewer ranks). The LR schedule (as saved) is re-planned to decay over them.
-    Returns the new total."""
+    the rest of its epoch to more or fewer ranks; a skipped step or a rollback moved the data position: ``why``).
+    The LR schedule (as saved) is re-planned to decay over them. Returns the new total."""
     new_total = step + batches_left(loader, epochs) // accum
     planned = planned_steps(scheduler) or total
     if new_total != planned:
         fits = replan(scheduler, step, new_total)
         log.info(
-            "resumed at step %d at world size %d: %d epochs end at step %d (were %d); %s",
+            "%s at step %d at world size %d: %d epochs end at step %d (were %d); %s",
+            why,
             step,
             world_size,
             epochs,

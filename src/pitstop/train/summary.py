@@ -63,6 +63,7 @@ class RunView:
             "throughput": r.throughput.summary(),
             "precision": r.precision.name,
             "sdc": r.sdc.stats(),
+            "instability": r.instability.stats(),  # (skipped steps, rollbacks, quarantined samples)
         }
         return {**out, "ft": r.groups.stats()} if r.groups.stats() is not None else out
 

@@ -25,6 +25,7 @@ from pitstop import fsurl
 from pitstop.data.remote import FetchPolicy, ShardRef
 from pitstop.errors import ConfigError, DataError
 from pitstop.data.loader import evaluation, plan, server
+from pitstop.parts.batch import without
 from pitstop.parts.seed import derive_seed
 
 from pitstop.data.loader.reader import Failure, ShardSource, StreamReader, from_transport
@@ -42,6 +43,8 @@ class TrainBatches(ABC):
     kind = "base"
     stats: dict[str, int]  # cumulative counters (samples, bytes from the source, ...)
     sample_log: Callable[[list[str]], None] | None  # each handed-out batch's sample keys (data.record_sample_ids)
+    quarantined: frozenset[str] = frozenset()  # sample keys never handed out (trainer.instability.quarantine)
+    last_keys: list[str] = []  # the sample keys of the batch handed out last
 
     @abstractmethod
     def __iter__(self) -> Iterator[Any]:
@@ -353,9 +356,12 @@ class ShardLoader(TrainBatches):
                 for counts in (item["io"], self.side_stats()):
                     for k, v in counts.items():
                         self.stats[k] = self.stats.get(k, 0) + v
+                data, self.last_keys = from_transport(item["data"]), item["keys"]
+                if self.quarantined and not self.quarantined.isdisjoint(self.last_keys):
+                    data, self.last_keys = without(data, self.last_keys, self.quarantined)
                 if self.sample_log is not None:
-                    self.sample_log(item["keys"])
-                yield from_transport(item["data"])
+                    self.sample_log(self.last_keys)
+                yield data
                 if self.batches >= limit:
                     break
                 if ahead is None and lead and limit - self.batches <= lead:  # no gap at the epoch boundary
