@@ -28,6 +28,7 @@ REQUIRED = {
         "preempt": ["fault.step=3"],
         "random": ["fault.mtbf_seconds=9"],
         "nonfinite": ["fault.step=3"],
+        "bitflip": ["fault.step=3"],
         "poison": ["fault.sample=0000000"],
     }
 }
