@@ -114,6 +114,10 @@ def surviving_keys(run_dir: str, skipped_out: Keys | None = None) -> tuple[Keys,
                 pending = None
             elif "skip" in r:  # the step whose keys were written last was not applied: they were skipped
                 step = int(r["skip"])
+                if pending is not None:  # (strategy=ft: its rows wait for an outcome that a skip replaces)
+                    skipped.extend((a_, r_, s_, e_ if e_ is not None else r.get("epoch"), k_)
+                                   for a_, r_, s_, e_, k_ in pending[0])  # fmt: skip
+                    pending = None
                 while rows and rows[-1][:3] == (attempt, rank, step):
                     a_, r_, s_, e_, k_ = rows.pop()
                     skipped.append((a_, r_, s_, e_ if e_ is not None else r.get("epoch"), k_))

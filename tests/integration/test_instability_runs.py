@@ -67,6 +67,17 @@ def test_a_non_finite_loss_is_skipped_on_its_step_and_the_run_goes_on(make_cfg, 
     _no_checkpoint_holds_a_nan(cfg.run_dir)
 
 
+def test_a_skipped_last_step_ends_the_epochs_one_step_early_and_that_step_is_saved(make_cfg):
+    """The epoch's last (partial) batch is the one skipped: the run ends one step early, its last step saved."""
+    cfg = make_cfg(*RUN, "trainer.max_steps=null", "trainer.epochs=1", "trainer.batch_size=64",
+                   "ckpt.interval_steps=100", "fault=nonfinite", "fault.step=23")  # fmt: skip
+    s = train(cfg)
+    assert s["final_step"] == s["total_steps"] == 22 and s["instability"]["skipped_steps"] == 1
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == ["step_00000022"]
+    (epoch,) = audit(cfg.run_dir)
+    assert (epoch.once, epoch.skipped, epoch.repeated, epoch.missing) == (22 * 64, 1438 - 22 * 64, 0, 0)
+
+
 def test_a_poisoned_sample_is_quarantined_and_every_other_sample_is_taken_once_per_epoch(make_cfg, tmp_path):
     first = make_cfg(*RUN, "trainer.max_steps=1", "trainer.batch_size=64", f"run_dir={tmp_path / 'peek'}")
     train(first)

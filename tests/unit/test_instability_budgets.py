@@ -163,3 +163,13 @@ def test_a_rollback_moves_the_work_since_its_checkpoint_to_its_bucket(tmp_path):
     (attempt,) = doc["attempts"]
     assert list(attempt["marks"]) == ["4"] and attempt["rollbacks"][0]["seconds"] == 5.0
     assert doc["totals"]["productive"] == 4.0 and doc["totals"]["instability"] == 5.0
+
+
+def test_the_audit_reads_a_skip_under_replica_groups(tmp_path):
+    """strategy=ft writes each step's keys with its quorum and then its outcome; a skipped step has a skip line."""
+    lines = [_head(1.0), {"step": 1, "quorum": 1, "keys": ["a", "b"]}, {"commit": 1, "ok": True, "quorum": 1},
+             {"step": 2, "quorum": 1, "keys": ["c", "d"]}, {"skip": 2, "epoch": 0},
+             {"step": 2, "quorum": 1, "keys": ["e", "f"]}, {"commit": 2, "ok": True, "quorum": 1}]  # fmt: skip
+    _logs(tmp_path, {0: lines}, [(1, 0), (2, 0)])
+    (epoch,) = audit(str(tmp_path))
+    assert (epoch.once, epoch.skipped, epoch.repeated, epoch.missing) == (4, 2, 0, 2)

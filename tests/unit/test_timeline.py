@@ -55,3 +55,14 @@ def test_a_job_of_replica_groups_draws_a_line_per_group(tmp_path):
 def test_a_dir_that_is_no_run_is_refused_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no goodput.json"):
         lines(str(tmp_path))
+
+
+def test_a_skipped_step_and_a_rollback_are_marked(tmp_path):
+    _attempt(tmp_path, 1000.0, [1, 2, 3, 4])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "skip", "step": 5, "value": "nan", "why": "x", "time": 1005.2}) + "\n")
+        f.write(json.dumps({"event": "rollback", "step": 2, "from": 4, "bucket": "instability", "time": 1005.5}) + "\n")
+    line = read(str(tmp_path))
+    assert [(round(t, 3), s) for t, s in line.skips] == [(5.2, 5)] and line.rollbacks == [(5.5, 2)]
+    assert [s for _, s in line.steps] == [1, 2, 3, 4]  # (neither is a step taken)
+    assert draw(str(tmp_path)).endswith("timeline.png")

@@ -115,6 +115,7 @@ class Guard:
         self.spikes = SpikeMedian(settings.spike_factor, int(settings.spike_window))
         self.probe = bool(settings.quarantine) and strategy.name != "fsdp"  # (FSDP: a forward is a collective)
         self.grads = precision.scaler is None  # (fp16: the scaler owns inf gradients)
+        self.buffers = not shares_data_order  # (replica groups: each group's own; the groups must decide alike)
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def before(self, model: nn.Module) -> None:
@@ -138,7 +139,7 @@ class Guard:
             grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
             finite, here = bool(torch.isfinite(norm)), f"gradient norm {norm.item()}"
-        if finite:  # (what the forward changed: BatchNorm's statistics, which a save would otherwise refuse)
+        if finite and self.buffers:  # (what the forward changed: BatchNorm's statistics, a save would refuse them)
             bufs = [b for b, _ in self._buffers if b.is_floating_point()]
             finite, here = not bufs or bool(torch.stack([torch.isfinite(b).all() for b in bufs]).all()), "a buffer"
         mine, value = finite, float(loss) if finite else 0.0

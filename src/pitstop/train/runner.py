@@ -251,6 +251,11 @@ class Runner:
                     rolled = self.instability.skipped(self.step + 1, out.skipped, out.loss, out.culprits, out.keys)
                     if not rolled:  # (epochs: its batches are behind the loader; a rollback re-planned already)
                         self.total_steps = self.length.after_resume(self.step, self.total_steps, "a step skipped")
+                    if self.step >= self.total_steps and self.ckpt.last_started != self.step:  # (it was the last)
+                        with watch.phase("checkpoint"):
+                            saves = self.groups.saves_checkpoints()
+                            saved = self.ckpt.maybe_save(self.target, self.step, last=True) if saves else SaveResult()
+                        ledger.add("checkpoint", saved.blocked)
                     if self.strategy.agree(self.preempt.received is not None):
                         self._stop_for_preemption()
                     continue
