@@ -209,6 +209,7 @@ class SdcCheck:
             self.agreed = step
             return False
         tensors = [n for n in first if first[n] != again.get(n)][:3]
+        self._repeats(step, [0], tensors)
         how = "its two computations of the step (trainer.sdc.replay) differed"
         self._record([0], step, how, tensors)
         self.found.append({"step": step, "ranks": [0], "tensors": tensors, "rolled_back_to": None})
@@ -227,14 +228,7 @@ class SdcCheck:
     # ---- a mismatch ---------------------------------------------------------------------------------------------
     def _mismatch(self, step: int, digests: list[list[int]], odd: list[int], names: list[str]) -> bool:
         tensors = differing(digests, names)
-        ranks = odd or [r for r in range(len(digests))]
-        if self.pending is not None and self.pending["step"] == step:
-            self._record(ranks, step, "differed again in the replay after a rollback", tensors)
-            raise CorruptionRepeats(
-                f"silent data corruption at step {step} again after rolling back: rank(s) "
-                f"{', '.join(map(str, ranks))} differ ({', '.join(tensors)}); a device that computes wrong, or a "
-                f"step that is not deterministic: stopped (see {os.path.join(self.run_dir, SUSPECTS_FILE)})"
-            )
+        self._repeats(step, odd or list(range(len(digests))), tensors)
         if odd:
             how = f"the odd one out of {len(digests)} replicas"
             self._record(odd, step, how, tensors)
@@ -260,6 +254,19 @@ class SdcCheck:
         detection["rolled_back_to"] = to
         self.agreed = to
         return True
+
+    def _repeats(self, step: int, ranks: list[int], tensors: list[str]) -> None:
+        """A corruption found again at a step where one was found and rolled back already (a device that computes
+        wrong again, or a step that is not deterministic): the ranks recorded, and the run stops in one line."""
+        if not any(f["step"] == step for f in self.found):
+            return
+        self.pending = None
+        self._record(ranks, step, "differed again at this step after a rollback", tensors)
+        raise CorruptionRepeats(
+            f"silent data corruption at step {step} again after rolling back: rank(s) {', '.join(map(str, ranks))} "
+            f"({', '.join(tensors)}); a device that computes wrong every time, or a step that is not deterministic: "
+            f"stopped (see {os.path.join(self.run_dir, SUSPECTS_FILE)})"
+        )
 
     def _named_by_replay(self, step: int) -> None:
         pending, self.pending = self.pending, None
