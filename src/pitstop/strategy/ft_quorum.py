@@ -52,6 +52,7 @@ class Quorums(ReplicaGroups):
         self._sections: dict[str, str] = {}  # the config's top-level sections -> a digest (expect_config)
         self._code = "-"  # their digests, in order: what a peer's id must carry
         self._twins: dict[str, int] = {}  # another process's id with this group's replica_id -> quorums seen in
+        self._formation = (0, 1)  # the last quorum's furthest step, and how many groups it had
         self._ready = False  # a quorum was formed (by join) that the next step uses
         self.heals: list[dict] = []  # {"step", "seconds"} per heal from a peer
         self.quorum_seconds = 0.0  # waiting for quorums (heals included), this attempt
@@ -91,6 +92,9 @@ class Quorums(ReplicaGroups):
         ``strategy.replica_id``, if this group is the later one of the two to start (the earlier one goes on)."""
         self._asked_heal = bool(getattr(quorum, "heal", False))  # (this rank must heal in this quorum)
         mine = self._full_id
+        # (what join's first formation needs: the furthest step of the quorum, and which groups are in it)
+        names = {other.split(":")[0] for other in quorum.replica_ids} | {mine.split(":")[0]}
+        self._formation = (int(getattr(quorum, "max_step", 0) or 0), len(names))
         for other in quorum.replica_ids:
             parts = other.split(":")
             if other == mine or len(parts) != 4 or not parts[0].startswith("replica"):
@@ -160,9 +164,12 @@ class Quorums(ReplicaGroups):
     def join(self) -> bool:
         """The first quorum of this attempt; True if the group healed from a live peer in it (its state is that
         peer's: no checkpoint is read), False if no peer is ahead (a new job, or every group restarted: restore
-        from the newest durable checkpoint, as every group of the quorum does)."""
+        from the newest durable checkpoint, as every group of the quorum does). When no group of the quorum has
+        taken a step yet, it waits for every group of the job first (:meth:`_gather`)."""
+        until = time.monotonic() + self.quorum_timeout
         for attempt in range(3):  # a heal that failed (its source died meanwhile): the next quorum, another peer
             self._quorum()
+            self._gather(until)
             # (the group's ranks decide together: each heals its own part, and one whose transfer failed must not
             # ask for a quorum alone while the others train or restore)
             if not self.inner.any(not (self.heals or self.manager.errored() is None)):
@@ -176,6 +183,40 @@ class Quorums(ReplicaGroups):
             )
         self._ready = True
         return healed
+
+    def _gather(self, until: float) -> None:
+        """The job's first formation: while no group of the quorum has taken a step (all at step 0: a new job, or
+        every group restarted, as after the whole job was killed) and a group of the job (``strategy.replicas``) is
+        not in it, ask again, one heartbeat interval apart, until every group is or ``until`` has passed
+        (``strategy.quorum_timeout`` after the join began). With ``strategy.min_replicas`` below the job's groups,
+        the Lighthouse forms a quorum of the groups that have started; one that took a step alone would make the
+        others heal from it, and the run would differ from one whose every step had every group."""
+        t0, pause = time.monotonic(), max(10, self.heartbeat_ms // 5) / 1000  # (torchft's heartbeat interval)
+        asked = 0
+        while self.inner.any(self._short_of_groups() and time.monotonic() < until):
+            time.sleep(pause)
+            self.quorum_seconds += pause
+            self._quorum()
+            asked += 1
+        if not asked:
+            return
+        waited, groups = time.monotonic() - t0, self._formation[1]
+        if self._short_of_groups():
+            log.warning(
+                "the job's first quorum has %d of its %d replica groups after %.0f s (strategy.quorum_timeout=%g): "
+                "starting without the others (they heal from this one when they come)",
+                groups,
+                self.replicas,
+                waited,
+                self.quorum_timeout,
+            )
+        else:
+            log.info("the job's first quorum: waited %.2f s for every replica group (%d)", waited, self.replicas)
+
+    def _short_of_groups(self) -> bool:
+        """This quorum formed without every group of the job, none of which has taken a step."""
+        step, groups = self._formation
+        return self.manager.errored() is None and step == 0 and groups < self.replicas
 
     def peer_wait_seconds(self) -> float:
         """A quorum waits up to ``strategy.quorum_timeout``; a heal's transfer, the all-reduce and the commit each
