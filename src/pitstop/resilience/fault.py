@@ -9,7 +9,6 @@ exponential distribution (mean ``mtbf_seconds``, seeded by (seed, attempt)), so 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pitstop.errors import ConfigError
+from pitstop.resilience.fault_record import count_fired, first_time, note_fired
 
 if TYPE_CHECKING:
     from pitstop.ckpt.contract import Checkpointer
@@ -155,7 +155,7 @@ class CrashAtStep(NoFault):
             and self.micro_batch is None
             and step == self.step
             and self.ctx.rank == self.rank
-            and _first_time(self.ctx.run_dir, self.key())
+            and first_time(self.ctx.run_dir, self.key())
         ):
             self.fire()
 
@@ -164,23 +164,23 @@ class CrashAtStep(NoFault):
             micro_batch == self.micro_batch
             and step == self.step
             and self.ctx.rank == self.rank
-            and _first_time(self.ctx.run_dir, self.key())
+            and first_time(self.ctx.run_dir, self.key())
         ):
             self.fire()
 
     def during_eval(self, step: int, batch: int) -> None:
         if self.phase == "eval" and step >= self.step and self.ctx.rank == self.rank:
-            if _first_time(self.ctx.run_dir, self.key()):
+            if first_time(self.ctx.run_dir, self.key()):
                 self.fire()
 
     def _restoring(self, path: str) -> None:
         from pitstop.ckpt.layout import step_of
 
-        if step_of(path) >= self.step and _first_time(self.ctx.run_dir, self.key()):
+        if step_of(path) >= self.step and first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def _healing(self, step: int) -> None:
-        if step >= self.step and _first_time(self.ctx.run_dir, self.key()):
+        if step >= self.step and first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def bind(self, ctx: FaultContext) -> None:
@@ -305,14 +305,14 @@ class RandomFault(NoFault):
             return
         import numpy as np
 
-        n = _count(ctx.run_dir, self.name)
+        n = count_fired(ctx.run_dir, self.name)
         ttf = float(np.random.default_rng([self.seed, n]).exponential(self.mtbf))
         delay = max(0.0, ttf - (time.time() - ctx.start_wall))
         log.info("fault=random: attempt %d fails %.1f s after its start (mtbf %.0f s)", n + 1, ttf, self.mtbf)
         run_dir = ctx.run_dir
 
         def fire() -> None:
-            _record(run_dir, f"{self.name}#{n}")
+            note_fired(run_dir, f"{self.name}#{n}")
             _kill(f"random failure {n + 1}, {ttf:.1f} s after start")
 
         self.timer = threading.Timer(delay, fire)
@@ -346,7 +346,7 @@ class DuringSave(NoFault):
         if self.armed or self.ctx.rank != self.rank or started is None or started < self.step:
             return
         self.armed = True
-        if not _count(self.ctx.run_dir, self.name):
+        if not count_fired(self.ctx.run_dir, self.name):
             threading.Thread(target=self._watch, daemon=True, name="pitstop-fault").start()
 
     def _watch(self) -> None:
@@ -359,7 +359,7 @@ class DuringSave(NoFault):
         while not self.stop.is_set():
             path = step_dir(ckpt.root, ckpt.last_started)  # the save in progress (not a purge)
             if not is_complete(path) and dir_bytes(path) > 0:  # (in an object store: a whole file, no marker)
-                _record(self.ctx.run_dir, self.name)
+                note_fired(self.ctx.run_dir, self.name)
                 _kill(f"during the write of {path.rstrip('/').rsplit('/', 1)[-1]}")
             time.sleep(pause)
 
@@ -382,50 +382,9 @@ class DuringHeal(NoFault):
         super().bind(ctx)
         if ctx.on_heal_served is None:
             raise ConfigError("fault=during_heal kills a replica group as a peer heals from it: it needs strategy=ft")
-        if ctx.rank == self.rank and not _count(ctx.run_dir, self.name):
+        if ctx.rank == self.rank and not count_fired(ctx.run_dir, self.name):
             ctx.on_heal_served(self._serving)
 
     def _serving(self, step: int) -> None:
-        if step >= self.step and _first_time(self.ctx.run_dir, self.name):
+        if step >= self.step and first_time(self.ctx.run_dir, self.name):
             _kill(f"while a peer heals from this group's state at step {step}")
-
-
-def _records(run_dir: str) -> list[dict]:
-    """The faults that already fired in this run dir (RUN_DIR/faults.jsonl): each its key, time and process."""
-    path = os.path.join(run_dir, "faults.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _fired(run_dir: str) -> list[str]:
-    """The keys of the faults that already fired in this run dir."""
-    return [r.get("key", "") for r in _records(run_dir)]
-
-
-def killed_by_fault(run_dir: str, pid: int) -> bool:
-    """Fault injection killed process ``pid`` (a fault writes its line, naming its process, before it kills)."""
-    try:
-        return any(isinstance(r, dict) and r.get("pid") == pid for r in _records(run_dir))
-    except (OSError, ValueError, AttributeError, RecursionError):  # (a damaged file: no proof it was injected)
-        return False
-
-
-def _count(run_dir: str, prefix: str) -> int:
-    return sum(1 for key in _fired(run_dir) if key.startswith(prefix))
-
-
-def _record(run_dir: str, key: str) -> None:
-    with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
-        f.write(json.dumps({"key": key, "time": time.time(), "pid": os.getpid()}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _first_time(run_dir: str, key: str) -> bool:
-    """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
-    if key in _fired(run_dir):
-        return False
-    _record(run_dir, key)
-    return True
