@@ -2,14 +2,15 @@
 
 ``bug`` raises the same error at its step in every attempt (a deterministic bug: what the crash-loop check is
 tested with). ``crash_at_step``, ``stall`` and ``during_save`` fire once per run dir (``RUN_DIR/faults.jsonl`` remembers
-them), so the restarted job gets past them. ``random`` fires in every attempt after a time drawn from an
-exponential distribution (mean ``mtbf_seconds``, seeded by (seed, attempt)), so a job with
-``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
+them), so the restarted job gets past them. ``random`` fires in every attempt after a time (or a number of steps)
+drawn from an exponential distribution (mean ``mtbf_seconds``, or ``mtbf_steps``; seeded by (seed, attempt)), so a job
+with ``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -284,15 +285,30 @@ class PreemptAtStep(CrashAtStep):
 
 
 class RandomFault(NoFault):
-    """SIGKILL at a random moment: time to failure ~ Exponential(mean ``mtbf_seconds``) from process start,
-    drawn from (``seed``, attempt number), in every attempt (a timer thread: it can hit any phase)."""
+    """SIGKILL at a random moment in every attempt, drawn from (``seed``, attempt number): ``mtbf_seconds``, after a
+    time ~ Exponential(mean ``mtbf_seconds``) from process start (a timer thread: it can hit any phase); or
+    ``mtbf_steps``, at the end of the attempt's K-th step, K ~ Exponential(mean ``mtbf_steps``) rounded up (after
+    that step's save started; the same steps on every machine, however fast)."""
 
     name = "random"
 
-    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: int | str | None = None):
-        self.replica = replica
-        self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
+    def __init__(
+        self,
+        mtbf_seconds: float | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        replica: int | str | None = None,
+        mtbf_steps: float | None = None,
+    ):
+        if (mtbf_seconds is None) == (mtbf_steps is None):
+            raise ConfigError(
+                f"fault=random needs one of fault.mtbf_seconds (wall clock) and fault.mtbf_steps (steps), got "
+                f"{mtbf_seconds} and {mtbf_steps}: set one of them, e.g. fault.mtbf_steps=100"
+            )
+        self.replica, self.in_steps = replica, mtbf_steps is not None
+        self.mtbf, self.seed, self.rank = float(mtbf_steps if self.in_steps else mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
+        self.fails_at: int | None = None  # (mtbf_steps) the step this attempt fails at, once its first step ends
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -305,8 +321,12 @@ class RandomFault(NoFault):
             return
         import numpy as np
 
-        n = count_fired(ctx.run_dir, self.name)
+        self.n = n = count_fired(ctx.run_dir, self.name)
         ttf = float(np.random.default_rng([self.seed, n]).exponential(self.mtbf))
+        if self.in_steps:
+            self.steps = max(1, math.ceil(ttf))
+            log.info("fault=random: attempt %d fails after %d steps (mtbf %g steps)", n + 1, self.steps, self.mtbf)
+            return
         delay = max(0.0, ttf - (time.time() - ctx.start_wall))
         log.info("fault=random: attempt %d fails %.1f s after its start (mtbf %.0f s)", n + 1, ttf, self.mtbf)
         run_dir = ctx.run_dir
@@ -318,6 +338,13 @@ class RandomFault(NoFault):
         self.timer = threading.Timer(delay, fire)
         self.timer.daemon = True
         self.timer.start()
+
+    def after_step(self, step: int) -> None:
+        if self.in_steps and self.ctx.rank == self.rank:
+            self.fails_at = step - 1 + self.steps if self.fails_at is None else self.fails_at
+            if step >= self.fails_at:
+                note_fired(self.ctx.run_dir, f"{self.name}#{self.n}")
+                _kill(f"random failure {self.n + 1}, at step {step}: this attempt's step {self.steps}")
 
     def close(self) -> None:
         if self.timer is not None:
