@@ -52,6 +52,11 @@ class Bug(AtStep):
     """``fault=bug``: a rank raises the same error at a step in every attempt that reaches it (a deterministic bug)."""
 
     _target_: str = "pitstop.resilience.fault.BugAtStep"
+    phase: str = key(
+        "step",
+        "step (the end of step N, in every attempt that reaches it) | heal (strategy=ft: in every heal at step N or "
+        "later, as the group applies a peer's state: a state it cannot take)",
+    )
 
 
 @dataclass

@@ -245,13 +245,18 @@ class StallAtStep(CrashAtStep):
 class BugAtStep(NoFault):
     """A deterministic bug: rank ``rank`` raises ``ValueError`` at the end of step ``step`` in every attempt that
     reaches it, as a shape bug on an epoch's last, partial batch would (not once per run dir: a restart resumes from
-    a checkpoint before it and replays it; what the crash-loop check is tested with)."""
+    a checkpoint before it and replays it; what the crash-loop check is tested with). ``phase=heal``
+    (``strategy=ft``): in every heal at step ``step`` or later instead, as the group applies the state a peer sent
+    (a state it cannot take: its restarts heal again and fail the same way)."""
 
     name = "bug"
 
-    def __init__(self, step: int, rank: int = 0, replica: int | str | None = None):
+    def __init__(self, step: int, rank: int = 0, replica: int | str | None = None, phase: str = "step"):
         self.replica = replica
         self.step, self.rank = int(step), rank
+        if phase not in ("step", "heal"):
+            raise ConfigError(f"fault.phase={phase!r}: fault=bug fires at the end of a step or in a heal: step or heal")
+        self.phase = phase
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -260,10 +265,18 @@ class BugAtStep(NoFault):
                 f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault would never fire; "
                 f"lower fault.step"
             )
+        if self.phase == "heal" and ctx.rank == self.rank:
+            if ctx.on_heal is None:
+                raise ConfigError("fault.phase=heal fires as a replica group applies a peer's state: strategy=ft")
+            ctx.on_heal(self._healing)
 
     def after_step(self, step: int) -> None:
-        if step == self.step and self.ctx.rank == self.rank:
+        if self.phase == "step" and step == self.step and self.ctx.rank == self.rank:
             raise ValueError(f"expected a batch of 64, got 14 (fault=bug: a deterministic bug at step {step})")
+
+    def _healing(self, step: int) -> None:
+        if step >= self.step:
+            raise ValueError(f"expected a batch of 64, got 14 (fault=bug: in every heal from step {self.step} on)")
 
 
 class PreemptAtStep(CrashAtStep):
