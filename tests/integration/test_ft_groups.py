@@ -131,7 +131,7 @@ def test_a_group_whose_peers_are_gone_for_good_ends_in_one_line_after_a_bounded_
     """strategy.min_replicas=2 and the other group never comes (gone for good): each step is discarded, and each
     discarded step would look like progress to hang detection; the group ends after five times the longest wait for
     peers (quorum_timeout + 2 x timeout = 1 + 2 x 1 s here) instead of discarding steps forever."""
-    from pitstop.strategy.ft import PeersGone
+    from pitstop.strategy.ft_quorum import PeersGone
 
     cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": 0, "lighthouse": lighthouse}})
     group = ft_strategy(replicas=2, replica_id=0, lighthouse=lighthouse, timeout=1, quorum_timeout=1, min_replicas=2,

@@ -18,6 +18,16 @@ from conftest import refused, train
     [
         (["fault=random", "fault.mtbf_seconds=-5", "trainer.max_restarts=3"], "fault.mtbf_seconds must be a positive"),
         (["fault=random", "fault.mtbf_seconds=30"], "set trainer.max_restarts"),
+        (["fault=random", "fault.mtbf_steps=0", "trainer.max_restarts=3"], "fault.mtbf_steps must be a positive"),
+        (
+            ["fault=random", "trainer.max_restarts=3"],
+            "fault=random needs one of fault.mtbf_seconds (wall clock) and "
+            "fault.mtbf_steps (steps), got None and None: set one of them",
+        ),
+        (
+            ["fault=random", "fault.mtbf_seconds=9", "fault.mtbf_steps=9", "trainer.max_restarts=3"],
+            "got 9.0 and 9.0: set one of them",
+        ),
         (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
         (["fault=during_heal", "ckpt=sync_save"], "fault=during_heal kills a replica group as a peer heals from it"),
         (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),

@@ -210,10 +210,10 @@ def test_a_manual_rerun_after_a_kill_is_one_job_in_the_ledger(data_root, tmp_pat
 
 @pytest.mark.slow
 def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_path, reference):
-    # Seed 56828 with a 30 s MTBF draws 1.7 s for the first attempt, counted from the job's start (the whole job
-    # takes ~3.7 s here: it dies in its first steps, or on a slower machine in its set-up, either way before it
-    # ends) and 223 s for the second (it finishes first, however slow the machine). (Seed 30891's 4.4 s no longer
-    # came before the end once attempts stopped importing torch again.)
+    # fault.mtbf_steps: the failures are drawn in steps, so they fall in the run however fast the machine is. Seed 137
+    # with a mean of 60 steps draws 35 steps for the first attempt (killed at the end of step 35: it resumes from the
+    # save of 30) and 173 for the second (past the end: it finishes). (Drawn in seconds, a seed tuned to one machine's
+    # speed let a faster one end the job before its first failure.)
     run_dir = tmp_path / "run"
     p = cli(
         [
@@ -223,8 +223,8 @@ def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_
             "ckpt=sync_save",
             "ckpt.interval_steps=10",
             "fault=random",
-            "fault.mtbf_seconds=30",
-            "fault.seed=56828",
+            "fault.mtbf_steps=60",
+            "fault.seed=137",
             "trainer.max_restarts=3",
         ],
         data_root,
@@ -234,7 +234,10 @@ def test_random_failures_are_seeded_and_the_job_finishes_exactly(data_root, tmp_
     s, doc = load(run_dir)
     assert s["params_sha256"] == reference[120]
     assert [r["key"] for r in read_jsonl(run_dir / "faults.jsonl")] == ["random#0"]
-    assert doc["restarts"] == 1 and "attempt 1 fails 1.7 s after its start" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "attempt 1 fails after 35 steps (mtbf 60 steps)" in log and "attempt 2 fails after 173 steps" in log
+    assert "SIGKILL (random failure 1, at step 35: this attempt's step 35)" in log
+    assert doc["restarts"] == 1 and [a.get("resumed_from") for a in doc["attempts"]] == [None, 30], doc["attempts"]
     check_account(doc)
 
 

@@ -211,6 +211,34 @@ def test_the_plain_sbatch_script_trains_on_two_nodes_and_a_notice_requeues_it_on
     assert s["world_size"] == 2 and s["final_step"] == 120 and s["params_sha256"] == ddp2
 
 
+def test_a_deterministic_bug_stops_both_nodes_of_an_sbatch_job_in_one_line_and_it_is_not_requeued(
+    slurm, data_root, tmp_path
+):
+    # deploy/slurm/train.sbatch, ddp over n1 and n2, the bug on rank 1 (on n2) at step 6, strategy.max_restarts=10:
+    # rank 1 fails the same way twice and stops n2's agent; rank 0 on n1 loses its peer, finds the verdict in the
+    # shared run dir and stops n1's agent too. Both agents exit 2 with the loop's line, the script requeues only on
+    # 75, and the job ends FAILED, Restarts=0. (Before, n1's agent waited strategy.timeout, 300 s, for a rendezvous
+    # that n2 never joined, and ended with a line about the rendezvous.)
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = ["strategy=ddp", "strategy.nproc_per_node=1", "strategy.cpu_threads=1", "debug=tiny",
+                 "trainer.max_steps=10", "logger=none", "ckpt=sync_dcp", "ckpt.interval_steps=4", "fault=bug",
+                 "fault.step=6", "fault.rank=1", "strategy.max_restarts=10"]  # fmt: skip
+    job = sbatch(env, tmp_path, [], overrides, data_root)
+    out, deadline = tmp_path / f"slurm-{job}.out", time.monotonic() + 120
+    while job_state(slurm, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        assert time.monotonic() < deadline, (out.read_text() if out.exists() else "no output")[-3000:]
+        time.sleep(0.5)
+    text = out.read_text(errors="replace")
+    assert job_state(slurm, job) == "FAILED" and "pitstop: the nodes' agents exited with 2 2" in text, text[-3000:]
+    assert text.count("error: the same failure happened twice at step 6 on rank 1, with no progress") == 2, text[-3000:]
+    assert "requeueing" not in text
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
+    assert "Restarts=0" in shown and "ExitCode=2:0" in shown, shown
+    rank1 = [r["attempt"] for r in read_jsonl(run_dir / "failures.jsonl") if r["rank"] == 1]
+    assert rank1 == [0, 1]  # (the agents restarted once, then were stopped)
+
+
 def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     """Kill one node of the local cluster as a node failure would: its slurmd, and every process of ``job`` on it
     (the tasks, their children and their slurmstepd), all stopped first so none of them reacts."""

@@ -9,7 +9,7 @@ import pytest
 
 from pitstop.launch import repeats
 from pitstop.launch.repeats import Failure
-from pitstop.resilience.fault import killed_by_fault
+from pitstop.resilience.fault_record import killed_by_fault
 
 
 def test_a_signature_is_the_type_and_first_line_with_what_differs_per_process_made_alike():

@@ -324,7 +324,10 @@ class FT(Single):
         250, "a group silent this long leaves the quorum (bounds a healthy group's pause)", check=Positive()
     )
     quorum_timeout: float = key(
-        60.0, "seconds a group waits for a quorum (min_replicas groups) before it fails", check=Positive()
+        60.0,
+        "seconds a group waits for a quorum (min_replicas groups) before it fails; "
+        "and the job's first quorum for every group",
+        check=Positive(),
     )
     max_restarts: int = key(5, "restarts per group (each restarts alone and heals from a live peer)", check=Integer(0))
 

@@ -52,6 +52,11 @@ class Bug(AtStep):
     """``fault=bug``: a rank raises the same error at a step in every attempt that reaches it (a deterministic bug)."""
 
     _target_: str = "pitstop.resilience.fault.BugAtStep"
+    phase: str = key(
+        "step",
+        "step (the end of step N, in every attempt that reaches it) | heal (strategy=ft: in every heal at step N or "
+        "later, as the group applies a peer's state: a state it cannot take)",
+    )
 
 
 @dataclass
@@ -94,13 +99,18 @@ class Stall(AtStep):
 
 @dataclass
 class RandomFault(NoFault):
-    """``fault=random``: a rank is killed at random times (a seeded Poisson stream)."""
+    """``fault=random``: a rank is killed at random times (a seeded Poisson stream), in seconds or in steps."""
 
     _target_: str = "pitstop.resilience.fault.RandomFault"
-    mtbf_seconds: float = key(
-        MISSING,
-        "mean time between failures (seconds of wall clock)",
-        check=Positive(what="a positive number of seconds"),
+    mtbf_seconds: Optional[float] = key(
+        None,
+        "mean time between failures (seconds of wall clock; a timer: any phase); or mtbf_steps",
+        check=Positive(optional=True, what="a positive number of seconds"),
+    )
+    mtbf_steps: Optional[float] = key(
+        None,
+        "mean steps between failures (an attempt fails at the end of a drawn step: the same on every machine)",
+        check=Positive(optional=True, what="a positive number of steps"),
     )
     seed: int = key("${seed}", "the same seed gives the same failure times (attempt by attempt)")
     rank: int = key(0, "which rank is killed (the others follow: the job restarts as a whole)")

@@ -77,6 +77,8 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         elif not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
             step = runner.step if runner is not None and hasattr(runner, "progress") else None
             loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts)
+        elif not facts.supervised and lost_peer(str(e)):
+            peers_loop(run_dir, facts)
         if not facts.supervised:
             raise
         text = str(e) if isinstance(e, PitstopError) else f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -107,6 +109,18 @@ def stop_job(run_dir: str, line: str, facts: LaunchFacts) -> str:
         except OSError:
             pass
     return line
+
+
+def peers_loop(run_dir: str, facts: LaunchFacts) -> None:
+    """A rank under torch's agent that lost its peer: if the peer's rank stopped its own agent on a crash loop (its
+    verdict in the shared run dir, left during this attempt), stop this node's agent too (SIGHUP): on another node it
+    would restart its ranks into a rendezvous that the looping node never joins, and fail after strategy.timeout
+    with a line about the rendezvous instead of the loop's."""
+    if facts.agent_pid and repeats.marked(run_dir, facts.program_start) is not None:
+        try:
+            os.kill(facts.agent_pid, signal.SIGHUP)
+        except OSError:
+            pass
 
 
 def warm_modules(cfg: DictConfig) -> set[str]:

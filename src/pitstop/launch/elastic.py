@@ -85,18 +85,11 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         results = elastic_launch(config, worker)(
             OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start, os.getpid()
         )
-    except RendezvousClosedError:
-        raise PitstopError(
-            f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
-            f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
-            f"the same one resumes from its checkpoints)"
-        ) from None
-    except (RendezvousTimeoutError, RendezvousConnectionError) as e:
-        raise PitstopError(
-            f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
-            f"{job.rendezvous_timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
-            f"address and that strategy.nnodes={nodes} nodes come up"
-        ) from None
+    except (RendezvousClosedError, RendezvousTimeoutError, RendezvousConnectionError) as e:
+        loop = repeats.marked(run_dir, job_start)  # (another node's rank found a crash loop and stopped its agent)
+        if loop is not None:
+            raise CrashLoop(loop) from None
+        raise rendezvous_failed(e, endpoint, job, run_dir) from None
     except SignalException as e:
         loop = repeats.marked(run_dir, job_start)  # (a rank found the same failure twice and stopped the agent)
         if loop is not None:
@@ -115,6 +108,24 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         notice.close()
         del store
     return results[min(results)]  # keyed by global rank: this node's first
+
+
+def rendezvous_failed(e: Exception, endpoint: str, job: LaunchPlan, run_dir: str) -> PitstopError:
+    """The one line for a rendezvous this node could not complete: closed (the job ended or failed elsewhere), or
+    not joined in time."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    if isinstance(e, RendezvousClosedError):
+        return PitstopError(
+            f"the job's rendezvous at {endpoint} is closed: the job already ended or failed on "
+            f"another node (see {run_dir}/train.log); start a new job (a new run_dir resumes nothing, "
+            f"the same one resumes from its checkpoints)"
+        )
+    return PitstopError(
+        f"this node could not join the job's rendezvous at {endpoint} within strategy.timeout="
+        f"{job.rendezvous_timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
+        f"address and that strategy.nnodes={job.nodes_text} nodes come up"
+    )
 
 
 def rendezvous_store(endpoint: str, timeout: float) -> TCPStore:

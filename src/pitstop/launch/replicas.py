@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import schema
+from pitstop.errors import CrashLoop
 from pitstop.launch.attempt import start_warm
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.supervisor import _exit_on_signal, attempts
@@ -173,6 +174,11 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
                     notice=notice,
                 )
         except BaseException as e:  # noqa: BLE001 - reported below, after every group ended
+            if isinstance(e, CrashLoop):  # a restart cannot fix it: the job stops (the others save and leave)
+                e = CrashLoop(str(e) if str(e).startswith("replica group") else f"replica group {k}: {e}")
+                errors[k] = e
+                notice.hand_on(notice.signals[0] if notice.signals else signal.SIGTERM, f"replica group {k} loops")
+                return
             errors[k] = e
             running = groups - len(results) - len(errors)
             if running and running < strategy.min_replicas and notice.signals:  # they cannot step any more:
@@ -203,6 +209,9 @@ def run_replicas(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     if ranks > 1:  # (one agent process per group; its attempts are those of its ledger that this launch started)
         started = {k: this_launch_attempts(run_dir, k, job_start - 0.01) for k in range(groups)}
     out = write_job_summary(run_dir, groups, ranks, results, errors, started, time.time() - t0)
+    loops = [errors[k] for k in sorted(errors) if isinstance(errors[k], CrashLoop)]
+    if loops:  # (exit status 2 and no requeue, whatever the other groups did: the same failure would follow)
+        raise loops[0]
     if errors and not results:  # no group finished the job
         failed = [errors[k] for k in sorted(errors) if not isinstance(errors[k], Preempted)]
         if not failed:
@@ -268,6 +277,7 @@ def agent_group(
     import multiprocessing as mp
 
     from pitstop.errors import ConfigError, PitstopError
+    from pitstop.launch.repeats import CRASH_LOOP_EXIT
     from pitstop.notices import notices_blocked
     from pitstop.resilience.preempt import PREEMPTED_EXIT
     from pitstop.parts.launch_facts import error_file
@@ -300,7 +310,7 @@ def agent_group(
             why = f.read().strip()
     except OSError:
         why = f"its agent ended with exit status {child.exitcode}"
-    raise (ConfigError if child.exitcode == 2 else PitstopError)(why)
+    raise {2: ConfigError, CRASH_LOOP_EXIT: CrashLoop}.get(child.exitcode or 0, PitstopError)(why)
 
 
 def _agent_main(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int) -> None:
@@ -309,6 +319,7 @@ def _agent_main(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int) -> None:
 
     from pitstop.errors import ConfigError
     from pitstop.launch.elastic import elastic
+    from pitstop.launch.repeats import CRASH_LOOP_EXIT
     from pitstop.resilience.preempt import PREEMPTED_EXIT
     from pitstop.parts.launch_facts import record_error
 
@@ -318,8 +329,10 @@ def _agent_main(cfg_yaml: str, job: LaunchPlan, run_dir: str, k: int) -> None:
     except Preempted:
         raise SystemExit(PREEMPTED_EXIT) from None
     except BaseException as e:  # noqa: BLE001 - one line for the launcher, which names the group
-        record_error(run_dir, f"replica group {k}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
-        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        record_error(run_dir, f"replica group {k}: {text if isinstance(e, CrashLoop) else text[:300]}")
+        code = 2 if isinstance(e, ConfigError) else CRASH_LOOP_EXIT if isinstance(e, CrashLoop) else 1
+        raise SystemExit(code) from None
 
 
 def this_launch_attempts(run_dir: str, k: int, since: float) -> int:

@@ -20,7 +20,7 @@ from pitstop.launch.attempt import run_attempt, start_warm
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure
 from pitstop.launch.plan import LaunchPlan
 from pitstop.notices import notices_blocked
-from pitstop.resilience.fault import killed_by_fault
+from pitstop.resilience.fault_record import killed_by_fault
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.parts import launch_facts
 from pitstop.parts.launch_facts import LaunchFacts, error_file

@@ -10,7 +10,8 @@ import logging
 import torch
 
 from pitstop.errors import ConfigError
-from pitstop.resilience.fault import FaultContext, NoFault, _first_time
+from pitstop.resilience.fault import FaultContext, NoFault
+from pitstop.resilience.fault_record import first_time
 
 log = logging.getLogger("pitstop.resilience.fault")
 
@@ -74,7 +75,7 @@ class BitflipAtStep(NoFault):
         return f"{self.name}@{self.step}"
 
     def after_step(self, step: int) -> None:
-        if step == self.step and self.ctx.rank == self.rank and _first_time(self.ctx.run_dir, self.key()):
+        if step == self.step and self.ctx.rank == self.rank and first_time(self.ctx.run_dir, self.key()):
             name, p = self.param
             before, after = flip_exponent_bit(p.data, self.bit)
             log.warning(

@@ -2,15 +2,15 @@
 
 ``bug`` raises the same error at its step in every attempt (a deterministic bug: what the crash-loop check is
 tested with). ``crash_at_step``, ``stall`` and ``during_save`` fire once per run dir (``RUN_DIR/faults.jsonl`` remembers
-them), so the restarted job gets past them. ``random`` fires in every attempt after a time drawn from an
-exponential distribution (mean ``mtbf_seconds``, seeded by (seed, attempt)), so a job with
-``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
+them), so the restarted job gets past them. ``random`` fires in every attempt after a time (or a number of steps)
+drawn from an exponential distribution (mean ``mtbf_seconds``, or ``mtbf_steps``; seeded by (seed, attempt)), so a job
+with ``trainer.max_restarts`` sees a reproducible Poisson stream of failures.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pitstop.errors import ConfigError
+from pitstop.resilience.fault_record import count_fired, first_time, note_fired
 
 if TYPE_CHECKING:
     from pitstop.ckpt.contract import Checkpointer
@@ -161,7 +162,7 @@ class CrashAtStep(NoFault):
             and self.micro_batch is None
             and step == self.step
             and self.ctx.rank == self.rank
-            and _first_time(self.ctx.run_dir, self.key())
+            and first_time(self.ctx.run_dir, self.key())
         ):
             self.fire()
 
@@ -170,23 +171,23 @@ class CrashAtStep(NoFault):
             micro_batch == self.micro_batch
             and step == self.step
             and self.ctx.rank == self.rank
-            and _first_time(self.ctx.run_dir, self.key())
+            and first_time(self.ctx.run_dir, self.key())
         ):
             self.fire()
 
     def during_eval(self, step: int, batch: int) -> None:
         if self.phase == "eval" and step >= self.step and self.ctx.rank == self.rank:
-            if _first_time(self.ctx.run_dir, self.key()):
+            if first_time(self.ctx.run_dir, self.key()):
                 self.fire()
 
     def _restoring(self, path: str) -> None:
         from pitstop.ckpt.layout import step_of
 
-        if step_of(path) >= self.step and _first_time(self.ctx.run_dir, self.key()):
+        if step_of(path) >= self.step and first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def _healing(self, step: int) -> None:
-        if step >= self.step and _first_time(self.ctx.run_dir, self.key()):
+        if step >= self.step and first_time(self.ctx.run_dir, self.key()):
             self.fire()
 
     def bind(self, ctx: FaultContext) -> None:
@@ -250,13 +251,18 @@ class StallAtStep(CrashAtStep):
 class BugAtStep(NoFault):
     """A deterministic bug: rank ``rank`` raises ``ValueError`` at the end of step ``step`` in every attempt that
     reaches it, as a shape bug on an epoch's last, partial batch would (not once per run dir: a restart resumes from
-    a checkpoint before it and replays it; what the crash-loop check is tested with)."""
+    a checkpoint before it and replays it; what the crash-loop check is tested with). ``phase=heal``
+    (``strategy=ft``): in every heal at step ``step`` or later instead, as the group applies the state a peer sent
+    (a state it cannot take: its restarts heal again and fail the same way)."""
 
     name = "bug"
 
-    def __init__(self, step: int, rank: int = 0, replica: int | str | None = None):
+    def __init__(self, step: int, rank: int = 0, replica: int | str | None = None, phase: str = "step"):
         self.replica = replica
         self.step, self.rank = int(step), rank
+        if phase not in ("step", "heal"):
+            raise ConfigError(f"fault.phase={phase!r}: fault=bug fires at the end of a step or in a heal: step or heal")
+        self.phase = phase
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -265,10 +271,18 @@ class BugAtStep(NoFault):
                 f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault would never fire; "
                 f"lower fault.step"
             )
+        if self.phase == "heal" and ctx.rank == self.rank:
+            if ctx.on_heal is None:
+                raise ConfigError("fault.phase=heal fires as a replica group applies a peer's state: strategy=ft")
+            ctx.on_heal(self._healing)
 
     def after_step(self, step: int) -> None:
-        if step == self.step and self.ctx.rank == self.rank:
+        if self.phase == "step" and step == self.step and self.ctx.rank == self.rank:
             raise ValueError(f"expected a batch of 64, got 14 (fault=bug: a deterministic bug at step {step})")
+
+    def _healing(self, step: int) -> None:
+        if step >= self.step:
+            raise ValueError(f"expected a batch of 64, got 14 (fault=bug: in every heal from step {self.step} on)")
 
 
 class PreemptAtStep(CrashAtStep):
@@ -290,15 +304,30 @@ class PreemptAtStep(CrashAtStep):
 
 
 class RandomFault(NoFault):
-    """SIGKILL at a random moment: time to failure ~ Exponential(mean ``mtbf_seconds``) from process start,
-    drawn from (``seed``, attempt number), in every attempt (a timer thread: it can hit any phase)."""
+    """SIGKILL at a random moment in every attempt, drawn from (``seed``, attempt number): ``mtbf_seconds``, after a
+    time ~ Exponential(mean ``mtbf_seconds``) from process start (a timer thread: it can hit any phase); or
+    ``mtbf_steps``, at the end of the attempt's K-th step, K ~ Exponential(mean ``mtbf_steps``) rounded up (after
+    that step's save started; the same steps on every machine, however fast)."""
 
     name = "random"
 
-    def __init__(self, mtbf_seconds: float, seed: int = 0, rank: int = 0, replica: int | str | None = None):
-        self.replica = replica
-        self.mtbf, self.seed, self.rank = float(mtbf_seconds), int(seed), rank
+    def __init__(
+        self,
+        mtbf_seconds: float | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        replica: int | str | None = None,
+        mtbf_steps: float | None = None,
+    ):
+        if (mtbf_seconds is None) == (mtbf_steps is None):
+            raise ConfigError(
+                f"fault=random needs one of fault.mtbf_seconds (wall clock) and fault.mtbf_steps (steps), got "
+                f"{mtbf_seconds} and {mtbf_steps}: set one of them, e.g. fault.mtbf_steps=100"
+            )
+        self.replica, self.in_steps = replica, mtbf_steps is not None
+        self.mtbf, self.seed, self.rank = float(mtbf_steps if self.in_steps else mtbf_seconds), int(seed), rank
         self.timer: threading.Timer | None = None
+        self.fails_at: int | None = None  # (mtbf_steps) the step this attempt fails at, once its first step ends
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -311,19 +340,30 @@ class RandomFault(NoFault):
             return
         import numpy as np
 
-        n = _count(ctx.run_dir, self.name)
+        self.n = n = count_fired(ctx.run_dir, self.name)
         ttf = float(np.random.default_rng([self.seed, n]).exponential(self.mtbf))
+        if self.in_steps:
+            self.steps = max(1, math.ceil(ttf))
+            log.info("fault=random: attempt %d fails after %d steps (mtbf %g steps)", n + 1, self.steps, self.mtbf)
+            return
         delay = max(0.0, ttf - (time.time() - ctx.start_wall))
         log.info("fault=random: attempt %d fails %.1f s after its start (mtbf %.0f s)", n + 1, ttf, self.mtbf)
         run_dir = ctx.run_dir
 
         def fire() -> None:
-            _record(run_dir, f"{self.name}#{n}")
+            note_fired(run_dir, f"{self.name}#{n}")
             _kill(f"random failure {n + 1}, {ttf:.1f} s after start")
 
         self.timer = threading.Timer(delay, fire)
         self.timer.daemon = True
         self.timer.start()
+
+    def after_step(self, step: int) -> None:
+        if self.in_steps and self.ctx.rank == self.rank:
+            self.fails_at = step - 1 + self.steps if self.fails_at is None else self.fails_at
+            if step >= self.fails_at:
+                note_fired(self.ctx.run_dir, f"{self.name}#{self.n}")
+                _kill(f"random failure {self.n + 1}, at step {step}: this attempt's step {self.steps}")
 
     def close(self) -> None:
         if self.timer is not None:
@@ -352,7 +392,7 @@ class DuringSave(NoFault):
         if self.armed or self.ctx.rank != self.rank or started is None or started < self.step:
             return
         self.armed = True
-        if not _count(self.ctx.run_dir, self.name):
+        if not count_fired(self.ctx.run_dir, self.name):
             threading.Thread(target=self._watch, daemon=True, name="pitstop-fault").start()
 
     def _watch(self) -> None:
@@ -365,7 +405,7 @@ class DuringSave(NoFault):
         while not self.stop.is_set():
             path = step_dir(ckpt.root, ckpt.last_started)  # the save in progress (not a purge)
             if not is_complete(path) and dir_bytes(path) > 0:  # (in an object store: a whole file, no marker)
-                _record(self.ctx.run_dir, self.name)
+                note_fired(self.ctx.run_dir, self.name)
                 _kill(f"during the write of {path.rstrip('/').rsplit('/', 1)[-1]}")
             time.sleep(pause)
 
@@ -388,50 +428,9 @@ class DuringHeal(NoFault):
         super().bind(ctx)
         if ctx.on_heal_served is None:
             raise ConfigError("fault=during_heal kills a replica group as a peer heals from it: it needs strategy=ft")
-        if ctx.rank == self.rank and not _count(ctx.run_dir, self.name):
+        if ctx.rank == self.rank and not count_fired(ctx.run_dir, self.name):
             ctx.on_heal_served(self._serving)
 
     def _serving(self, step: int) -> None:
-        if step >= self.step and _first_time(self.ctx.run_dir, self.name):
+        if step >= self.step and first_time(self.ctx.run_dir, self.name):
             _kill(f"while a peer heals from this group's state at step {step}")
-
-
-def _records(run_dir: str) -> list[dict]:
-    """The faults that already fired in this run dir (RUN_DIR/faults.jsonl): each its key, time and process."""
-    path = os.path.join(run_dir, "faults.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _fired(run_dir: str) -> list[str]:
-    """The keys of the faults that already fired in this run dir."""
-    return [r.get("key", "") for r in _records(run_dir)]
-
-
-def killed_by_fault(run_dir: str, pid: int) -> bool:
-    """Fault injection killed process ``pid`` (a fault writes its line, naming its process, before it kills)."""
-    try:
-        return any(isinstance(r, dict) and r.get("pid") == pid for r in _records(run_dir))
-    except (OSError, ValueError, AttributeError, RecursionError):  # (a damaged file: no proof it was injected)
-        return False
-
-
-def _count(run_dir: str, prefix: str) -> int:
-    return sum(1 for key in _fired(run_dir) if key.startswith(prefix))
-
-
-def _record(run_dir: str, key: str) -> None:
-    with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
-        f.write(json.dumps({"key": key, "time": time.time(), "pid": os.getpid()}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _first_time(run_dir: str, key: str) -> bool:
-    """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
-    if key in _fired(run_dir):
-        return False
-    _record(run_dir, key)
-    return True

@@ -12,7 +12,8 @@ import logging
 from typing import Any
 
 from pitstop.errors import ConfigError
-from pitstop.resilience.fault import FaultContext, NoFault, _first_time
+from pitstop.resilience.fault import FaultContext, NoFault
+from pitstop.resilience.fault_record import first_time
 
 log = logging.getLogger("pitstop.resilience.fault")
 
@@ -40,7 +41,7 @@ class NonFiniteAtStep(NoFault):
     def loss(self, step: int, keys: list[str], loss: Any) -> Any:
         if step != self.step or self.ctx.rank != self.rank:
             return loss
-        if not _first_time(self.ctx.run_dir, f"nonfinite:{self.step}:{self.rank}"):
+        if not first_time(self.ctx.run_dir, f"nonfinite:{self.step}:{self.rank}"):
             return loss
         log.warning("fault injection: the loss of step %d is NaN on rank %d", step, self.rank)
         return _nan(loss)

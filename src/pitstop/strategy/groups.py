@@ -88,8 +88,8 @@ class ReplicaGroups:
 
     def aim_fault(self, spec: dict) -> dict:
         """The ``fault`` section for this group: ``fault.replica`` aims it at one group (K), or at every group (any:
-        a random fault then fires in each with ``replicas x mtbf_seconds``, seeded per group, so the job sees
-        failures at the mean ``mtbf_seconds``)."""
+        a random fault then fires in each with ``replicas x mtbf_seconds`` (or ``mtbf_steps``), seeded per group, so
+        the job sees failures at the mean ``mtbf_seconds``)."""
         spec = dict(spec)
         replica, group = spec.pop("replica", None), self.replica_id
         if replica is not None and group is None:
@@ -98,8 +98,10 @@ class ReplicaGroups:
             raise ConfigError(f"fault.replica={replica!r} must be null, any or 0 .. strategy.replicas-1")
         if replica not in (None, "any") and replica != group:
             return {"_target_": "pitstop.resilience.fault.NoFault"}
-        if group is not None and "mtbf_seconds" in spec and replica == "any":
-            spec["mtbf_seconds"] = float(spec["mtbf_seconds"]) * self.replicas
+        mtbf = [k for k in ("mtbf_seconds", "mtbf_steps") if spec.get(k) is not None]
+        if group is not None and mtbf and replica == "any":
+            for k in mtbf:
+                spec[k] = float(spec[k]) * self.replicas
             spec["seed"] = int(spec.get("seed") or 0) * 1000 + int(group)
         return spec
 
