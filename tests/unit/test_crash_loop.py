@@ -66,3 +66,33 @@ def test_the_verdict_marker_counts_only_for_this_launch(tmp_path):
 def test_a_kill_the_fault_injection_made_is_told_by_its_pid(tmp_path):
     (tmp_path / "faults.jsonl").write_text(json.dumps({"key": "random#0", "time": 1.0, "pid": 4242}) + "\n")
     assert killed_by_fault(str(tmp_path), 4242) and not killed_by_fault(str(tmp_path), 4243)
+
+
+def F(attempt: int, step: int | None, what: str = "E: x", rank: int = 0) -> Failure:
+    return Failure(rank, attempt, step, what)
+
+
+@pytest.mark.parametrize(
+    "past,extra",
+    [
+        ([], 0),
+        ([F(0, 6)], 0),  # a launch's first failure is never dearer
+        ([F(0, 6), F(1, 9, "E: y"), F(2, 14, "E: z")], 0),  # new steps between failures: each costs 1
+        ([F(0, 6), F(1, 6, "E: y")], 1),  # another failure where the last one was: costs 2
+        ([F(0, 6), F(1, 4, "E: y"), F(2, 5, "E: z")], 2),  # never past step 6 again
+        ([F(0, 6), F(1, None, "E: y")], 1),  # failed before its first step
+        ([F(0, 6), F(0, 7, rank=1), F(1, 7, "E: y")], 1),  # an attempt's step: its furthest rank's
+        ([F(0, 6), F(1, 6, "E: y"), F(0, 50), F(1, 60, "E: y")], 0),  # only the latest launch (attempts from 0 again)
+    ],
+)
+def test_failures_without_progress_cost_the_restart_budget_one_more(past, extra):
+    assert repeats.without_progress(past) == extra
+
+
+def test_the_budget_line_says_what_was_used_and_why():
+    assert repeats.budget_line(3, 0, "trainer.max_restarts", 5) == "3 failure(s): 3 of trainer.max_restarts=5"
+    line = repeats.budget_line(3, 2, "trainer.max_restarts", 4)
+    assert (
+        line
+        == "3 failure(s), 2 of them with no step past the failure before (each counts 2): 5 of trainer.max_restarts=4"
+    )

@@ -76,7 +76,8 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
             loop = stop_job(run_dir, str(e), facts)
         elif not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
             step = runner.step if runner is not None and hasattr(runner, "progress") else None
-            loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts)
+            limit = OmegaConf.select(OmegaConf.create(cfg_yaml), "strategy.max_restarts", default=None)
+            loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts, limit)
         elif not facts.supervised and lost_peer(str(e)):
             peers_loop(run_dir, facts)
         if not facts.supervised:
@@ -86,14 +87,24 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         raise SystemExit(CRASH_LOOP_EXIT if loop else 1) from None
 
 
-def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts) -> str | None:
+def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts, limit: int | None = None) -> str | None:
     """Record this attempt's failure; if it repeats the one before (:mod:`pitstop.launch.repeats`), the one line
     that stops the job. Under torch's agent the verdict is left for the launcher and the agent is told to stop
     (SIGHUP, which the agent handles by stopping every rank, and which is no preemption notice by default): it would
     otherwise restart the ranks into the same failure."""
     repeated = repeats.note(run_dir, failure)
     if repeated is None:
-        return None
+        if facts.supervised or not facts.agent_pid or limit is None:  # (the supervisor weighs its own budget)
+            return None
+        # Under torch's agent, which counts every restart as one: a failure with no progress since the one before
+        # costs one more (repeats.without_progress); the rank stops the agent when that is past its limit.
+        extra = repeats.without_progress(repeats.history(run_dir))
+        if extra == 0 or facts.restart + 1 + extra <= int(limit):  # (else torch's own count decides, as before)
+            return None
+        budget = repeats.budget_line(facts.restart + 1, extra, "strategy.max_restarts", int(limit))
+        line = f"the job failed (last: rank {failure.rank}: {failure.what}); its restarts are used up ({budget})"
+        logging.getLogger("pitstop").error("%s", line)
+        return stop_job(run_dir, line, facts)
     line = repeats.verdict(failure, repeated, run_dir)
     logging.getLogger("pitstop").error("%s", line)
     return stop_job(run_dir, line, facts)

@@ -71,6 +71,43 @@ def previous(past: list[Failure], failure: Failure) -> Failure | None:
     return None if progressed else last
 
 
+def this_launch(past: list[Failure]) -> list[Failure]:
+    """The failures of the latest launch. A launch numbers its attempts from 0 up (every failed rank of an attempt
+    writes a line), so it is the tail of the file whose attempt numbers never go down."""
+    start = len(past)
+    while start > 0 and (start == len(past) or past[start - 1].attempt <= past[start].attempt):
+        start -= 1
+    return past[start:]
+
+
+def without_progress(past: list[Failure]) -> int:
+    """How many of the latest launch's failed attempts came with no progress: no step past the furthest step an
+    earlier failure of the launch had reached (the first failure of a launch always counts as progress). Each costs the restart
+    budget one restart more than a failure after progress (:func:`budget_line`): a job that fails at new steps is
+    doing work between its failures (Llama 3's 419 interruptions in 54 days), one that fails again where it
+    failed before, in another way, is likely to go on doing so."""
+    reached: dict[int, int | None] = {}
+    for f in this_launch(past):
+        if f.step is not None:
+            reached[f.attempt] = max(f.step, reached.get(f.attempt) or 0)
+        else:
+            reached.setdefault(f.attempt, None)
+    count, before = 0, None
+    for attempt in sorted(reached):
+        step = reached[attempt]
+        if attempt != min(reached) and (step is None or (before is not None and step <= before)):
+            count += 1
+        if step is not None:
+            before = step if before is None else max(before, step)
+    return count
+
+
+def budget_line(failures: int, extra: int, limit_key: str, limit: int) -> str:
+    """The restart budget as used: ``failures`` failed attempts, ``extra`` of them without progress (counted twice)."""
+    dearer = f", {extra} of them with no step past the failure before (each counts 2)" if extra else ""
+    return f"{failures} failure(s){dearer}: {failures + extra} of {limit_key}={limit}"
+
+
 def note(run_dir: str, failure: Failure) -> Failure | None:
     """Record ``failure`` (one line, appended) and return the failure it repeats, or None."""
     repeated = previous(history(run_dir), failure)

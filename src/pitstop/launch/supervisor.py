@@ -77,7 +77,9 @@ def attempts(
     os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
     max_restarts, limit_key, grace = job.restarts, job.restarts_key, job.grace
-    for attempt in range(max_restarts + 1):
+    attempt = -1
+    while True:
+        attempt += 1
         if notice is not None and notice.received is not None:  # (the notice came between two attempts)
             raise Preempted(f"preempted ({notice.received.name}); run the same command again to resume ({run_dir})")
         if os.path.exists(errors):
@@ -130,20 +132,13 @@ def attempts(
             loop = killed(run_dir, attempt, -code, child.pid)  # step as the last is a loop too (out-of-memory kills)
             if loop:
                 raise CrashLoop(loop)
-        if attempt < max_restarts:
-            log.warning(
-                "%s %d failed (%s); restarting (%d of %s=%d)",
-                name,
-                attempt + 1,
-                why,
-                attempt + 1,
-                limit_key,
-                max_restarts,
+        extra = repeats.without_progress(repeats.history(run_dir))  # (a failure where the last one was costs 2)
+        budget = repeats.budget_line(attempt + 1, extra, limit_key, max_restarts)
+        if attempt + 1 + extra > max_restarts:
+            raise PitstopError(
+                f"the job failed (last: {why}); its restarts are used up ({budget}) — see {run_dir}/train.log"
             )
-    raise PitstopError(
-        f"the job failed {max_restarts + 1} times (last: {why}); "
-        f"{limit_key}={max_restarts} is used up — see {run_dir}/train.log"
-    )
+        log.warning("%s %d failed (%s); restarting (%s)", name, attempt + 1, why, budget)
 
 
 def killed(run_dir: str, attempt: int, signum: int, pid: int | None) -> str | None:
