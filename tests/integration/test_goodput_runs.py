@@ -30,7 +30,7 @@ from conftest import refused, train
         ),
         (["fault=during_save", "ckpt=none"], "fault=during_save needs checkpoints"),
         (["fault=during_heal", "ckpt=sync_save"], "fault=during_heal kills a replica group as a peer heals from it"),
-        (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is after the last step (12)"),
+        (["fault=crash_at_step", "fault.step=500"], "fault.step=500 is not a step of this run (1..12)"),
         (["fault=crash_at_step", "fault.step=3", "fault.rank=2"], "fault.rank=2 but the job has 1 rank(s)"),
         (["fault=stall", "fault.step=3"], "fault.rank=1 but the job has 1 rank(s)"),
         (["trainer.hang.min_seconds=0"], "trainer.hang.min_seconds must be a positive number, got 0"),

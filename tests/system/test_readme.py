@@ -46,7 +46,8 @@ COMPOSED_ONLY = {
     "fault=bug fault.step=6": "exits 2 on purpose; the same command runs in "
     "system/test_crash_loop_launchers.py (two attempts, one line)",
     "fault=nonfinite": "integration/test_instability_runs.py runs it (the step skipped, the run goes on)",
-    "fault=poison": "integration/test_instability_runs.py runs it (the sample quarantined, the audit clean over two epochs)",
+    "fault=poison": "integration/test_instability_runs.py runs it (the sample quarantined, the audit clean over two "
+    "epochs)",
     "optim.lr=1e6": "exits 2 on purpose; system/test_instability.py runs it (stops in one line, no restart)",
     "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
     "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",

@@ -82,9 +82,9 @@ def this_launch(past: list[Failure]) -> list[Failure]:
 
 def without_progress(past: list[Failure]) -> int:
     """How many of the latest launch's failed attempts came with no progress: no step past the furthest step an
-    earlier failure of the launch had reached (the first failure of a launch always counts as progress). Each costs the restart
-    budget one restart more than a failure after progress (:func:`budget_line`): a job that fails at new steps is
-    doing work between its failures (Llama 3's 419 interruptions in 54 days), one that fails again where it
+    earlier failure of the launch had reached (a launch's first failure always counts as progress). Each costs the
+    restart budget one restart more than a failure after progress (:func:`budget_line`): a job that fails at new
+    steps is doing work between its failures (Llama 3's 419 interruptions in 54 days); one that fails again where it
     failed before, in another way, is likely to go on doing so."""
     reached: dict[int, int | None] = {}
     for f in this_launch(past):

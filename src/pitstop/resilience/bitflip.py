@@ -10,7 +10,7 @@ import logging
 import torch
 
 from pitstop.errors import ConfigError
-from pitstop.resilience.fault import FaultContext, NoFault
+from pitstop.resilience.fault import FaultContext, NoFault, check_step
 from pitstop.resilience.fault_record import first_time
 
 log = logging.getLogger("pitstop.resilience.fault")
@@ -56,11 +56,7 @@ class BitflipAtStep(NoFault):
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
-        if self.step > ctx.total_steps:
-            raise ConfigError(
-                f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault would never fire; "
-                f"lower fault.step"
-            )
+        check_step(self.step, ctx)
         if ctx.model is None:
             raise ConfigError("fault=bitflip corrupts a parameter: it needs the model (a Runner's run)")
         self.param = first_parameter(ctx.model)

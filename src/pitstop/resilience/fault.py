@@ -88,6 +88,15 @@ class Fault(ABC):
         """Disarm (the job ends)."""
 
 
+def check_step(step: int, ctx: FaultContext) -> None:
+    """A fault aimed at step ``step`` must name a step of this run (1 .. its last), else it would never fire."""
+    if not 1 <= step <= ctx.total_steps:
+        raise ConfigError(
+            f"fault.step={step} is not a step of this run (1..{ctx.total_steps}): the fault would never fire; "
+            f"choose a step in that range"
+        )
+
+
 class NoFault(Fault):
     name = "none"
     rank = 0
@@ -145,11 +154,7 @@ class CrashAtStep(NoFault):
 
     def _bind_step(self, ctx: FaultContext) -> None:
         NoFault.bind(self, ctx)
-        if self.step > ctx.total_steps:
-            raise ConfigError(
-                f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault "
-                f"would never fire; lower fault.step"
-            )
+        check_step(self.step, ctx)
         if self.micro_batch is not None and self.micro_batch >= ctx.grad_accum_steps:
             raise ConfigError(
                 f"fault.micro_batch={self.micro_batch} needs trainer.grad_accum_steps > "
@@ -266,11 +271,7 @@ class BugAtStep(NoFault):
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
-        if self.step > ctx.total_steps:
-            raise ConfigError(
-                f"fault.step={self.step} is after the last step ({ctx.total_steps}): the fault would never fire; "
-                f"lower fault.step"
-            )
+        check_step(self.step, ctx)
         if self.phase == "heal" and ctx.rank == self.rank:
             if ctx.on_heal is None:
                 raise ConfigError("fault.phase=heal fires as a replica group applies a peer's state: strategy=ft")

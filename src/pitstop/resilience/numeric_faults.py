@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from pitstop.errors import ConfigError
-from pitstop.resilience.fault import FaultContext, NoFault
+from pitstop.resilience.fault import FaultContext, NoFault, check_step
 from pitstop.resilience.fault_record import first_time
 
 log = logging.getLogger("pitstop.resilience.fault")
@@ -33,10 +33,7 @@ class NonFiniteAtStep(NoFault):
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
-        if not 1 <= self.step <= ctx.total_steps:
-            raise ConfigError(
-                f"fault.step={self.step} is not a step of this run (1..{ctx.total_steps}): the fault would never fire"
-            )
+        check_step(self.step, ctx)
 
     def loss(self, step: int, keys: list[str], loss: Any) -> Any:
         if step != self.step or self.ctx.rank != self.rank:
