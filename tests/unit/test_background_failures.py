@@ -32,7 +32,16 @@ def test_an_exception_that_ends_a_background_thread_reaches_the_log(caplog):
 def test_a_watchdog_whose_thread_dies_says_so_and_disarms_its_backstop(caplog, monkeypatch):
     w = Watchdog(factor=10, min_seconds=0.4, first_seconds=50)
     cancelled = []
-    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: cancelled.append(True))
+    real_cancel = faulthandler.cancel_dump_traceback_later
+
+    def cancel() -> None:  # counted, and still done: a no-op here left the real backstop (re-armed at the phase's
+        cancelled.append(True)  # end: ~31 s) armed; it ended pytest (status 1) mid-suite whenever the suite was slower
+        real_cancel()
+
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", cancel)
+    armed = []
+    real_arm = faulthandler.dump_traceback_later
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda s, **k: (armed.append(s), real_arm(s, **k)))
 
     def broken(name: str) -> float:
         raise KeyError(name)
@@ -44,7 +53,10 @@ def test_a_watchdog_whose_thread_dies_says_so_and_disarms_its_backstop(caplog, m
         try:
             with w.phase("step"):
                 thread.join(timeout=10)
+                armed_by_the_watcher = len(armed)
+            after_its_death = armed[armed_by_the_watcher:]  # the phase's end must not arm it again: nothing re-arms it
         finally:
             close()
-    assert not thread.is_alive() and cancelled
+            real_cancel()  # (whatever happened above, no native backstop outlives this test)
+    assert not thread.is_alive() and cancelled and after_its_death == []
     assert "the hang watchdog stopped (KeyError: 'step'): hangs on rank 0 are no longer detected" in caplog.text

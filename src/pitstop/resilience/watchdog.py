@@ -179,7 +179,12 @@ class Watchdog:
         try:
             self._watch_phases()
         except Exception as e:  # noqa: BLE001 - a watchdog that died must say so, and must not kill a healthy run later
-            faulthandler.cancel_dump_traceback_later()
+            # disarmed for good: _stop set under the arming lock, so that the end of the main thread's next phase
+            # (_observe) cannot arm the backstop again with no watcher left to re-arm it (it ended the process later)
+            with self._arming:
+                self._stop.set()
+                faulthandler.cancel_dump_traceback_later()
+                self._armed = None
             log.error(
                 "the hang watchdog stopped (%s: %s): hangs on rank %d are no longer detected in this attempt",
                 type(e).__name__,
