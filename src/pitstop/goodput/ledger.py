@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -156,6 +157,7 @@ class GoodputLog:
             "marks": {},
         }
         self._last_write, self._interval = 0.0, heartbeat
+        self._writing = threading.RLock()
         # On record from the start: an attempt killed during init (or restore) still has its time accounted
         # and counts as an attempt (the next one's recovery gap starts where this record ends).
         self.write(0)
@@ -232,6 +234,12 @@ class GoodputLog:
             self.write(step)
 
     def write(self, step: int, status: str = "running") -> dict:
+        with self._writing:  # (the hang watchdog's thread records a hang while the loop's may write its heartbeat)
+            return self._write(step, status)
+
+    def _write(self, step: int, status: str) -> dict:
+        if status == "running" and self.attempt.get("status") == "hung":
+            status = "hung"  # (a heartbeat after the watchdog declared the hang does not take it back)
         self.attempt.update(step=step, status=status, end=round(time.time(), 3), buckets=self.ledger.split())
         if self.extra is not None:
             self.attempt.update(self.extra())

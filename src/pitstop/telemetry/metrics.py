@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 
@@ -36,8 +37,9 @@ class MetricsFile:
 
 def write_text_atomic(path: str, text: str, fsync: bool = True) -> None:
     """Replace ``path`` with ``text`` in one step: readers see the old file or the new one, never a mix.
-    The temp name is per process, so concurrent writers (e.g. parallel sweep jobs) never share one."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    The temp name is per process and thread, so concurrent writers (parallel sweep jobs; the hang watchdog's thread
+    recording a hang while the loop's thread writes its heartbeat) never share one."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
         if fsync:  # durable, not only atomic
