@@ -60,6 +60,7 @@ import torch
 from pitstop.errors import Unrecoverable
 from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
+from pitstop.parts.batch import local_shard
 from pitstop.parts.digest import (
     deviation_at,
     differing,
@@ -199,7 +200,7 @@ class SdcCheck:
         t = time.perf_counter()
         with self.ledger.measure("sdc"):
             named = replica_state(self.model, self.optimizer)
-            local = replica_digest([v for _, v in named])
+            local = replica_digest([local_shard(v) for _, v in named])  # (ft's fsdp inside: rank r's shard)
             if local.device.type == "cuda":
                 torch.cuda.synchronize(local.device)  # (the digest's own time, apart from the collective's)
             t1 = time.perf_counter()
@@ -286,7 +287,7 @@ class SdcCheck:
             self._record(odd, step, how, tensors)
             said = f"{self.who} {', '.join(map(str, named))} differ from the other {len(digests) - len(odd)} {kind}"
         else:
-            kept = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]  # (freed once named)
+            kept = [local_shard(p.detach()).to("cpu", copy=True) for p in self.model.parameters()]  # (freed once named)
             self.pending = {"step": step, "kept": kept, "tensors": tensors}
             one = "replica group" if self.groups is not None else "rank"
             said = f"the {len(digests)} {kind} differ (no majority: the replay of the steps names the {one})"
@@ -328,7 +329,7 @@ class SdcCheck:
 
     def _named_by_replay(self, step: int) -> None:
         pending, self.pending = self.pending, None
-        kept, now = pending["kept"], [p.detach() for p in self.model.parameters()]
+        kept, now = pending["kept"], [local_shard(p.detach()) for p in self.model.parameters()]
         where = self._gather(torch.tensor(worst_element(kept, now), dtype=torch.int64, device=now[0].device))
         if where is not None:
             places = [tuple(int(x) for x in w.tolist()) for w in where]
