@@ -185,11 +185,11 @@ SUMMARY = record(  # RUN_DIR/summary.json, the keys that are read back (the swee
 # the sample keys quarantined; the rollbacks so far
 SKIP = record({"world_size": integer(1), "loaders": listof(record({}))}, {"from": integer(0), "why": string})
 INSTABILITY = record({}, {"skips": mapping(SKIP), "quarantined": listof(string), "rollbacks": integer(0)})
-# RUN_DIR/suspects.json (train/sdc.py): the ranks whose state was found corrupted, each time one was; node health
-# reads it
+# RUN_DIR/suspects.json (train/sdc.py): the ranks whose state was found corrupted, each time one was (strategy=ft:
+# the replica group, ``replica``, in each group's run dir); node health reads it
 SUSPECT = record(
     {"rank": integer(0), "step": integer(0), "how": string},
-    {"host": string, "time": SECONDS, "tensors": listof(string), "world_size": integer(1)},
+    {"host": string, "time": SECONDS, "tensors": listof(string), "world_size": integer(1), "replica": integer(0)},
 )
 SUSPECTS = record({"suspects": listof(SUSPECT)})
 # samples.rank{R}.jsonl (train/sample_log.py): an attempt's header, a step's (or micro-batch's) keys, or (ft) a

@@ -188,12 +188,15 @@ class Profile:
 
 @dataclass
 class Sdc:
-    """``trainer.sdc``: silent data corruption. Replicas that must be bitwise equal (``strategy=ddp``) compare a
-    digest of their parameters and optimizer state every ``interval`` steps in one small all-gather; a mismatch
-    names the rank, records it in ``RUN_DIR/suspects.json``, rolls back to the newest checkpoint at or before the
-    last step that agreed and goes on (ledger bucket ``sdc``; ``pitstop/train/sdc.py``)."""
+    """``trainer.sdc``: silent data corruption. Replicas that must be bitwise equal (``strategy=ddp``, and the replica
+    groups of ``strategy=ft``) compare a digest of their parameters and optimizer state every ``interval`` steps in
+    one small collective; a mismatch names the rank (or group), records it in ``RUN_DIR/suspects.json``, rolls back
+    to the newest checkpoint at or before the last step that agreed and goes on (ledger bucket ``sdc``;
+    ``pitstop/train/sdc.py``)."""
 
-    enabled: bool = key(True, "compare the replicas (strategy=ddp; fsdp shards and single has no replica: nothing)")
+    enabled: bool = key(
+        True, "compare the replicas (strategy=ddp, ft's groups; fsdp shards and single has no replica: nothing)"
+    )
     interval: int = key(
         20,
         "every K steps (and at the last step); a mismatch rolls back to a checkpoint at or before the last check "

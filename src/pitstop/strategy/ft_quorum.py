@@ -331,6 +331,21 @@ class Quorums(ReplicaGroups):
         it is gone)."""
         return self.place == 0
 
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every group's ``t`` through one all-reduce of the step's quorum (torchft's, as the gradients'): each group
+        puts its vector in its own row of a zero matrix (its place), and the sum is every row. Rank ``r`` of each
+        group meets rank ``r`` of the others. None when it failed (a peer died meanwhile: torchft said so)."""
+        if self.manager is None or self.manager.errored() is not None:
+            return None
+        from torch.distributed import ReduceOp
+
+        rows = torch.zeros((self.participants, t.numel()), dtype=t.dtype, device=t.device)
+        rows[self.place] = t.reshape(-1)
+        self.manager.allreduce(rows, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        return list(rows)
+
     def stats(self) -> dict:
         return {
             "replica_id": self.replica_id,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Callable
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -71,6 +72,12 @@ class ReplicaGroups:
     def saves_checkpoints(self) -> bool:
         """This process writes the durable checkpoints (with its ranks, via the checkpointer)."""
         return True
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """After a committed step: every group's ``t`` (a vector of the same length and dtype in each), one per group
+        of the step's quorum in its place's order (``trainer.sdc`` compares their digests); None when it failed (a
+        peer died during it) or there are no groups."""
+        return None
 
     def stats(self) -> dict | None:
         """This attempt's heals, quorum seconds and discarded steps; None: no replica groups."""

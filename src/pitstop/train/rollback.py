@@ -94,9 +94,10 @@ class Rollback:
         )
         return True
 
-    def __call__(self, at_most: int, why: str, keep_data: bool, batches: Batches | None) -> int:
+    def __call__(self, at_most: int, why: str, keep_data: bool, batches: Batches | None, discard: bool = True) -> int:
         """Back to the newest verified checkpoint of a step at most ``at_most``; its step. ``NoRollbackPoint`` (one
-        line, exit status 2, nothing deleted) when there is none."""
+        line, exit status 2, nothing deleted) when there is none. ``discard``: this process removes the newer
+        checkpoints (replica groups: the group that writes them, alone)."""
         frm = self.target.state.step
         t0 = time.perf_counter()
         self.ckpt.wait()  # (a save in flight: it becomes durable, or fails, first)
@@ -122,7 +123,8 @@ class Rollback:
             self.apply_skip(to)
         self.state.rollbacks += 1
         self.state.write()
-        self.ckpt.discard_after(to)
+        if discard:
+            self.ckpt.discard_after(to)
         if batches is not None:
             batches.restart()
         log.warning(

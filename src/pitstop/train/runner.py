@@ -159,7 +159,7 @@ class Runner:
                 t.sdc.enabled, t.sdc.interval, self.strategy, self.model, self.optimizer, self.ledger, self.run_dir,
                 self.records.sdc_found, lambda at_most, why: self.rollback(at_most, why, keep_data=False, bucket="sdc"),
                 replay=t.sdc.replay, target=self.target, retake=self._retake,
-                pin=lambda step: self._pin("sdc", step),
+                pin=lambda step: self._pin("sdc", step), groups=self.groups,
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
@@ -321,7 +321,7 @@ class Runner:
         the run goes on from; raises ``NoRollbackPoint`` (exit status 2, nothing deleted) when there is none."""
         frm, t0 = self.step, time.perf_counter()
         with self.ledger.measure(bucket), self.watchdog.phase("restore"):
-            to = self.rollbacks(at_most_step, why, keep_data, self._batches)
+            to = self.rollbacks(at_most_step, why, keep_data, self._batches, self.groups.saves_checkpoints())
             self.groups.restored(to)
         self.total_steps = self.length.after_resume(to, self.total_steps, "rolled back")
         self.evals.resumed()

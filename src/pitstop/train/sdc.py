@@ -32,8 +32,19 @@ before the step (at most the step before it), the same data again.
 What is covered: ``strategy=ddp`` (parameters and optimizer state; not buffers, which follow each rank's batch);
 ``strategy=single`` with ``replay``: the computation of the sampled steps (not corruption at rest between steps).
 ``strategy=fsdp`` shards parameters and optimizer state, so no rank holds a copy of another's: nothing to compare,
-the check is off (said once). ``strategy=ft`` (replica groups) is not covered yet: its groups would compare at the
-quorum.
+the check is off (said once).
+
+``strategy=ft`` (replica groups): the groups hold bitwise-equal parameters and optimizer state after each committed
+step (what a heal relies on). Every ``interval`` committed steps the groups of the step's quorum compare the same
+digests through one all-reduce of torchft's (``ReplicaGroups.gather``: each group's vector in its own row, with its
+``replica_id``; rank ``r`` of each group with rank ``r`` of the others, the group's ranks then decide together).
+Three or more groups name the odd one out at once, two through the replay as above. The undo is the rollback, not a
+heal: the odd group's gradients were averaged into every group's since the flip, so a heal from a "healthy" peer
+would make the groups equal again but not the uninterrupted run; every group goes back to the same durable
+checkpoint (the job's, at or before the last step that agreed; the group that writes them removes the newer ones)
+and takes the same steps again, so the job ends with the uninterrupted job's parameters, bitwise. Each group records
+the named group in its own run dir (``replica`` in ``suspects.json``, ``replicas`` in ``summary.json``'s ``sdc``).
+A check whose all-reduce fails (a peer died during it) compares nothing; the next one does.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import torch
 from pitstop.errors import Unrecoverable
 from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
+from pitstop.parts.batch import local_shard
 from pitstop.parts.digest import (
     deviation_at,
     differing,
@@ -60,6 +72,7 @@ from pitstop.parts.digest import (
 )
 from pitstop.statefile import SUSPECTS, read_state
 from pitstop.strategy.base import Strategy
+from pitstop.strategy.groups import ReplicaGroups
 from pitstop.telemetry.metrics import write_json_atomic
 from pitstop.train.replay import Recording, Replaying, Snapshot, state_digest
 
@@ -80,10 +93,14 @@ def read_suspects(run_dir: str) -> list[dict]:
     return list(doc["suspects"]) if doc is not None else []
 
 
-def covered(strategy: Strategy, enabled: bool, replay: bool = False) -> str:
+def covered(strategy: Strategy, enabled: bool, replay: bool = False, groups: ReplicaGroups | None = None) -> str:
     """What the check compares under ``strategy`` (the log's first line and ``summary.json``)."""
     if not enabled:
         return "off (trainer.sdc.enabled=false)"
+    if groups is not None and groups.replica_id is not None:
+        if groups.replicas > 1:
+            return f"parameters and optimizer state of {groups.replicas} replica groups"
+        return "nothing: one replica group has no peer to compare"
     if strategy.replicated and strategy.world_size > 1:
         return f"parameters and optimizer state of {strategy.world_size} replicas"
     if strategy.name == "fsdp":
@@ -115,20 +132,28 @@ class SdcCheck:
         target: Target | None = None,
         retake: Callable[[Any], None] | None = None,
         pin: Callable[[int | None], None] | None = None,
+        groups: ReplicaGroups | None = None,
     ):
         """``event(step, fields)``: a detection, to ``metrics.jsonl`` and the tracker; ``rollback(at_most, why)``:
         back to the newest verified checkpoint of a step at most ``at_most``, the same data again (its step).
         ``replay`` (one process): ``retake(batches)`` takes the step just taken again, from ``target``'s state.
-        ``pin(step)``: retention keeps the newest checkpoint at or before ``step`` (a rollback's target)."""
+        ``pin(step)``: retention keeps the newest checkpoint at or before ``step`` (a rollback's target). ``groups``
+        (``strategy=ft``): the replica groups, which compare across groups (``groups.gather``)."""
         self.strategy, self.model, self.optimizer, self.ledger = strategy, model, optimizer, ledger
         self.run_dir, self.event, self.rollback = run_dir, event, rollback
-        self.active = bool(enabled) and strategy.replicated and strategy.world_size > 1
+        self.groups = groups if groups is not None and groups.replica_id is not None else None
+        if self.groups is not None:
+            self.active = bool(enabled) and self.groups.replicas > 1
+        else:
+            self.active = bool(enabled) and strategy.replicated and strategy.world_size > 1
+        self._ids: list[int] = []  # (groups) the replica ids of the last comparison's places
+        self.who = "replica group(s)" if self.groups is not None else "rank(s)"
         single = strategy.world_size == 1 and not strategy.replicated and strategy.name != "ft"
         self.replaying = bool(enabled) and bool(replay) and single and retake is not None
         self.target, self.retake = target, retake
         self._taken: tuple[int, Snapshot, Recording, float] | None = None  # (replay) the sampled step in flight
         self.interval = int(interval)
-        self.covers = covered(strategy, bool(enabled), self.replaying)
+        self.covers = covered(strategy, bool(enabled), self.replaying, self.groups)
         self.checks, self.seconds, self.digest_seconds = 0, 0.0, 0.0
         self.found: list[dict[str, Any]] = []  # each detection: its step, the ranks named (or not yet), the tensors
         self.pending: dict[str, Any] | None = None  # (no majority) the parameters at the detection, for the replay
@@ -175,22 +200,48 @@ class SdcCheck:
         t = time.perf_counter()
         with self.ledger.measure("sdc"):
             named = replica_state(self.model, self.optimizer)
-            local = replica_digest([v for _, v in named])
+            local = replica_digest([local_shard(v) for _, v in named])  # (ft's fsdp inside: rank r's shard)
             if local.device.type == "cuda":
                 torch.cuda.synchronize(local.device)  # (the digest's own time, apart from the collective's)
             t1 = time.perf_counter()
-            digests = [d.tolist() for d in self.strategy.all_gather(local)]
+            digests = self._digests(local)
         self.checks += 1
         t2 = time.perf_counter()
         self.digest_seconds += t1 - t
         self.seconds += t2 - t
+        if digests is None:  # (groups: a peer died during the check's all-reduce)
+            log.warning("trainer.sdc: the check at step %d compared nothing (a peer group failed during it)", step)
+            return False
         odd, majority = odd_ones_out(digests)
-        if majority is not None and not odd:
+        differ = bool(odd) or majority is None
+        if self.groups is not None and self.strategy.world_size > 1:
+            differ = self.strategy.any(differ)  # (the group's ranks compared their own parts: they decide together)
+        if not differ:
             if self.pending is not None and self.pending["step"] == step:
                 self._named_by_replay(step)
             self.agreed = step
             return False
         return self._mismatch(step, digests, odd, [n for n, _ in named])
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every replica's ``t``: the ranks' (all-gather), or the replica groups' (``groups.gather``)."""
+        if self.groups is not None:
+            return self.groups.gather(t)
+        return self.strategy.all_gather(t)
+
+    def _digests(self, local: torch.Tensor) -> list[list[int]] | None:
+        if self.groups is None:
+            return [d.tolist() for d in self.strategy.all_gather(local)]
+        mine = torch.tensor([int(self.groups.replica_id)], dtype=torch.int64, device=local.device)
+        rows = self.groups.gather(torch.cat([mine, local.to(torch.int64)]))
+        if rows is None:
+            return None
+        self._ids = [int(r[0]) for r in rows]
+        return [r[1:].tolist() for r in rows]
+
+    def _names(self, places: list[int]) -> list[int]:
+        """The ranks, or the replica groups' ids, at ``places`` of the last comparison."""
+        return [self._ids[p] for p in places] if self.groups is not None else list(places)
 
     def _replayed(self, step: int) -> bool:
         _, snapshot, recording, copied = self._taken
@@ -228,18 +279,22 @@ class SdcCheck:
     # ---- a mismatch ---------------------------------------------------------------------------------------------
     def _mismatch(self, step: int, digests: list[list[int]], odd: list[int], names: list[str]) -> bool:
         tensors = differing(digests, names)
-        self._repeats(step, odd or list(range(len(digests))), tensors)
+        kind = "replica groups" if self.groups is not None else "replicas"
+        named = self._names(odd)
+        self._repeats(step, named or self._names(list(range(len(digests)))), tensors)
         if odd:
-            how = f"the odd one out of {len(digests)} replicas"
+            how = f"the odd one out of {len(digests)} {kind}"
             self._record(odd, step, how, tensors)
-            said = f"rank(s) {', '.join(map(str, odd))} differ from the other {len(digests) - len(odd)} replicas"
+            said = f"{self.who} {', '.join(map(str, named))} differ from the other {len(digests) - len(odd)} {kind}"
         else:
-            kept = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]  # (freed once named)
+            kept = [local_shard(p.detach()).to("cpu", copy=True) for p in self.model.parameters()]  # (freed once named)
             self.pending = {"step": step, "kept": kept, "tensors": tensors}
-            said = f"the {len(digests)} replicas differ (no majority: the replay of the steps names the rank)"
-        detection = {"step": step, "ranks": odd, "tensors": tensors, "rolled_back_to": None}
+            one = "replica group" if self.groups is not None else "rank"
+            said = f"the {len(digests)} {kind} differ (no majority: the replay of the steps names the {one})"
+        key = "replicas" if self.groups is not None else "ranks"
+        detection = {"step": step, key: named, "tensors": tensors, "rolled_back_to": None}
         self.found.append(detection)
-        self.event(step, {"sdc_detected": 1.0, "ranks": odd, "tensors": tensors})
+        self.event(step, {"sdc_detected": 1.0, key: named, "tensors": tensors})
         if self.strategy.is_main:
             log.error(
                 "silent data corruption at step %d: %s in %s; the last step that agreed is %d: rolling back to a "
@@ -261,45 +316,69 @@ class SdcCheck:
         if not any(f["step"] == step for f in self.found):
             return
         self.pending = None
-        self._record(ranks, step, "differed again at this step after a rollback", tensors)
+        if self.groups is None:  # (groups: the places of the last comparison are recorded)
+            self._record(ranks, step, "differed again at this step after a rollback", tensors)
+        else:
+            places = [i for i, r in enumerate(self._ids) if r in ranks]
+            self._record(places, step, "differed again at this step after a rollback", tensors)
         raise CorruptionRepeats(
-            f"silent data corruption at step {step} again after rolling back: rank(s) {', '.join(map(str, ranks))} "
+            f"silent data corruption at step {step} again after rolling back: {self.who} {', '.join(map(str, ranks))} "
             f"({', '.join(tensors)}); a device that computes wrong every time, or a step that is not deterministic: "
             f"stopped (see {os.path.join(self.run_dir, SUSPECTS_FILE)})"
         )
 
     def _named_by_replay(self, step: int) -> None:
         pending, self.pending = self.pending, None
-        kept, now = pending["kept"], [p.detach() for p in self.model.parameters()]
-        places = self.strategy.all_gather_object(worst_element(kept, now))
-        devs = self.strategy.all_gather_object([deviation_at(kept, now, tuple(w)) for w in places])
+        kept, now = pending["kept"], [local_shard(p.detach()) for p in self.model.parameters()]
+        where = self._gather(torch.tensor(worst_element(kept, now), dtype=torch.int64, device=now[0].device))
+        if where is not None:
+            places = [tuple(int(x) for x in w.tolist()) for w in where]
+            mine = [deviation_at(kept, now, w) for w in places]
+            where = self._gather(torch.tensor(mine, dtype=torch.float64, device=now[0].device))
+        if where is None:
+            log.error("silent data corruption at step %d: not named (a peer group failed during the replay)", step)
+            return
+        devs = [d.tolist() for d in where]
         ranks = named_by_replay(devs)
+        one = "group" if self.groups is not None else "rank"
+        names = self._names(list(range(len(devs))))
         said = "; ".join(
-            f"rank {j}'s worst element: " + ", ".join(f"{devs[r][j]:.3g} on rank {r}" for r in range(len(devs)))
+            f"{one} {names[j]}'s worst element: "
+            + ", ".join(f"{devs[r][j]:.3g} on {one} {names[r]}" for r in range(len(devs)))
             for j in range(len(devs))
         )
         if not ranks:
             if self.strategy.is_main:
                 log.error(
-                    "silent data corruption at step %d: the replay cannot tell which rank it was on (how far each "
-                    "rank's parameters were from the replay: %s)",
+                    "silent data corruption at step %d: the replay cannot tell which %s it was on (how far each "
+                    "one's parameters were from the replay: %s)",
                     step,
+                    one,
                     said,
                 )
             return
-        how = f"its parameters at this step were far from the replay's, which every rank agrees on ({said})"
+        how = f"its parameters at this step were far from the replay's, which every {one} agrees on ({said})"
         self._record(ranks, step, how, pending["tensors"])
+        key = "replicas" if self.groups is not None else "ranks"
         for f in self.found:
-            if f["step"] == step and not f["ranks"]:
-                f["ranks"] = ranks
+            if f["step"] == step and not f[key]:
+                f[key] = self._names(ranks)
         if self.strategy.is_main:
             log.error(
-                "silent data corruption at step %d was on rank(s) %s (named by the replay: %s)", step, ranks, said
+                "silent data corruption at step %d was on %s %s (named by the replay: %s)",
+                step,
+                self.who,
+                self._names(ranks),
+                said,
             )
 
     def _record(self, ranks: list[int], step: int, how: str, tensors: list[str]) -> None:
-        """``RUN_DIR/suspects.json`` gets each rank named (every rank takes part: the hosts are gathered)."""
-        if self._hosts is None:
+        """``RUN_DIR/suspects.json`` gets each rank named (every rank takes part: the hosts are gathered); under
+        replica groups ``ranks`` are places of the last comparison, each recorded as its group (``replica``)."""
+        if self.groups is not None:
+            hosts = self._gather(_as_bytes(socket.gethostname()))
+            self._hosts = [_text(h) for h in hosts] if hosts is not None else ["?"] * len(self._ids)
+        elif self._hosts is None:
             self._hosts = [str(h) for h in self.strategy.all_gather_object(socket.gethostname())]
         if not self.strategy.is_main:
             return
@@ -310,8 +389,11 @@ class SdcCheck:
         world = self.strategy.world_size
         for r in ranks:
             host = self._hosts[r]
-            suspects.append({"rank": r, "step": step, "how": how, "host": host, "time": now, "tensors": tensors})
+            rank = r if self.groups is None else self.strategy.rank  # (groups: this rank's part of the group)
+            suspects.append({"rank": rank, "step": step, "how": how, "host": host, "time": now, "tensors": tensors})
             suspects[-1]["world_size"] = world
+            if self.groups is not None:
+                suspects[-1]["replica"] = self._ids[r]
         write_json_atomic(path, {"suspects": suspects}, fsync=True, indent=1, sort_keys=False)
 
     def stats(self) -> dict[str, Any]:
@@ -324,3 +406,12 @@ class SdcCheck:
             "digest_seconds": round(self.digest_seconds, 4),  # this rank's digest alone
             "found": list(self.found),
         }
+
+
+def _as_bytes(text: str, width: int = 256) -> torch.Tensor:
+    """``text`` as a fixed-width int64 vector (what ``groups.gather`` carries; nothing is unpickled)."""
+    return torch.tensor(list(text.encode()[:width].ljust(width, b"\0")), dtype=torch.int64)
+
+
+def _text(t: torch.Tensor) -> str:
+    return bytes(int(x) for x in t.tolist()).rstrip(b"\0").decode(errors="replace")
