@@ -76,7 +76,7 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
             loop = stop_job(run_dir, str(e), facts)
         elif not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
             step = runner.step if runner is not None and hasattr(runner, "progress") else None
-            limit = OmegaConf.select(OmegaConf.create(cfg_yaml), "strategy.max_restarts", default=None)
+            limit = restart_limit(cfg_yaml) if not facts.supervised and facts.agent_pid else None
             loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts, limit)
         elif not facts.supervised and lost_peer(str(e)):
             peers_loop(run_dir, facts)
@@ -85,6 +85,16 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         text = str(e) if isinstance(e, PitstopError) else f"{type(e).__name__}: {e}".splitlines()[0][:300]
         record_error(run_dir, loop or text)
         raise SystemExit(CRASH_LOOP_EXIT if loop else 1) from None
+
+
+def restart_limit(cfg_yaml: str) -> int | None:
+    """torch's agent's limit, ``strategy.max_restarts`` (None where the config cannot say: its failure is the one to
+    report)."""
+    try:
+        limit = OmegaConf.select(OmegaConf.create(cfg_yaml), "strategy.max_restarts", default=None)
+        return int(limit) if limit is not None else None
+    except Exception:  # noqa: BLE001 - a config that does not parse failed the attempt already
+        return None
 
 
 def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts, limit: int | None = None) -> str | None:
