@@ -1,6 +1,6 @@
 """What the instability guard (``trainer.instability``) costs a step, side by side in one run.
 
-    python bench/instability.py [--steps 400] [--ddp-steps 200] [--repeats 3]
+    python bench/instability.py [--steps 400] [--ddp-steps 200] [--repeats 3] [--block 10]
 
 The quick start's model and data (SmallCNN with BatchNorm on digits, batch 64 per rank, SGD), ``ckpt=none``, every
 step a full batch, in two setups:
@@ -16,8 +16,10 @@ the next (a slow minute of a shared machine hits both). Figures: the median over
 time (``throughput.step_seconds_p50``), on / off (the guard's cost per step, as a ratio) and on - off in ms; each
 run's wall time of the loop (``compute`` + ``data_wait`` + ``logging`` + ``sdc`` of its ledger), on / off; and
 whether on and off ended with the same parameters (``params_sha256``: the guard changes no step it finds stable).
-No step is skipped here (``skipped_steps`` is 0 in every run): what a skipped step costs (a forward per sample to
-find a poisoned one, a rollback) is not measured.
+Then ``single`` again in this process (``single_interleaved``): a Runner with the guard and one without, ``--block``
+steps each in turn, every step (batch and ``Runner.train_step``) timed alone, medians over ``--steps`` steps each:
+load that comes and goes between processes lands on both. No step is skipped here (``skipped_steps`` is 0 in every
+run): what a skipped step costs (a forward per sample to find a poisoned one, a rollback) is not measured.
 
 What it leaves out: GPUs (there the guard's ``.item()`` of the loss and norm is a device-to-host sync each step,
 which a CPU run does not pay; the all-reduce is NCCL's), more than 2 ranks, larger models (the gradient norm is one
@@ -70,11 +72,59 @@ def run(steps: int, extra: list[str], run_dir: str) -> dict:
     }
 
 
+def interleaved(steps: int, block: int, tmp: str) -> dict:
+    """``single`` once more, in this process: a Runner with the guard and one without, on the same config, seed and
+    data, taking ``block`` steps in turn (off first, then on first, ...), each step (its batch and
+    ``Runner.train_step``) timed alone: a busy second of a shared machine lands on both within a block."""
+    import time
+
+    from common import compose
+
+    from pitstop.train.runner import Runner
+    from pitstop.train.state import Batches
+
+    runners = {}
+    for row, extra in ROWS.items():
+        run_dir = os.path.join(tmp, f"interleaved-{row}")
+        cfg = compose([*BASE, *SETUPS["single"], *extra, f"trainer.max_steps={steps + 1}", f"run_dir={run_dir}"])
+        r = Runner(cfg, run_dir)
+        r.setup()
+        r.restore()
+        r.batches = Batches(r.loader, r.watchdog)
+        r.train_step(r.batches)  # (the first step, not timed)
+        r.progress.step += 1
+        runners[row] = r
+    times: dict[str, list[float]] = {row: [] for row in ROWS}
+    try:
+        for i in range(steps // block):
+            for row in ROWS if i % 2 == 0 else reversed(ROWS):
+                r = runners[row]
+                for _ in range(block):
+                    t = time.perf_counter()
+                    r.train_step(r.batches)
+                    times[row].append(time.perf_counter() - t)
+                    r.progress.step += 1
+        assert runners["on"].stepper.guard is not None and runners["off"].stepper.guard is None
+    finally:
+        for r in runners.values():
+            r.close()
+    off, on = median(times["off"]), median(times["on"])
+    return {
+        "steps": len(times["on"]),
+        "block": block,
+        "step_off_ms": round(off * 1e3, 3),
+        "step_on_ms": round(on * 1e3, 3),
+        "cost_ratio": round(on / off, 4),
+        "cost_ms": round((on - off) * 1e3, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400, help="steps per single-process run")
     ap.add_argument("--ddp-steps", type=int, default=200, help="steps per ddp run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--block", type=int, default=10, help="steps in turn in the interleaved single-process row")
     opt = ap.parse_args()
     ensure_data()
     steps = {"single": opt.steps, "ddp": opt.ddp_steps}
@@ -88,6 +138,7 @@ def main() -> None:
                     r = run(steps[setup], [*extra, *ROWS[row]], os.path.join(tmp, f"r{n}"))
                     got[(setup, row)].append(r)
                     print(f"  {setup:<7}{row:<4} step {r['step'] * 1e3:7.2f} ms  loop {r['loop']:6.2f} s", flush=True)
+        inter = interleaved(opt.steps, opt.block, tmp)
     figures: dict = {
         "model": "SmallCNN (quick start), digits, batch 64 per rank, SGD, ckpt=none; ddp: 2 ranks, gloo on CPU",
         "repeats": opt.repeats,
@@ -114,6 +165,9 @@ def main() -> None:
         print(f"{label:<22}{steps[setup]:>6}{f['step_off_ms']:>8.2f} ms{f['step_on_ms']:>8.2f} ms"
               f"{f['cost_ratio']:>8.3f}x{f['cost_ms']:>+7.2f} ms{f['loop_on_over_off']:>12.3f}x"
               f"   same params: {f['same_params']}")  # fmt: skip
+    figures["single_interleaved"] = f = inter
+    print(f"{'single, interleaved':<22}{f['steps']:>6}{f['step_off_ms']:>8.2f} ms{f['step_on_ms']:>8.2f} ms"
+          f"{f['cost_ratio']:>8.3f}x{f['cost_ms']:>+7.2f} ms (2 Runners, {f['block']} steps each in turn)")  # fmt: skip
     print("(medians over repeats of each run's median step time; loop: compute + data wait + sdc + logging)")
     print(f"-> {save_result('instability', figures)}")
 
