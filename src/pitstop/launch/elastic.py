@@ -91,6 +91,9 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             raise CrashLoop(loop) from None
         raise rendezvous_failed(e, endpoint, job, run_dir) from None
     except SignalException as e:
+        # torch's agent, stopped by a signal, leaves its rendezvous open (its keep-alive thread goes on beating): the
+        # store outlives this job, or that thread's failures would print after the job's one line
+        _OPEN_AFTER_A_SIGNAL.append(store)
         loop = repeats.marked(run_dir, job_start)  # (a rank found the same failure twice and stopped the agent)
         if loop is not None:
             raise CrashLoop(loop) from None
@@ -126,6 +129,9 @@ def rendezvous_failed(e: Exception, endpoint: str, job: LaunchPlan, run_dir: str
         f"{job.rendezvous_timeout} s ({type(e).__name__}: {first_line_of(e)}); start node 0 first, check the "
         f"address and that strategy.nnodes={job.nodes_text} nodes come up"
     )
+
+
+_OPEN_AFTER_A_SIGNAL: list = []  # rendezvous stores of jobs whose agent a signal stopped (see run's SignalException)
 
 
 def rendezvous_store(endpoint: str, timeout: float) -> TCPStore:
