@@ -78,3 +78,20 @@ def save_result(name: str, figures: dict, argv: list[str] | None = None) -> Path
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"(figures written to {out.relative_to(ROOT)})")
     return out
+
+
+def train(args: list[str], run_dir: str, timeout: float = 1800) -> dict:
+    """``python -m recipe.train ARGS`` in a fresh process (this checkout's src first); its summary.json. A failed run
+    ends the benchmark with its stderr's tail."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    argv = [sys.executable, "-m", "recipe.train", *args]
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)

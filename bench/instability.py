@@ -32,13 +32,10 @@ against that spread (each run's figures are in the result file).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
-from common import ROOT, ensure_data, median, save_result
+from common import train, ensure_data, median, save_result
 
 BASE = [
     "logger=none",
@@ -54,14 +51,7 @@ LOOP = ("compute", "data_wait", "sdc", "logging")  # the loop's own buckets (not
 
 def run(steps: int, extra: list[str], run_dir: str) -> dict:
     args = [*BASE, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", f"run_dir={run_dir}", *extra]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    p = subprocess.run(
-        [sys.executable, "-m", "recipe.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        s = json.load(f)
+    s = train(args, run_dir, timeout=900)
     wall = s["wall_clock"]
     return {
         "step": s["throughput"]["step_seconds_p50"],

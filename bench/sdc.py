@@ -27,14 +27,11 @@ measured here), the all-gather of more ranks (its vector grows by one int64 per 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
-from common import ROOT, compose, ensure_data, median, save_result
+from common import train, compose, ensure_data, median, save_result
 
 BASE = [
     "strategy=ddp",
@@ -53,14 +50,7 @@ def default_interval() -> int:
 
 def run(steps: int, extra: list[str], run_dir: str) -> dict:
     args = [*BASE, f"trainer.max_steps={steps}", f"trainer.eval_every_steps={steps}", f"run_dir={run_dir}", *extra]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    p = subprocess.run(
-        [sys.executable, "-m", "recipe.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        s = json.load(f)
+    s = train(args, run_dir, timeout=1800)
     sdc, wall = s["sdc"], s["wall_clock"]
     return {
         "step": s["throughput"]["step_seconds_p50"],

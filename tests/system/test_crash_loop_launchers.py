@@ -46,7 +46,8 @@ def test_a_deterministic_bug_on_one_rank_stops_the_elastic_agent_after_two_attem
     p = cli(args, data_root, tmp_path, timeout=400)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2, p.stderr[-3000:]
-    assert "the same failure happened twice at step 6 on rank 1" in last and "expected a batch of 64" in last, p.stderr[-6000:]
+    said = "the same failure happened twice at step 6 on rank 1" in last and "expected a batch of 64" in last
+    assert said, p.stderr[-6000:]
     rank1 = [f for f in failures(run_dir) if f["rank"] == 1]
     assert [f["attempt"] for f in rank1] == [0, 1]  # (the agent restarted once, then was stopped)
 
