@@ -243,21 +243,16 @@ class Runner:
                 if not out.committed:  # (strategy=ft) a peer failed during the step: it is redone next
                     ledger.add("discarded", took - out.quorum)
                     self.records.outcome(self.step + 1, False, self.groups.quorum_id)
-                    if self.strategy.agree(self.preempt.received is not None):  # (a notice: stop at the last step
-                        self._stop_for_preemption()  # committed, not in a quorum that may never form again)
-                    continue
+                    self._stop_if_noticed()  # (a notice: stop at the last step committed, not in a quorum that may
+                    continue  # never form again)
                 if out.skipped is not None:  # an unstable step: not applied (trainer.instability)
                     ledger.add("instability", took - out.quorum)
                     rolled = self.instability.skipped(self.step + 1, out.skipped, out.loss, out.culprits, out.keys)
                     if not rolled:  # (epochs: its batches are behind the loader; a rollback re-planned already)
                         self.total_steps = self.length.after_resume(self.step, self.total_steps, "a step skipped")
                     if self.step >= self.total_steps and self.ckpt.last_started != self.step:  # (it was the last)
-                        with watch.phase("checkpoint"):
-                            saves = self.groups.saves_checkpoints()
-                            saved = self.ckpt.maybe_save(self.target, self.step, last=True) if saves else SaveResult()
-                        ledger.add("checkpoint", saved.blocked)
-                    if self.strategy.agree(self.preempt.received is not None):
-                        self._stop_for_preemption()
+                        self._save(last=True)
+                    self._stop_if_noticed()
                     continue
                 compiling = self.compile_clock.take() if self.compile_clock is not None else 0.0
                 compute = took - out.data_wait - out.staging - compiling - out.quorum
@@ -281,11 +276,7 @@ class Runner:
                     continue  # rolled back to a checkpoint before the corruption, the same steps again
                 if self.evals.due(self.step, self.total_steps):  # 3. evaluate
                     self.evaluate()
-                last = self.step >= self.total_steps
-                with watch.phase("checkpoint"):
-                    saves = self.groups.saves_checkpoints()  # (strategy=ft: one group writes them)
-                    saved = self.ckpt.maybe_save(self.target, self.step, last=last) if saves else SaveResult()
-                ledger.add("checkpoint", saved.blocked)  # 4. save
+                saved = self._save(last=self.step >= self.total_steps)  # 4. save
                 if saved.started == self.step:
                     self.records.flush()  # what a resume would not redo is on disk
                     self.records.goodput.mark(self.step)
@@ -293,10 +284,23 @@ class Runner:
                 self.fault.after_step(self.step)
                 for cb in self.callbacks:
                     cb.on_step_end(self.view)
-                if self.strategy.agree(self.preempt.received is not None):  # 5. a preemption notice on any rank
-                    self._stop_for_preemption()
+                self._stop_if_noticed()  # 5. a preemption notice on any rank
         if bar is not None:
             bar.close()
+
+    def _save(self, last: bool) -> SaveResult:
+        """A save of this step when one is due (``strategy=ft``: one group writes them), its blocking time to the
+        ledger's ``checkpoint``."""
+        with self.watchdog.phase("checkpoint"):
+            saves = self.groups.saves_checkpoints()
+            saved = self.ckpt.maybe_save(self.target, self.step, last=last) if saves else SaveResult()
+        self.ledger.add("checkpoint", saved.blocked)
+        return saved
+
+    def _stop_if_noticed(self) -> None:
+        """Every rank stops here for a preemption notice that any rank got."""
+        if self.strategy.agree(self.preempt.received is not None):
+            self._stop_for_preemption()
 
     def _stop_for_preemption(self) -> None:
         """Every rank is here after the same step: save if it fits the grace period, wait until it is durable,
