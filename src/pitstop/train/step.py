@@ -83,7 +83,8 @@ class Stepper:
             batch = self.device_batch(batches.next())
             wait += time.perf_counter() - t
             keys = list(getattr(self.loader, "last_keys", ()))
-            held.append((batch, keys))
+            if guard is not None:  # (an unstable step looks for its bad sample in them)
+                held.append((batch, keys))
             samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.batch_size
             if micro == 1:
                 self.meter.first_batch(batch)  # its shapes, for counting a step's FLOPs once
