@@ -3,7 +3,7 @@
 A run dir is written by pitstop, but also torn by a full disk, edited by hand, copied from another version or
 planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
 belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
-(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`),
+(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`, :data:`NODES`),
 and :func:`read_state` reads one:
 
 - the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
@@ -192,6 +192,10 @@ SUSPECT = record(
     {"host": string, "time": SECONDS, "tensors": listof(string), "world_size": integer(1), "replica": integer(0)},
 )
 SUSPECTS = record({"suspects": listof(SUSPECT)})
+# RUN_DIR/nodes.json (resilience/node_book.py): each node's failed attempts and whether it is excluded from the job
+_NODE_FAILURE = record({"time": SECONDS, "why": string}, {"step": integer(0)})
+_EXCLUSION = record({"why": string, "by": string}, {"time": SECONDS})
+NODES = record({"nodes": mapping(record({}, {"failures": listof(_NODE_FAILURE), "excluded": _EXCLUSION}))})
 # samples.rank{R}.jsonl (train/sample_log.py): an attempt's header, a step's (or micro-batch's) keys, or (ft) a
 # step's outcome
 SAMPLE_HEADER = record(
