@@ -12,7 +12,9 @@ A node's name is ``PITSTOP_NODE_NAME`` if set (tests that run several "nodes" on
 The contract between the parts that exclude a node (node health, the straggler detector, the failures recorded
 here) and the launchers that honour it: a process whose node is excluded exits with :data:`EXCLUDED_EXIT` after
 :func:`exclude` recorded it; its launcher does not start it again on that node, and the job goes on without the
-node if ``strategy.nnodes``'s minimum is left.
+node if ``strategy.nnodes``'s minimum is left. The job's other ranks, when the exclusion is decided at run time,
+exit with :data:`REFORM_EXIT` once the job's state is saved: their launchers start them again at once (no restart
+budget used) and the job re-forms without the node.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ log = logging.getLogger("pitstop.nodes")
 
 NODES_FILE = "nodes.json"
 EXCLUDED_EXIT = 77  # this node was excluded from the job: its launcher does not start it again here
+# the other ranks, when a node was excluded at run time (after a save): the job re-forms without it; the launcher
+# restarts them at once, and it is not a failure (no restart budget used, not a crash loop's repeat)
+REFORM_EXIT = 78
 FAILURES_TO_EXCLUDE = 2  # attempts that failed on one node before it is excluded
 MAX_FAILURES = 32  # failures kept per node (the newest)
 
