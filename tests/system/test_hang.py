@@ -110,6 +110,14 @@ def test_a_stalled_rank_under_ddp_is_restarted_by_the_elastic_agent(data_root, t
     assert time.monotonic() - t0 < 150  # not strategy.timeout (300 s) or the stall (3600 s)
     logs = (run_dir / "train.log").read_text() + (run_dir / "rank1.log").read_text()
     assert "made no progress in phase 'step'" in logs
+    # whichever rank declared it, the line names rank 1 (stalled after step 5) as the one behind: rank 0 waits in the
+    # next collective (the preemption agreement), one collective ahead at the same step
+    hangs = [line for line in logs.splitlines() if "made no progress in phase 'step'" in line]
+    assert all("rank 1 is behind: after step 5 and " in line for line in hangs), hangs
+    assert all("(the others: after step 5 and " in line and "in all_reduce_sum)" in line for line in hangs), hangs
+    report = "".join(f.read_text() for f in run_dir.glob("hang.rank*.txt"))
+    assert "rank 1 is behind" in report and "rank 1: after step 5 and " in report
+    assert not list(run_dir.glob("hangwatch.rank*.json"))  # (where each rank was: removed by the ranks that ended well)
     a = attempts(run_dir)
     assert len(a) == 2 and a[0]["status"] in ("hung", "failed") and a[1]["status"] == "finished"
     assert a[1]["resumed_from"] == 4

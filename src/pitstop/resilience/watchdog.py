@@ -14,7 +14,9 @@ write their stacks to stderr, ``DataStall`` is raised in the main thread, and th
 from the current data position (the same batches follow, so the run stays bitwise reproducible).
 
 On a hang it writes every thread's stack to ``RUN_DIR/hang.rank<R>.txt``, logs one line naming the rank,
-the phase and the limit, lets the runner record the attempt as ``hung`` in the ledger, and ends the attempt:
+the phase, the limit and, with several ranks, the rank that is behind (a rank stuck outside a collective leaves
+the others waiting inside it: each rank's watcher publishes where its loop is, ``hang_peers``), lets the runner
+record the attempt as ``hung`` in the ledger, and ends the attempt:
 a process that a launcher started (the supervisor, the elastic agent, torchrun) exits with ``HUNG_EXIT``
 at once, so it is restarted from its newest checkpoint; a run inside a process that must survive (a test, an
 in-process sweep) gets ``Hung`` raised in its main thread, and is exited after ``grace`` seconds if that
@@ -39,9 +41,11 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from pitstop.errors import Interrupt, PitstopError
+from pitstop.resilience import hang_peers
 
 log = logging.getLogger("pitstop.resilience.watchdog")
 
@@ -86,13 +90,32 @@ class Watchdog:
         self._raise: BaseException | None = None  # what the wake-up signal's handler raises in the main thread
         self._healed: tuple | None = None  # the phase run that got its heal
         self._armed: float | None = None  # the native backstop's seconds when last armed (None: not armed)
+        self.world_size, self.position = 1, None
+        self._published: tuple | None = None  # (where it was, since when) as last published for the peers
+        self._said_publish = False  # (a failed publication is said once)
 
     # ---- the loop's side ------------------------------------------------------------------------------
-    def start(self, rank: int, run_dir: str, on_hang: Callable[[str], None], exit_process: bool) -> Callable[[], None]:
-        """Arm it; returns ``close``.  ``exit_process``: end the process on a hang (a launcher restarts it)."""
+    def start(
+        self,
+        rank: int,
+        run_dir: str,
+        on_hang: Callable[[str], None],
+        exit_process: bool,
+        world_size: int = 1,
+        position: Callable[[], tuple[int, int, str | None]] | None = None,
+    ) -> Callable[[], None]:
+        """Arm it; returns ``close``.  ``exit_process``: end the process on a hang (a launcher restarts it).
+        ``position``: where the loop is, ``(last step done, collectives entered, the one it is in)``, read by the
+        watcher about once a second and published for the other ranks of ``world_size`` (see ``hang_peers``)."""
         self.rank, self.run_dir, self.on_hang, self.exit_process = rank, run_dir, on_hang, exit_process
+        self.world_size, self.position = int(world_size), position
         if not self.enabled:
             return self.close
+        if self._peers_watched():
+            try:
+                hang_peers.forget(run_dir, rank)
+            except OSError as e:
+                log.warning("hang watchdog: %s: %s", hang_peers.path(run_dir, rank), e)
         self._main = threading.main_thread().ident
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(WAKE, self._raise_in_main)
@@ -170,6 +193,11 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread, self._armed = None, None
+        if self.enabled and self._peers_watched():  # (a rank that ended well: nothing of it for a later report)
+            try:
+                hang_peers.forget(self.run_dir, self.rank)
+            except OSError:
+                pass
         if self._previous_handler is not None:
             signal.signal(WAKE, self._previous_handler)
             self._previous_handler = None
@@ -197,6 +225,7 @@ class Watchdog:
             self._arm()  # this thread must come round again before the backstop fires
             if self._stop.wait(min(1.0, self.min_seconds / 4)):
                 return
+            self._publish()
             current = self._current
             if current is None:
                 continue
@@ -210,6 +239,49 @@ class Watchdog:
                     continue  # the heal gets its own limit's worth of time
                 self._fire(name, elapsed, limit)
                 return
+
+    def _peers_watched(self) -> bool:
+        return self.position is not None and self.world_size > 1
+
+    def _where(self) -> hang_peers.Where:
+        step, entered, inside = self.position()  # type: ignore[misc]
+        current = self._current
+        return hang_peers.Where(self.rank, step, entered, inside, current[0] if current is not None else None)
+
+    def _publish(self) -> None:
+        """Where this rank's loop is, for the other ranks' hang reports: written when it changed since the last
+        cycle. Never fatal (a full disk must not stop hang detection)."""
+        if not self._peers_watched():
+            return
+        try:
+            where = self._where()
+            if self._published is not None and self._published[0] == where:
+                return
+            if not os.path.isdir(self.run_dir):
+                return  # (setup makes it, after the watchdog starts: the next cycle)
+            since = time.time()
+            hang_peers.publish(self.run_dir, replace(where, since=since))
+            self._published = (where, since)
+        except Exception as e:  # noqa: BLE001 - the peers' report loses this rank; the watcher goes on
+            if not self._said_publish:
+                self._said_publish = True
+                log.warning(
+                    "hang watchdog: where rank %d is cannot be published (%s: %s)", self.rank, type(e).__name__, e
+                )
+
+    def _behind(self) -> tuple[str, str]:
+        """The hang line's clause naming the rank that is behind, and every rank's place (for the report file);
+        empty with one rank. Never fatal: the hang is declared anyway."""
+        if not self._peers_watched():
+            return "", ""
+        try:
+            where = self._where()
+            since = self._published[1] if self._published is not None and self._published[0] == where else None
+            own = replace(where, since=since)
+            places, missing = hang_peers.gather(self.run_dir, self.world_size, own)
+            return hang_peers.describe(places, missing), hang_peers.table(places, missing)
+        except Exception as e:  # noqa: BLE001
+            return f"where the other ranks are is not known ({type(e).__name__}: {e})", ""
 
     def _heal(self, current: tuple, elapsed: float, limit: float) -> None:
         """A stalled ``data`` phase: stacks of the data workers to stderr, then ``DataStall`` in the main thread."""
@@ -230,17 +302,19 @@ class Watchdog:
             else f"{self.factor:g} x the longest {name} so far ({self.longest[name]:.2f} s), "
             f"at least trainer.hang.min_seconds"
         )
+        peers, places = self._behind()
         stacks = os.path.join(self.run_dir, f"hang.rank{self.rank}.txt")
         try:
             with open(stacks, "w") as f:
                 f.write(f"rank {self.rank}: no progress in phase '{name}' for {elapsed:.1f} s\n")
+                f.write(f"{peers}\n{places}\n" if peers else "")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
             stacks = f"(not written: {e})"
         what = (
             f"hang: rank {self.rank} made no progress in phase '{name}' for {elapsed:.0f} s (limit {limit:.1f} s "
-            f"= {how}); thread stacks in {stacks}"
+            f"= {how}); {peers + '; ' if peers else ''}thread stacks in {stacks}"
         )
         then = "; ending this attempt so that it restarts from its newest checkpoint"
         self._raise = Hung(what + then)

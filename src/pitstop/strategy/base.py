@@ -4,12 +4,38 @@ that checkpointing and evaluation use (on a dedicated gloo group when there are 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import cached_property
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from pitstop.strategy.groups import ONE_GROUP, ReplicaGroups
+
+
+class Collectives:
+    """The collectives this process has entered, counted where the loop enters them (the gradient reduce, a
+    strategy's small ones), and the one it is in: what a hang report compares across the ranks
+    (``pitstop.resilience.hang_peers``). Each rank enters the same ones in the same order, so a rank stuck outside
+    one has a lower count than its peers waiting inside it. An add and two stores per collective; the watchdog's
+    thread reads them. ``with collectives.enter(what):`` around one collective (not nested)."""
+
+    __slots__ = ("entered", "inside")
+
+    def __init__(self) -> None:
+        self.entered: int = 0
+        self.inside: str | None = None
+
+    def enter(self, what: str) -> Collectives:
+        self.entered += 1
+        self.inside = what
+        return self
+
+    def __enter__(self) -> Collectives:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inside = None
 
 
 class Strategy(ABC):
@@ -27,6 +53,11 @@ class Strategy(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @cached_property
+    def collectives(self) -> Collectives:
+        """This process's count of collectives entered (see :class:`Collectives`)."""
+        return Collectives()
 
     @property
     def pin_memory(self) -> bool:

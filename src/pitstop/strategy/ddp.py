@@ -117,22 +117,25 @@ class DDP(Single):
         in training; it makes the saved copy (DCP writes one copy of replicated tensors, from any rank)
         the one rank 0 would have used, which exact resume needs.
         """
-        with torch.no_grad():
+        with torch.no_grad(), self.collectives.enter("sync_buffers"):
             for b in model.buffers():
                 dist.broadcast(b, src=0)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
+        with self.collectives.enter("all_reduce_sum"):
+            dist.all_reduce(t)
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        with self.collectives.enter("all_gather"):
+            dist.all_gather(out, t)
         return out
 
     def all_gather_object(self, obj: object) -> list[object]:
         out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._control_group)
+        with self.collectives.enter("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self._control_group)
         return out
 
     def ckpt_group(self) -> dist.ProcessGroup | None:
@@ -143,16 +146,19 @@ class DDP(Single):
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._control_group)
+        with self.collectives.enter("broadcast_object"):
+            dist.broadcast_object_list(box, src=src, group=self._control_group)
         return box[0]
 
     def any(self, flag: bool) -> bool:
         t = torch.tensor([int(bool(flag))])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
+        with self.collectives.enter("any"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(t.item())
 
     def barrier(self) -> None:
-        dist.barrier(group=self._control_group)
+        with self.collectives.enter("barrier"):
+            dist.barrier(group=self._control_group)
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from pitstop.errors import ConfigError
-from pitstop.strategy.base import Strategy
+from pitstop.strategy.base import Collectives, Strategy
 from pitstop.strategy.groups import ReplicaGroups
 from pitstop.strategy.ft_keys import SECRET_ENV, check_keys, on_loopback
 from pitstop.strategy.ft_quorum import Quorums, _SeenQuorums
@@ -145,6 +145,11 @@ class FT(Strategy, Quorums):
     @property
     def channels_last_params(self) -> bool:  # type: ignore[override]
         return self.inner.channels_last_params
+
+    @property
+    def collectives(self) -> Collectives:  # type: ignore[override]
+        """The group's own ranks' count (the inner strategy's collectives; a hang report compares the group's ranks)."""
+        return self.inner.collectives
 
     def share_cores(self, loader_workers: int) -> None:
         self.inner.share_cores(loader_workers)

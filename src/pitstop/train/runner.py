@@ -81,7 +81,8 @@ class Runner:
                 log.debug("data workers' fork server: %s", worker_server.start(target_modules(cfg)))
         # A launcher (the supervisor, the elastic agent, torchrun) restarts a process that exits on a hang.
         rank = int(os.environ.get("RANK", 0))
-        hold.callback(self.watchdog.start(rank, self.run_dir, self._on_hang, self.launch.launched))
+        world = int(os.environ.get("WORLD_SIZE", 1))  # (the ranks a hang report compares: see _where)
+        hold.callback(self.watchdog.start(rank, self.run_dir, self._on_hang, self.launch.launched, world, self._where))
         with self.ledger.measure("init"), self.watchdog.phase("setup"):
             self.preempt = PreemptionNotice(t.preempt_signals, t.preempt_grace_seconds, self.launch.agent_pid)
             hold.callback(self.preempt.install())  # a notice from here on stops the job after a step
@@ -167,6 +168,13 @@ class Runner:
     def _taking(self) -> tuple[int, int]:
         micro = self.stepper.micro if self.stepper is not None else 1
         return self.step + 1, micro  # the step being taken, its micro-batch
+
+    def _where(self) -> tuple[int, int, str | None]:
+        """Where this rank's loop is, for the hang watchdog (its thread reads it about once a second): the last step
+        done, the collectives entered, the one it is in."""
+        strategy = getattr(self, "strategy", None)  # (not before setup builds it)
+        count = strategy.collectives if strategy is not None else None
+        return self.step, count.entered if count is not None else 0, count.inside if count is not None else None
 
     def _on_hang(self, message: str) -> None:
         """The watchdog's thread, on a hang: the attempt is recorded as hung (the main thread is stuck)."""

@@ -91,7 +91,9 @@ class Stepper:
             with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
                 with self.precision.autocast():
                     loss = self.fault.loss(step, keys, self.task.loss(self.model, batch))
-                self.precision.backward(loss / self.accum if self.accum > 1 else loss)
+                # (the last micro-batch's backward reduces the gradients: a collective, counted for a hang's report)
+                with self.strategy.collectives.enter("the gradient reduce") if micro == self.accum else nullcontext():
+                    self.precision.backward(loss / self.accum if self.accum > 1 else loss)
             losses.append(loss.detach())
             if micro < self.accum:
                 self.fault.after_micro_batch(step, micro)
