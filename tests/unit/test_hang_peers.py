@@ -5,6 +5,7 @@ a rank's published file may hold when it is read back.
 from __future__ import annotations
 
 import json
+import time
 
 from pitstop.resilience.hang_peers import Where, behind, describe, gather, path, publish
 
@@ -49,3 +50,36 @@ def test_a_published_place_is_read_back_and_a_file_of_another_shape_is_named_not
     assert "rank 4 is behind" in describe(places, missing) and "\n" not in describe(places, missing)
     assert describe(places, missing).endswith("; rank 5 published nothing")
     assert path(run, 1).endswith("hangwatch.rank1.json")
+
+
+def test_a_watchdog_publishes_where_its_loop_is_when_it_changes_and_removes_it_when_it_ends(tmp_path):
+    from pitstop.resilience.watchdog import Watchdog
+
+    def published() -> dict | None:
+        try:
+            return json.loads((tmp_path / "hangwatch.rank1.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def until(check) -> dict:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            doc = published()
+            if doc is not None and check(doc):
+                return doc
+            time.sleep(0.02)
+        raise AssertionError(f"not published: {published()}")
+
+    (tmp_path / "hangwatch.rank1.json").write_text('{"rank": 1, "step": 99, "collectives": 9}')  # an older attempt's
+    place = [3, 10, None]
+    w = Watchdog(min_seconds=0.4, first_seconds=50)  # (it looks every 0.1 s)
+    close = w.start(1, str(tmp_path), lambda msg: None, False, world_size=2, position=lambda: tuple(place))
+    try:
+        with w.phase("step", timed=False):
+            doc = until(lambda d: d["step"] == 3)
+            assert doc["collectives"] == 10 and doc["inside"] is None and doc["phase"] == "step"
+            place[:] = [4, 12, "any"]
+            assert until(lambda d: d["step"] == 4)["inside"] == "any"
+    finally:
+        close()
+    assert published() is None  # a rank that ended leaves nothing for a later report
