@@ -40,6 +40,7 @@ COLOURS = {
     "discarded": "#d81b60",
     "instability": "#ff6f00",
     "sdc": "#4a148c",
+    "straggler": "#f06292",
     "recovery_gap": "#eeeeee",
 }
 ENDS = {

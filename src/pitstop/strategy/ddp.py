@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import ContextManager, TypeVar
+from typing import Callable, ContextManager, TypeVar
 
 import torch
 
@@ -106,6 +106,19 @@ class DDP(Single):
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
+        """A DDP communication hook: ``ready()``, then DDP's default all-reduce (the gradient divided by the world
+        size, then summed: the same arithmetic as DDP's own reducer, bitwise the same steps). On CUDA ``ready()``
+        runs as the bucket's kernels are queued (the CPU's view), not as they finish."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(state, bucket):  # (no annotations: DDP checks them, and this module's are strings)
+            ready()
+            return allreduce_hook(None, bucket)
+
+        model.register_comm_hook(None, hook)
+        return True
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()  # DDP's own: gradients accumulate locally, the next synced backward reduces them

@@ -1,0 +1,324 @@
+"""Slow ranks (``trainer.straggler``): named, booked, and (``action=exclude``) left behind.
+
+In synchronous training every rank waits for the slowest at each collective, so a slow rank's step takes as long as
+everyone's, and its gradient all-reduce looks *fast* (the others are already there) while the healthy ranks' looks
+slow. Step times cannot tell them apart: each rank times its own **work** per step apart from its waits in
+collectives:
+
+- ``strategy=ddp``: a DDP communication hook notes when each gradient bucket is ready on this rank (then runs the
+  default all-reduce, the same arithmetic as DDP's own: bitwise the same steps); the work of the step's synced
+  micro-batch is from its start (after the batch is fetched) to its last bucket ready; a ``no_sync`` micro-batch
+  counts whole; the clipping and the optimizer step count too (no collective in them). A batch's fetch is no work.
+- ``strategy=single``: one rank has no peer to compare with: the detector says once it is off.
+- ``strategy=fsdp``: its all-gathers and reduce-scatters run inside forward and backward, so a rank's work cannot be
+  told from its waits without timing every collective: not covered (said once, and in ``summary.json``).
+
+Every ``window`` steps the ranks share their window's work (and its wall clock) in one all-gather of two numbers
+per rank (:meth:`Stragglers.after_step`), and every rank feeds the same figures to the same pure :class:`Detector`:
+a rank whose work is above ``factor`` x the median of the *other* ranks' for ``windows`` windows in a row is named,
+in one log line (rank, node, how much slower, since which step), in ``metrics.jsonl`` (an ``"event": "straggler"``
+line the time line marks), in the tracker and in ``summary.json``'s ``straggler`` section.
+
+Booked: the ledger's ``straggler`` bucket holds what the job lost waiting for its slowest rank, i.e. what its
+steps would have taken at the median (other) ranks' pace: over the named rank's slow windows (the first ones of the
+run included, once it is confirmed), its work minus the median of the others' (at most the slowest rank's per
+window: the job waits for one rank at a time). Every rank moves it out of ``compute`` in its own ledger (rank 0's
+is the one ``goodput.json`` holds).
+
+``action=exclude``: a named rank slow for longer than ``exclude_after_seconds`` (the wall clock of its slow
+windows, as gathered: every rank decides the same at the same window) is treated as a failed node: the job saves
+and waits until the save is durable, rank 0 records the node in ``RUN_DIR/nodes.json``
+(``node_book.exclude(..., by="straggler")``), the decision is logged once, the excluded node's ranks exit with
+``node_book.EXCLUDED_EXIT`` (:class:`NodeExcluded`) and the others with ``node_book.REFORM_EXIT`` (:class:`Reform`):
+the launchers re-form the job without the node.
+
+The interface other detectors build on (``strategy=ft``'s groups): :class:`Detector` takes each window's figures
+(one number per member, in the same order everywhere) and returns a :class:`Verdict`; it holds no clock and no
+process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pitstop.goodput.ledger import Ledger
+from pitstop.resilience.node_book import REFORM_EXIT, NodeExcluded, node_name
+from pitstop.strategy.base import Strategy
+
+log = logging.getLogger("pitstop")
+
+
+# ---- the decision (pure) -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Flag:
+    """A member (a rank) named slow: ``since`` the first step of its first slow window in a row, ``ratio`` its work
+    over the median of the others' in its latest slow window, ``seconds`` what the job lost waiting for it
+    (booked), ``slow_seconds`` the wall clock of its slow windows, ``until`` the last step of its last slow window
+    once it is well again (None: still slow)."""
+
+    rank: int
+    since: int
+    ratio: float
+    windows: int
+    seconds: float = 0.0
+    slow_seconds: float = 0.0
+    node: str = ""
+    until: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ratio=round(self.ratio, 4), seconds=round(self.seconds, 4), slow_seconds=round(self.slow_seconds, 3))
+        return d
+
+
+@dataclass
+class Verdict:
+    """What one window changed: the members named in it (``named``), those well again (``recovered``), and the
+    seconds newly booked as lost waiting (``booked``)."""
+
+    named: list[Flag] = field(default_factory=list)
+    recovered: list[Flag] = field(default_factory=list)
+    booked: float = 0.0
+
+
+@dataclass
+class _Run:
+    """A member's slow windows in a row (not yet named: their excess waits in ``pending``)."""
+
+    since: int
+    windows: int = 0
+    wall: float = 0.0
+    pending: list[tuple[int, float]] = field(default_factory=list)  # (window's last step, excess seconds)
+    flag: Flag | None = None
+
+
+def median_of_others(work: Sequence[float], i: int) -> float:
+    """The median of every member's figure but member ``i``'s."""
+    return float(statistics.median([w for j, w in enumerate(work) if j != i]))
+
+
+class Detector:
+    """Slow members, from each window's work figures: fed the same figures in the same order, it decides the same
+    on every rank. ``factor`` (> 1): slow is above ``factor`` x the median of the others; ``windows``: in a row
+    before a member is named."""
+
+    def __init__(self, factor: float, windows: int):
+        self.factor, self.windows = float(factor), int(windows)
+        self.runs: dict[int, _Run] = {}
+        self.flags: list[Flag] = []  # every member named, in order (a member named again is a new flag)
+        self.lost: dict[int, float] = {}  # per window (its last step): what the job lost waiting (the slowest's)
+        self.checked = 0  # windows compared
+
+    @property
+    def booked(self) -> float:
+        """Seconds lost waiting for slow members, over the whole run so far."""
+        return sum(self.lost.values())
+
+    def window(self, first_step: int, last_step: int, work: Sequence[float], wall: float = 0.0) -> Verdict:
+        """Steps ``first_step``..``last_step``: each member's work (seconds) and the window's wall clock."""
+        out = Verdict()
+        if len(work) < 2:
+            return out
+        self.checked += 1
+        before = self.booked
+        for i, w in enumerate(work):
+            others = median_of_others(work, i)
+            slow = others > 0 and w > self.factor * others
+            run = self.runs.get(i)
+            if not slow:
+                if run is not None and run.flag is not None:
+                    run.flag.until = first_step - 1
+                    out.recovered.append(run.flag)
+                self.runs.pop(i, None)
+                continue
+            if run is None:
+                run = self.runs[i] = _Run(since=first_step)
+            run.windows += 1
+            run.wall += wall
+            run.pending.append((last_step, w - others))
+            if run.flag is None and run.windows >= self.windows:
+                run.flag = Flag(i, run.since, w / others, run.windows)
+                self.flags.append(run.flag)
+                out.named.append(run.flag)
+            if run.flag is not None:
+                run.flag.ratio, run.flag.windows, run.flag.slow_seconds = w / others, run.windows, run.wall
+                for at, excess in run.pending:  # (the job waits for its slowest member: one per window)
+                    if excess > self.lost.get(at, 0.0):
+                        run.flag.seconds += excess - self.lost.get(at, 0.0)
+                        self.lost[at] = excess
+                run.pending.clear()
+        out.booked = self.booked - before
+        return out
+
+    def overdue(self, seconds: float) -> Flag | None:
+        """The first named member still slow for longer than ``seconds`` (its slow windows' wall clock)."""
+        return next((r.flag for r in self.runs.values() if r.flag is not None and r.wall > seconds), None)
+
+
+# ---- the measurement and the exchange ------------------------------------------------------------------------
+
+
+def covered(strategy: Strategy, enabled: bool, hooked: bool) -> str:
+    """What the detector compares under ``strategy`` (its first log line, ``summary.json``)."""
+    if not enabled:
+        return "off (trainer.straggler.enabled=false)"
+    if strategy.name == "ft":
+        return "nothing: strategy=ft's replica groups are not covered yet"
+    if strategy.world_size < 2:
+        return "nothing: one rank has no peer to compare with"
+    if strategy.name == "fsdp":
+        return (
+            "nothing: strategy=fsdp's collectives run inside forward and backward, its work cannot be told from "
+            "its waits (not covered)"
+        )
+    if not hooked:
+        return f"nothing: strategy={strategy.name} does not say when its gradients are ready"
+    return f"the work of {strategy.world_size} ranks (forward, backward to the last gradient bucket, optimizer)"
+
+
+class Reform(Exception):
+    """A node was excluded at run time and this rank's state is saved: the launcher starts it again at once and the
+    job re-forms without that node (exit status ``node_book.REFORM_EXIT``; not a failure)."""
+
+    exit_code = REFORM_EXIT
+
+
+class Stragglers:
+    """The detector as the loop holds it: ``start()`` after a micro-batch's fetch, ``stop(synced)`` after its
+    backward (``synced``: the micro-batch whose backward reduced the gradients), ``extra(seconds)`` for more work of
+    the step (the optimizer), ``after_step(step)`` after each applied step (every ``window`` steps: the all-gather
+    and the decision; returns the :class:`Verdict`, or None)."""
+
+    def __init__(self, settings: Any, strategy: Strategy, model: torch.nn.Module, event: Callable[[int, dict], None]):
+        """``settings``: ``trainer.straggler``; ``event(step, fields)``: a named or recovered rank, to
+        ``metrics.jsonl`` and the tracker."""
+        self.settings, self.strategy, self.event = settings, strategy, event
+        self.window = int(settings.window)
+        self.detector = Detector(settings.factor, settings.windows)
+        self._ready: float | None = None  # when this rank's latest gradient bucket was ready
+        able = settings.enabled and strategy.world_size > 1 and strategy.name not in ("ft", "fsdp")
+        hooked = able and strategy.watch_gradients(model, self._bucket_ready)
+        self.covered = covered(strategy, settings.enabled, hooked)
+        self.on = bool(hooked)
+        self.nodes = strategy.all_gather_object(node_name()) if self.on else [node_name()]
+        self._work = 0.0  # this window's work so far (this rank)
+        self._step_work = 0.0  # the step's so far
+        self._t = 0.0
+        self._since = time.perf_counter()
+        self._first = 1  # the window's first step
+        self._fresh = True  # the attempt's first step (lazy set-up, cold caches) is no measure of a rank's pace
+        if settings.enabled and strategy.is_main:
+            log.info("straggler detection: %s", self.covered)
+
+    def _bucket_ready(self) -> None:
+        self._ready = time.perf_counter()
+
+    def start(self) -> None:
+        if self.on:
+            self._ready = None
+            self._t = time.perf_counter()
+
+    def stop(self, synced: bool) -> None:
+        if self.on:
+            end = self._ready if synced and self._ready is not None else time.perf_counter()
+            self._step_work += end - self._t
+
+    def extra(self, seconds: float) -> None:
+        self._step_work += seconds
+
+    def discard(self) -> None:
+        """The step was not applied (skipped, discarded): its work is not compared."""
+        self._step_work = 0.0
+
+    def restarted(self, step: int) -> None:
+        """The loop goes on from ``step`` (a resume, a rollback): a new window starts after it."""
+        self._work, self._step_work, self._first, self._since = 0.0, 0.0, step + 1, time.perf_counter()
+        self._fresh = True
+
+    def after_step(self, step: int) -> Verdict | None:
+        if not self.on:
+            return None
+        if self._fresh:  # (not compared: the window starts after it)
+            self._fresh, self._step_work, self._first, self._since = False, 0.0, step + 1, time.perf_counter()
+            return None
+        self._work += self._step_work
+        self._step_work = 0.0
+        if step % self.window:
+            return None
+        wall = time.perf_counter() - self._since
+        mine = torch.tensor([self._work, wall], dtype=torch.float64, device=self.strategy.device)
+        rows = [r.tolist() for r in self.strategy.all_gather(mine)]
+        work, wall = [r[0] for r in rows], max(r[1] for r in rows)
+        verdict = self.detector.window(self._first, step, work, wall)
+        log.debug("straggler window %d..%d: work %s, wall %.4f", self._first, step, work, wall)
+        self._work, self._first, self._since = 0.0, step + 1, time.perf_counter()
+        for flag in verdict.named:
+            flag.node = self.nodes[flag.rank] if flag.rank < len(self.nodes) else ""
+            self._say(flag, step)
+        for flag in verdict.recovered:
+            if self.strategy.is_main:
+                log.info("straggler: rank %d (node %s) is well again after step %d", flag.rank, flag.node, flag.until)
+            self.event(step, {"rank": flag.rank, "node": flag.node, "recovered": True, "until": flag.until})
+        return verdict
+
+    def _say(self, flag: Flag, step: int) -> None:
+        if self.strategy.is_main:
+            log.warning(
+                "straggler: rank %d (node %s) works %.2fx as long as the median of the other ranks since step %d "
+                "(%d windows of %d steps in a row, factor %g); the job waits for it: %.2f s lost so far "
+                "(ledger: straggler); action=%s",
+                flag.rank, flag.node, flag.ratio, flag.since, flag.windows, self.window, self.settings.factor,
+                flag.seconds, self.settings.action,
+            )  # fmt: skip
+        self.event(step, {"rank": flag.rank, "node": flag.node, "since": flag.since, "ratio": round(flag.ratio, 4)})
+
+    def book(self, ledger: Ledger, verdict: Verdict | None) -> None:
+        """The seconds this window booked, out of ``compute`` into ``straggler`` (at most what compute holds)."""
+        if verdict is not None and verdict.booked > 0:
+            ledger.move("compute", "straggler", min(verdict.booked, max(0.0, ledger.seconds["compute"])))
+
+    def overdue(self) -> Flag | None:
+        """(``action=exclude``) The named rank slow for longer than ``exclude_after_seconds``, if any."""
+        if not self.on or self.settings.action != "exclude":
+            return None
+        return self.detector.overdue(float(self.settings.exclude_after_seconds))
+
+    def stats(self) -> dict[str, Any]:
+        """``summary.json``'s ``straggler`` section."""
+        return {
+            "covered": self.covered,
+            "window": self.window,
+            "factor": float(self.settings.factor),
+            "windows": int(self.settings.windows),
+            "action": str(self.settings.action),
+            "checked": self.detector.checked,
+            "flags": [f.as_dict() for f in self.detector.flags],
+            "seconds": round(self.detector.booked, 4),
+        }
+
+
+def leave(flag: Flag, strategy: Strategy, run_dir: str, step: int) -> BaseException:
+    """(``action=exclude``, after the save is durable) Rank 0 records ``flag``'s node as excluded; the exception this
+    rank leaves with: :class:`NodeExcluded` on that node, :class:`Reform` elsewhere."""
+    from pitstop.resilience import node_book
+
+    why = (
+        f"rank {flag.rank} was slow ({flag.ratio:.2f}x the median of the other ranks) since step {flag.since} for "
+        f"{flag.slow_seconds:.0f} s, more than trainer.straggler.exclude_after_seconds"
+    )
+    if strategy.is_main:
+        if node_book.exclude(run_dir, flag.node, why, by="straggler"):
+            log.warning("straggler: node %s excluded from the job after step %d: %s; the job re-forms", flag.node,
+                        step, why)  # fmt: skip
+    strategy.barrier()  # (the book is written before any rank leaves)
+    if node_name() == flag.node:
+        return NodeExcluded(f"node {flag.node} excluded after step {step}: {why}")
+    return Reform(f"node {flag.node} excluded after step {step} (saved): the job re-forms without it")
