@@ -3,7 +3,8 @@
 From step ``from_step`` (for ``steps`` steps, or to the end) rank ``rank``'s work takes ``factor`` times as long: at
 the start of each backward (a hook on the loss's gradient: before any of this rank's gradients, so before any of its
 gradient buckets is ready and its all-reduce can start) it sleeps ``(factor - 1)`` x its own forward + backward time,
-as measured by the fault itself on the steps before (the median of the last few, the sleeps left out). A slow device
+as measured by the fault itself on the steps before (the median of the last few, the sleeps left out; it slows
+nothing until it has measured three micro-batches after the attempt's first). A slow device
 looks like this: the rank's own work is longer, and every other rank waits for it in the gradient all-reduce.
 
 What it slept in all is on record in ``RUN_DIR/faults.jsonl`` (a ``slow_rank:slept`` line, written as the run
@@ -55,6 +56,7 @@ class SlowRank(NoFault):
         self.total, self.slowed = 0.0, 0
         self._t0 = self._slept = 0.0
         self._last_step = 0
+        self._warm = False
 
     def bind(self, ctx: FaultContext) -> None:
         super().bind(ctx)
@@ -79,7 +81,7 @@ class SlowRank(NoFault):
 
         def backward_starts(grad: torch.Tensor) -> torch.Tensor:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            if self._slows(step) and self.recent:
+            if self._slows(step) and len(self.recent) >= 3:  # (its pace known: a few micro-batches measured)
                 pause = (self.factor - 1.0) * statistics.median(self.recent)
                 time.sleep(pause)
                 self._slept += pause
@@ -96,8 +98,11 @@ class SlowRank(NoFault):
         return loss
 
     def _backward_ended(self) -> None:
-        """(Queued at the backward's start: it runs before DDP's wait for the all-reduce.)"""
-        self.recent.append(max(0.0, time.perf_counter() - self._t0 - self._slept))
+        """(Queued at the backward's start: it runs before DDP's wait for the all-reduce.) The first micro-batch of
+        the attempt (lazy set-up, cold caches) is no measure of the rank's pace."""
+        if self._warm:
+            self.recent.append(max(0.0, time.perf_counter() - self._t0 - self._slept))
+        self._warm = True
 
     def close(self) -> None:
         if getattr(self, "ctx", None) is not None and self.ctx.rank == self.rank and self.slowed:

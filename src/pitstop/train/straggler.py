@@ -312,7 +312,7 @@ def leave(flag: Flag, strategy: Strategy, run_dir: str, step: int) -> BaseExcept
 
     why = (
         f"rank {flag.rank} was slow ({flag.ratio:.2f}x the median of the other ranks) since step {flag.since} for "
-        f"{flag.slow_seconds:.0f} s, more than trainer.straggler.exclude_after_seconds"
+        f"{flag.slow_seconds:.1f} s, more than trainer.straggler.exclude_after_seconds"
     )
     if strategy.is_main:
         if node_book.exclude(run_dir, flag.node, why, by="straggler"):
