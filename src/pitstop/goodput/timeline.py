@@ -1,7 +1,7 @@
 """A run's time line: its attempts on one clock, coloured by the ledger's buckets, with its steps, saves,
 evaluations, failures, restarts and heals, the steps skipped and the rollbacks of ``trainer.instability``, the
-corruptions found by ``trainer.sdc`` and the slow ranks named by ``trainer.straggler``. Read from the run dir alone (``goodput.json``, ``metrics.jsonl``), so it draws
-any run, also one that was killed:
+corruptions found by ``trainer.sdc`` and the slow ranks named by ``trainer.straggler``. Read from the run dir alone
+(``goodput.json``, ``metrics.jsonl``), so it draws any run, also one that was killed:
 
     python -m recipe.goodput --timeline RUN_DIR        # -> RUN_DIR/timeline.png
 

@@ -116,6 +116,7 @@ class Detector:
         self.flags: list[Flag] = []  # every member named, in order (a member named again is a new flag)
         self.lost: dict[int, float] = {}  # per window (its last step): what the job lost waiting (the slowest's)
         self.checked = 0  # windows compared
+        self.max_ratio = 0.0  # the highest work / median of the others' seen in a window (how close a clean run came)
 
     @property
     def booked(self) -> float:
@@ -132,6 +133,7 @@ class Detector:
         for i, w in enumerate(work):
             others = median_of_others(work, i)
             slow = others > 0 and w > self.factor * others
+            self.max_ratio = max(self.max_ratio, w / others if others > 0 else 0.0)
             run = self.runs.get(i)
             if not slow:
                 if run is not None and run.flag is not None:
@@ -214,6 +216,7 @@ class Stragglers:
         self._t = 0.0
         self._since = time.perf_counter()
         self._first = 1  # the window's first step
+        self.exchange_seconds = 0.0  # the all-gathers' time (the detector's own cost, with the windows' decisions)
         self._fresh = True  # the attempt's first step (lazy set-up, cold caches) is no measure of a rank's pace
         if settings.enabled and strategy.is_main:
             log.info("straggler detection: %s", self.covered)
@@ -253,11 +256,13 @@ class Stragglers:
         self._step_work = 0.0
         if step % self.window:
             return None
-        wall = time.perf_counter() - self._since
+        t = time.perf_counter()
+        wall = t - self._since
         mine = torch.tensor([self._work, wall], dtype=torch.float64, device=self.strategy.device)
         rows = [r.tolist() for r in self.strategy.all_gather(mine)]
         work, wall = [r[0] for r in rows], max(r[1] for r in rows)
         verdict = self.detector.window(self._first, step, work, wall)
+        self.exchange_seconds += time.perf_counter() - t
         log.debug("straggler window %d..%d: work %s, wall %.4f", self._first, step, work, wall)
         self._work, self._first, self._since = 0.0, step + 1, time.perf_counter()
         for flag in verdict.named:
@@ -300,6 +305,8 @@ class Stragglers:
             "windows": int(self.settings.windows),
             "action": str(self.settings.action),
             "checked": self.detector.checked,
+            "max_ratio": round(self.detector.max_ratio, 4),
+            "exchange_seconds": round(self.exchange_seconds, 4),
             "flags": [f.as_dict() for f in self.detector.flags],
             "seconds": round(self.detector.booked, 4),
         }
