@@ -189,7 +189,7 @@ def main() -> None:
             "from_step": FROM,
             "named_at_step": named[0]["step"] if named else None,
             "since": named[0]["since"] if named else None,
-            "steps": (named[0]["step"] - FROM + 1) if named else None,
+            "steps": (named[0]["step"] - FROM) if named else None,
             "ratio": named[0]["ratio"] if named else None,
         },
         "clean_run": {

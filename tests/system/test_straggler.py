@@ -19,12 +19,12 @@ from pitstop.ckpt.layout import is_complete
 
 pytestmark = pytest.mark.slow  # real ranks in subprocesses
 
-W = 10  # trainer.straggler.window
+W = 20  # trainer.straggler.window
 FROM = 21  # fault.from_step
 RUN = [
     "debug=tiny",
     "strategy=ddp",
-    "trainer.max_steps=60",
+    "trainer.max_steps=80",
     "trainer.eval_every_steps=null",
     f"trainer.straggler.window={W}",
 ]
@@ -46,10 +46,11 @@ def test_a_rank_at_two_thirds_speed_is_named_within_two_windows_and_its_wait_boo
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)["straggler"]
     assert s["covered"].startswith("the work of 2 ranks")
-    (flag,) = s["flags"]
-    assert flag["rank"] == 1 and flag["since"] == FROM and flag["ratio"] > 1.3
-    (named,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "straggler"]
-    assert named["rank"] == 1 and named["step"] <= FROM - 1 + 2 * W  # (within two windows of the slowdown)
+    (flag,) = s["flags"]  # (named once: rank 0 never; noise below the factor does not end rank 1's flag)
+    assert flag["rank"] == 1 and flag["since"] == FROM and flag["ratio"] > 1.3 and flag["until"] is None
+    named = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "straggler"]
+    assert [(r["rank"], r["since"]) for r in named] == [(1, FROM)]
+    assert named[0]["step"] <= FROM - 1 + 2 * W  # (within two windows of the slowdown)
     log = (run_dir / "train.log").read_text()
     assert log.count("straggler: rank 1 (node ") == 1 and f"since step {FROM}" in log
     # Booked: at least half of what rank 1 slept (the others waited that long in the all-reduce), out of compute.
@@ -64,7 +65,7 @@ def test_the_same_run_without_the_fault_names_no_one(data_root, tmp_path):
     p = cli([*RUN, f"run_dir={run_dir}"], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(run_dir)["straggler"]
-    assert s["checked"] == 60 // W and s["flags"] == [] and s["seconds"] == 0
+    assert s["checked"] == 80 // W and s["flags"] == [] and s["seconds"] == 0
     assert "straggler: rank" not in (run_dir / "train.log").read_text()
 
 

@@ -41,12 +41,24 @@ def test_one_slow_window_between_normal_ones_names_no_one_and_books_nothing():
 
 def test_the_wait_is_booked_from_the_first_slow_window_once_confirmed_and_stops_when_well_again():
     d = Detector(1.3, 2)
-    v = feed(d, [[1.0, 1.5], [1.0, 1.5], [1.0, 1.8], [1.0, 1.0], [1.0, 1.0]])
+    v = feed(d, [[1.0, 1.5], [1.0, 1.5], [1.0, 1.8], [1.0, 1.2], [1.0, 1.0], [1.0, 1.0]])
     assert v[0].booked == 0  # (not yet named: nothing booked)
     assert v[1].booked == pytest.approx(1.0)  # (both windows at once: 0.5 + 0.5)
     assert v[2].booked == pytest.approx(0.8)
-    assert v[3].booked == 0 and [f.rank for f in v[3].recovered] == [1] and v[3].recovered[0].until == 60
-    assert d.booked == pytest.approx(1.8) and d.flags[0].seconds == pytest.approx(1.8)
+    assert v[3].booked == pytest.approx(0.2) and v[3].recovered == []  # (named: one window under the factor is noise)
+    assert v[4].booked == 0 and [f.rank for f in v[4].recovered] == [1] and v[4].recovered[0].until == 60
+    assert v[5].booked == 0 and v[5].recovered == [] and d.runs == {}
+    assert d.booked == pytest.approx(2.0) and d.flags[0].seconds == pytest.approx(2.0) and len(d.flags) == 1
+
+
+def test_the_pace_decides_who_is_slow_and_the_sums_what_is_booked():
+    # Rank 1's sum is high (a burst of a few slow steps) but its typical step is rank 0's: not slow (the sums alone
+    # would name it).
+    assert Detector(1.3, 1).window(1, 20, [1.0, 1.9], 1.0, pace=[0.05, 0.05]).named == []
+    assert [f.rank for f in Detector(1.3, 1).window(1, 20, [1.0, 1.9], 1.0).named] == [1]
+    d = Detector(1.3, 1)
+    (flag,) = d.window(1, 20, [1.0, 1.4], 1.0, pace=[0.05, 0.08]).named
+    assert flag.ratio == pytest.approx(1.6) and flag.seconds == pytest.approx(0.4)
 
 
 def test_two_slow_ranks_in_one_window_book_the_slowest_only():

@@ -265,11 +265,11 @@ class Straggler:
     enabled: bool = key(
         True, "time each rank's work and compare (strategy=ddp; one rank has no peer; fsdp: not covered, said once)"
     )
-    window: int = key(20, "steps per comparison (one all-gather of two numbers per rank)", check=Integer())
+    window: int = key(20, "steps per comparison (one all-gather of three numbers per rank)", check=Integer())
     factor: float = key(
         1.3,
-        "a rank is slow when its window's work is above this x the median of the other ranks' (1.3 named no one "
-        "in a clean ddp(2) run of 2,000 steps on a shared 2-core machine: bench/straggler.py)",
+        "a rank is slow when its typical step's work in a window is above this x the median of the other ranks' "
+        "(1.3 named no one in a clean ddp(2) run of 2,000 steps on a shared 2-core machine: bench/straggler.py)",
         check=Above(1),
     )
     windows: int = key(2, "slow windows in a row before the rank is named", check=Integer())

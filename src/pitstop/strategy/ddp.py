@@ -110,7 +110,7 @@ class DDP(Single):
     def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
         """A DDP communication hook: ``ready()``, then DDP's default all-reduce (the gradient divided by the world
         size, then summed: the same arithmetic as DDP's own reducer, bitwise the same steps). On CUDA ``ready()``
-        runs as the bucket's kernels are queued (the CPU's view), not as they finish."""
+        runs as the bucket's kernels are queued, on the stream they run on (a CUDA event recorded there times them)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def hook(state, bucket):  # (no annotations: DDP checks them, and this module's are strings)

@@ -9,13 +9,17 @@ collectives:
   default all-reduce, the same arithmetic as DDP's own: bitwise the same steps); the work of the step's synced
   micro-batch is from its start (after the batch is fetched) to its last bucket ready; a ``no_sync`` micro-batch
   counts whole; the clipping and the optimizer step count too (no collective in them). A batch's fetch is no work.
+  On CUDA the marks are CUDA events on the stream (the device's time, not the host's, which runs ahead), read once
+  the step's end has synchronised; the optimizer is left out there (the host only queues it). Not yet run on a GPU.
 - ``strategy=single``: one rank has no peer to compare with: the detector says once it is off.
 - ``strategy=fsdp``: its all-gathers and reduce-scatters run inside forward and backward, so a rank's work cannot be
   told from its waits without timing every collective: not covered (said once, and in ``summary.json``).
 
-Every ``window`` steps the ranks share their window's work (and its wall clock) in one all-gather of two numbers
-per rank (:meth:`Stragglers.after_step`), and every rank feeds the same figures to the same pure :class:`Detector`:
-a rank whose work is above ``factor`` x the median of the *other* ranks' for ``windows`` windows in a row is named,
+Every ``window`` steps the ranks share their window's work (its sum, its median step: the rank's pace, and the
+window's wall clock) in one all-gather of three numbers per rank (:meth:`Stragglers.after_step`), and every rank
+feeds the same figures to the same pure :class:`Detector`: a rank whose pace is above ``factor`` x the median of the
+*other* ranks' for ``windows`` windows in a row is named (a median step: a burst of slow steps that another process
+on a shared machine causes does not name a rank; a slow device slows every step),
 in one log line (rank, node, how much slower, since which step), in ``metrics.jsonl`` (an ``"event": "straggler"``
 line the time line marks), in the tracker and in ``summary.json``'s ``straggler`` section.
 
@@ -48,7 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pitstop.goodput.ledger import Ledger
-from pitstop.resilience.node_book import REFORM_EXIT, NodeExcluded, node_name
+from pitstop.resilience.node_book import REFORM_EXIT, NodeExcluded, exclude, node_name
 from pitstop.strategy.base import Strategy
 
 log = logging.getLogger("pitstop")
@@ -59,10 +63,12 @@ log = logging.getLogger("pitstop")
 
 @dataclass
 class Flag:
-    """A member (a rank) named slow: ``since`` the first step of its first slow window in a row, ``ratio`` its work
-    over the median of the others' in its latest slow window, ``seconds`` what the job lost waiting for it
-    (booked), ``slow_seconds`` the wall clock of its slow windows, ``until`` the last step of its last slow window
-    once it is well again (None: still slow)."""
+    """A member (a rank) named slow: ``since`` the first step of its first slow window in a row, ``ratio`` its pace
+    over the median of the others' in its latest slow window, ``windows`` its slow windows, ``seconds`` what the job
+    lost waiting for it (booked), ``slow_seconds`` the wall clock since its first slow window, ``until`` the last
+    step of its last slow window once it is well again (as many windows in a row as it took to name it; None: still
+    slow). While it is named, the job's wait for it in each window is booked, also in a window of noise below the
+    factor."""
 
     rank: int
     since: int
@@ -97,6 +103,9 @@ class _Run:
     windows: int = 0
     wall: float = 0.0
     pending: list[tuple[int, float]] = field(default_factory=list)  # (window's last step, excess seconds)
+    well: int = 0  # (named) windows in a row not slow since its last slow one
+    last_slow: int = 0  # the last step of its last slow window
+    ratio: float = 0.0  # its pace over the others' in its last slow window
     flag: Flag | None = None
 
 
@@ -123,35 +132,52 @@ class Detector:
         """Seconds lost waiting for slow members, over the whole run so far."""
         return sum(self.lost.values())
 
-    def window(self, first_step: int, last_step: int, work: Sequence[float], wall: float = 0.0) -> Verdict:
-        """Steps ``first_step``..``last_step``: each member's work (seconds) and the window's wall clock."""
+    def window(
+        self,
+        first_step: int,
+        last_step: int,
+        work: Sequence[float],
+        wall: float = 0.0,
+        pace: Sequence[float] | None = None,
+    ) -> Verdict:
+        """Steps ``first_step``..``last_step``: each member's work (seconds, summed over the window) and the window's
+        wall clock; ``pace``: each member's typical step (the median of its steps' work), which decides who is slow
+        (a burst of a few slow steps, another process's on a shared machine, does not move it); without it the sums
+        decide. What is booked is always of the sums: the time actually lost."""
         out = Verdict()
         if len(work) < 2:
             return out
         self.checked += 1
         before = self.booked
+        pace = work if pace is None else pace
         for i, w in enumerate(work):
-            others = median_of_others(work, i)
-            slow = others > 0 and w > self.factor * others
-            self.max_ratio = max(self.max_ratio, w / others if others > 0 else 0.0)
+            others, typical = median_of_others(work, i), median_of_others(pace, i)
+            ratio = pace[i] / typical if typical > 0 else 0.0
+            slow = ratio > self.factor
+            self.max_ratio = max(self.max_ratio, ratio)
             run = self.runs.get(i)
             if not slow:
-                if run is not None and run.flag is not None:
-                    run.flag.until = first_step - 1
+                if run is None or run.flag is None:  # (not named: its slow windows were not in a row)
+                    self.runs.pop(i, None)
+                    continue
+                run.well += 1
+                if run.well >= self.windows:  # (well again as long as it took to be named: noise does not end it)
+                    run.flag.until = run.last_slow
                     out.recovered.append(run.flag)
-                self.runs.pop(i, None)
-                continue
-            if run is None:
-                run = self.runs[i] = _Run(since=first_step)
-            run.windows += 1
+                    del self.runs[i]
+                    continue
+            else:
+                if run is None:
+                    run = self.runs[i] = _Run(since=first_step)
+                run.windows, run.well, run.last_slow, run.ratio = run.windows + 1, 0, last_step, ratio
             run.wall += wall
-            run.pending.append((last_step, w - others))
+            run.pending.append((last_step, max(0.0, w - others)))
             if run.flag is None and run.windows >= self.windows:
-                run.flag = Flag(i, run.since, w / others, run.windows)
+                run.flag = Flag(i, run.since, run.ratio, run.windows)
                 self.flags.append(run.flag)
                 out.named.append(run.flag)
             if run.flag is not None:
-                run.flag.ratio, run.flag.windows, run.flag.slow_seconds = w / others, run.windows, run.wall
+                run.flag.ratio, run.flag.windows, run.flag.slow_seconds = run.ratio, run.windows, run.wall
                 for at, excess in run.pending:  # (the job waits for its slowest member: one per window)
                     if excess > self.lost.get(at, 0.0):
                         run.flag.seconds += excess - self.lost.get(at, 0.0)
@@ -205,13 +231,18 @@ class Stragglers:
         self.settings, self.strategy, self.event = settings, strategy, event
         self.window = int(settings.window)
         self.detector = Detector(settings.factor, settings.windows)
-        self._ready: float | None = None  # when this rank's latest gradient bucket was ready
+        self._ready: Any = None  # when this rank's latest gradient bucket was ready
+        # On CUDA the host runs ahead of the device: the marks are CUDA events on the current stream, read after the
+        # step's end has synchronised (``_spans``); on the CPU the clock itself.
+        self._cuda = strategy.device.type == "cuda"
+        self._spans: list[tuple[Any, Any]] = []
         able = settings.enabled and strategy.world_size > 1 and strategy.name not in ("ft", "fsdp")
         hooked = able and strategy.watch_gradients(model, self._bucket_ready)
         self.covered = covered(strategy, settings.enabled, hooked)
         self.on = bool(hooked)
         self.nodes = strategy.all_gather_object(node_name()) if self.on else [node_name()]
         self._work = 0.0  # this window's work so far (this rank)
+        self._steps: list[float] = []  # its steps' work (their median: this rank's pace in the window)
         self._step_work = 0.0  # the step's so far
         self._t = 0.0
         self._since = time.perf_counter()
@@ -221,50 +252,72 @@ class Stragglers:
         if settings.enabled and strategy.is_main:
             log.info("straggler detection: %s", self.covered)
 
+    def _now(self) -> Any:
+        if self._cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+            return mark
+        return time.perf_counter()
+
     def _bucket_ready(self) -> None:
-        self._ready = time.perf_counter()
+        self._ready = self._now()
 
     def start(self) -> None:
         if self.on:
             self._ready = None
-            self._t = time.perf_counter()
+            self._t = self._now()
 
     def stop(self, synced: bool) -> None:
         if self.on:
-            end = self._ready if synced and self._ready is not None else time.perf_counter()
-            self._step_work += end - self._t
+            end = self._ready if synced and self._ready is not None else self._now()
+            if self._cuda:
+                self._spans.append((self._t, end))
+            else:
+                self._step_work += end - self._t
 
     def extra(self, seconds: float) -> None:
-        self._step_work += seconds
+        """More of the step's work, timed by the host (on CUDA left out: the host only queued it)."""
+        if not self._cuda:
+            self._step_work += seconds
 
     def discard(self) -> None:
         """The step was not applied (skipped, discarded): its work is not compared."""
         self._step_work = 0.0
+        self._spans.clear()
 
     def restarted(self, step: int) -> None:
         """The loop goes on from ``step`` (a resume, a rollback): a new window starts after it."""
         self._work, self._step_work, self._first, self._since = 0.0, 0.0, step + 1, time.perf_counter()
         self._fresh = True
+        self._spans.clear()
+        self._steps.clear()
 
     def after_step(self, step: int) -> Verdict | None:
         if not self.on:
             return None
+        if self._spans:  # (CUDA: the step's end synchronised with the device, its events are done)
+            self._spans[-1][1].synchronize()  # (done already: loss.item() waited for the stream)
+            self._step_work += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+            self._spans.clear()
         if self._fresh:  # (not compared: the window starts after it)
             self._fresh, self._step_work, self._first, self._since = False, 0.0, step + 1, time.perf_counter()
             return None
         self._work += self._step_work
+        self._steps.append(self._step_work)
         self._step_work = 0.0
         if step % self.window:
             return None
         t = time.perf_counter()
         wall = t - self._since
-        mine = torch.tensor([self._work, wall], dtype=torch.float64, device=self.strategy.device)
+        pace = statistics.median(self._steps) if self._steps else 0.0
+        mine = torch.tensor([self._work, pace, wall], dtype=torch.float64, device=self.strategy.device)
         rows = [r.tolist() for r in self.strategy.all_gather(mine)]
-        work, wall = [r[0] for r in rows], max(r[1] for r in rows)
-        verdict = self.detector.window(self._first, step, work, wall)
+        work, paces, wall = [r[0] for r in rows], [r[1] for r in rows], max(r[2] for r in rows)
+        verdict = self.detector.window(self._first, step, work, wall, paces)
         self.exchange_seconds += time.perf_counter() - t
-        log.debug("straggler window %d..%d: work %s, wall %.4f", self._first, step, work, wall)
+        log.debug("straggler window %d..%d: work %s, pace %s, wall %.4f", self._first, step, work, paces, wall)
         self._work, self._first, self._since = 0.0, step + 1, time.perf_counter()
+        self._steps.clear()
         for flag in verdict.named:
             flag.node = self.nodes[flag.rank] if flag.rank < len(self.nodes) else ""
             self._say(flag, step)
@@ -315,14 +368,12 @@ class Stragglers:
 def leave(flag: Flag, strategy: Strategy, run_dir: str, step: int) -> BaseException:
     """(``action=exclude``, after the save is durable) Rank 0 records ``flag``'s node as excluded; the exception this
     rank leaves with: :class:`NodeExcluded` on that node, :class:`Reform` elsewhere."""
-    from pitstop.resilience import node_book
-
     why = (
         f"rank {flag.rank} was slow ({flag.ratio:.2f}x the median of the other ranks) since step {flag.since} for "
         f"{flag.slow_seconds:.1f} s, more than trainer.straggler.exclude_after_seconds"
     )
     if strategy.is_main:
-        if node_book.exclude(run_dir, flag.node, why, by="straggler"):
+        if exclude(run_dir, flag.node, why, by="straggler"):
             log.warning("straggler: node %s excluded from the job after step %d: %s; the job re-forms", flag.node,
                         step, why)  # fmt: skip
     strategy.barrier()  # (the book is written before any rank leaves)
