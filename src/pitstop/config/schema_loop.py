@@ -257,10 +257,11 @@ class Instability:
 @dataclass
 class Straggler:
     """``trainer.straggler``: slow ranks. Each rank times its own work per step apart from its waits in collectives
-    (under ``strategy=ddp``: up to the moment its last gradient bucket is ready); every ``window`` steps the ranks
-    share these figures in one small all-gather, and a rank whose work is above ``factor`` x the median of the others'
-    for ``windows`` windows in a row is named (the log, ``summary.json``, the tracker, the time line). What the job
-    lost waiting for it is booked in the ledger's ``straggler`` bucket (``pitstop/train/straggler.py``)."""
+    (under ``strategy=ddp``: up to the moment its last gradient is ready for DDP's all-reduce); every ``window``
+    steps the ranks share these figures in one small all-gather, and a rank whose typical step is above ``factor`` x
+    the median of the others' for ``windows`` windows in a row is named (the log, ``summary.json``, the tracker, the
+    time line). What the job lost waiting for it is booked in the ledger's ``straggler`` bucket
+    (``pitstop/train/straggler.py``)."""
 
     enabled: bool = key(
         True, "time each rank's work and compare (strategy=ddp; one rank has no peer; fsdp: not covered, said once)"

@@ -46,7 +46,7 @@ class Strategy(ABC):
         gradients stay local (no all-reduce / reduce-scatter); the last micro-batch's backward reduces them all."""
 
     def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
-        """Call ``ready()`` on this rank as each of its gradient buckets is ready, before the bucket's collective
+        """Call ``ready()`` on this rank as each of its gradients is ready, before any wait for its collective
         (``trainer.straggler`` times a rank's work apart from its waits). False: this strategy cannot say."""
         return False
 

@@ -108,16 +108,14 @@ class DDP(Single):
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
-        """A DDP communication hook: ``ready()``, then DDP's default all-reduce (the gradient divided by the world
-        size, then summed: the same arithmetic as DDP's own reducer, bitwise the same steps). On CUDA ``ready()``
-        runs as the bucket's kernels are queued, on the stream they run on (a CUDA event recorded there times them)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def hook(state, bucket):  # (no annotations: DDP checks them, and this module's are strings)
-            ready()
-            return allreduce_hook(None, bucket)
-
-        model.register_comm_hook(None, hook)
+        """A hook on each parameter, after its gradient is accumulated on this rank (as DDP's own reducer marks it
+        ready for its bucket): the last call of a backward is when the last bucket is ready and this rank's own work
+        is done. DDP's communication is untouched (its own reducer: the same steps, bitwise). On CUDA ``ready()``
+        runs as the gradient's kernels are queued, on the stream they run on (a CUDA event recorded there times
+        them)."""
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _: ready())
         return True
 
     def no_sync(self, model: nn.Module) -> ContextManager:

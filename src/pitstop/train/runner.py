@@ -148,7 +148,7 @@ class Runner:
                 lambda at, why: self.rollback(at, why),
                 lambda step: self._pin("instability", step),
             )
-            # (before the first backward: under ddp it hooks the gradient all-reduce)
+            # (its hooks on the parameters are in place before the first backward)
             self.straggler = Stragglers(t.straggler, self.strategy, self.model, self.records.straggler)
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(

@@ -5,10 +5,11 @@ everyone's, and its gradient all-reduce looks *fast* (the others are already the
 slow. Step times cannot tell them apart: each rank times its own **work** per step apart from its waits in
 collectives:
 
-- ``strategy=ddp``: a DDP communication hook notes when each gradient bucket is ready on this rank (then runs the
-  default all-reduce, the same arithmetic as DDP's own: bitwise the same steps); the work of the step's synced
-  micro-batch is from its start (after the batch is fetched) to its last bucket ready; a ``no_sync`` micro-batch
-  counts whole; the clipping and the optimizer step count too (no collective in them). A batch's fetch is no work.
+- ``strategy=ddp``: a hook on each parameter notes when its gradient is accumulated on this rank (as DDP's reducer
+  marks it ready for its bucket; DDP's communication is untouched: bitwise the same steps); the work of the step's
+  synced micro-batch is from its start (after the batch is fetched) to its last gradient ready (its last bucket); a
+  ``no_sync`` micro-batch counts whole; the clipping and the optimizer step count too (no collective in them). A
+  batch's fetch is no work.
   On CUDA the marks are CUDA events on the stream (the device's time, not the host's, which runs ahead), read once
   the step's end has synchronised; the optimizer is left out there (the host only queues it). Not yet run on a GPU.
 - ``strategy=single``: one rank has no peer to compare with: the detector says once it is off.
@@ -209,7 +210,7 @@ def covered(strategy: Strategy, enabled: bool, hooked: bool) -> str:
         )
     if not hooked:
         return f"nothing: strategy={strategy.name} does not say when its gradients are ready"
-    return f"the work of {strategy.world_size} ranks (forward, backward to the last gradient bucket, optimizer)"
+    return f"the work of {strategy.world_size} ranks (forward, backward to the last gradient ready, optimizer)"
 
 
 class Reform(Exception):
@@ -231,7 +232,7 @@ class Stragglers:
         self.settings, self.strategy, self.event = settings, strategy, event
         self.window = int(settings.window)
         self.detector = Detector(settings.factor, settings.windows)
-        self._ready: Any = None  # when this rank's latest gradient bucket was ready
+        self._ready: Any = None  # when this rank's latest gradient was ready
         # On CUDA the host runs ahead of the device: the marks are CUDA events on the current stream, read after the
         # step's end has synchronised (``_spans``); on the CPU the clock itself.
         self._cuda = strategy.device.type == "cuda"
