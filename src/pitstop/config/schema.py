@@ -35,6 +35,7 @@ from pitstop.config.schema_loop import (
     Poison,
     Preempt,
     RandomFault,
+    SlowRank,
     Stall,
     Trainer,
 )
@@ -347,6 +348,7 @@ SCHEMAS = {
         "random": RandomFault,
         "nonfinite": NonFinite,
         "poison": Poison,
+        "slow_rank": SlowRank,
     },
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},

@@ -16,6 +16,7 @@ from pitstop.launch import repeats
 from pitstop.launch.failures import lost_peer
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure, signature
+from pitstop.resilience.node_book import EXCLUDED_EXIT, NodeExcluded
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
@@ -48,6 +49,7 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     ``CRASH_LOOP_EXIT``: the same failure as the attempt before, with no progress between); under the agent the
     exception propagates (the agent records it), and a crash loop stops the agent (:func:`crash_loop`)."""
     from pitstop.train.runner import Runner
+    from pitstop.train.straggler import Reform
 
     log_to(run_dir, rank)
     logger = logging.getLogger("pitstop")
@@ -58,6 +60,9 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     except Preempted as e:
         logger.warning("%s", e)
         raise SystemExit(PREEMPTED_EXIT) from None
+    except (NodeExcluded, Reform) as e:  # (its node excluded: do not start it here again; or re-form without it)
+        logger.warning("%s", e)
+        raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else e.exit_code) from None
     except ConfigError as e:
         logger.error("%s", e)
         if not facts.supervised:

@@ -12,6 +12,7 @@ is spawned: this process is one of the ranks.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from omegaconf import DictConfig
@@ -44,7 +45,14 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         return elastic(cfg, job, run_dir)
     from pitstop.train.runner import Runner
 
+    from pitstop.resilience.node_book import EXCLUDED_EXIT, REFORM_EXIT, NodeExcluded
+    from pitstop.train.straggler import Reform
+
     if job.mode == LaunchMode.CHILD:  # a rank torchrun/SLURM started: train.log or rankR.log
         os.makedirs(run_dir, exist_ok=True)
         log_to(run_dir, int(os.environ["RANK"]))
-    return Runner(cfg, run_dir, facts_from_env(os.environ)).run()
+    try:
+        return Runner(cfg, run_dir, facts_from_env(os.environ)).run()
+    except (NodeExcluded, Reform) as e:  # (this node is excluded, or the job re-forms without one: the launcher's cue)
+        logging.getLogger("pitstop").warning("%s", e)
+        raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else REFORM_EXIT) from None
