@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -171,6 +171,15 @@ class FT(Strategy, Quorums):
 
     def init_local_group(self, store_path: str) -> None:
         self.inner.init_local_group(store_path)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self.inner.all_gather(t)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.inner.all_gather_object(obj)
+
+    def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
+        return self.inner.watch_gradients(model, ready)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.inner.broadcast_object(obj, src)

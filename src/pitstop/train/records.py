@@ -101,8 +101,9 @@ class Records:
         """A rank named slow, or well again (``train.straggler``): a line in ``metrics.jsonl`` (the time line marks it)
         and, when named, metrics in the tracker."""
         self.metrics_file.write({"event": "straggler", "step": step, **fields, "time": round(time.time(), 3)})
-        if self.logger is not None and "ratio" in fields:
-            self.logger.log_metrics({"straggler_rank": float(fields["rank"]), "straggler_ratio": fields["ratio"]}, step)
+        if self.logger is not None and "ratio" in fields:  # (strategy=ft: a slow group is named by its replica id)
+            who = ("straggler_rank", fields["rank"]) if "rank" in fields else ("straggler_replica", fields["replica"])
+            self.logger.log_metrics({who[0]: float(who[1]), "straggler_ratio": fields["ratio"]}, step)
 
     def sdc_found(self, step: int, fields: dict) -> None:
         """Silent data corruption found at ``step`` (``train.sdc``): a line in ``metrics.jsonl`` (the time line marks

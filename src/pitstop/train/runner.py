@@ -42,7 +42,7 @@ from pitstop.train.sdc import SdcCheck
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
-from pitstop.train.straggler import Stragglers, leave
+from pitstop.train import straggler_groups
 
 log = logging.getLogger("pitstop")
 
@@ -150,7 +150,9 @@ class Runner:
                 lambda step: self._pin("instability", step),
             )
             # (its hooks on the parameters are in place before the first backward)
-            self.straggler = Stragglers(t.straggler, self.strategy, self.model, self.records.straggler)
+            self.straggler = straggler_groups.build(
+                t.straggler, self.strategy, self.groups, self.model, self.records.straggler
+            )
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
                 progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
@@ -332,7 +334,8 @@ class Runner:
         """(``trainer.straggler.action=exclude``) A rank slow for longer than ``exclude_after_seconds``, decided the
         same on every rank at the same window: save this step and wait until it is durable, record its node as
         excluded, and leave (``train.straggler.leave``: that node's ranks exit ``EXCLUDED_EXIT``, the others
-        ``REFORM_EXIT``); the launchers re-form the job without the node."""
+        ``REFORM_EXIT``); the launchers re-form the job without the node. Under replica groups only the slow group
+        leaves the quorum (``REFORM_EXIT``), to rejoin by healing (``train.straggler_groups``)."""
         flag = self.straggler.overdue()
         if flag is None:
             return
@@ -345,7 +348,7 @@ class Runner:
         self.records.flush()
         self.records.goodput.write(self.step, status="reformed")
         self._preempted = True  # (a planned exit, no failure: the attempt is recorded as re-formed)
-        raise leave(flag, self.strategy, self.run_dir, self.step)
+        raise self.straggler.leave(flag, self.run_dir, self.step)
 
     def _skipped(self, step: int, why: str, loss: float) -> None:
         self.records.skipped(step, self.loader.epoch, why, loss)

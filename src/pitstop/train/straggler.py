@@ -140,11 +140,13 @@ class Detector:
         work: Sequence[float],
         wall: float = 0.0,
         pace: Sequence[float] | None = None,
+        ids: Sequence[int] | None = None,
     ) -> Verdict:
         """Steps ``first_step``..``last_step``: each member's work (seconds, summed over the window) and the window's
         wall clock; ``pace``: each member's typical step (the median of its steps' work), which decides who is slow
         (a burst of a few slow steps, another process's on a shared machine, does not move it); without it the sums
-        decide. What is booked is always of the sums: the time actually lost."""
+        decide. What is booked is always of the sums: the time actually lost. ``ids``: each member's own id, when the
+        members change from window to window (replica groups in and out of the quorum; default: its place)."""
         out = Verdict()
         if len(work) < 2:
             return out
@@ -152,29 +154,30 @@ class Detector:
         before = self.booked
         pace = work if pace is None else pace
         for i, w in enumerate(work):
+            member = i if ids is None else ids[i]
             others, typical = median_of_others(work, i), median_of_others(pace, i)
             ratio = pace[i] / typical if typical > 0 else 0.0
             slow = ratio > self.factor
             self.max_ratio = max(self.max_ratio, ratio)
-            run = self.runs.get(i)
+            run = self.runs.get(member)
             if not slow:
                 if run is None or run.flag is None:  # (not named: its slow windows were not in a row)
-                    self.runs.pop(i, None)
+                    self.runs.pop(member, None)
                     continue
                 run.well += 1
                 if run.well >= self.windows:  # (well again as long as it took to be named: noise does not end it)
                     run.flag.until = run.last_slow
                     out.recovered.append(run.flag)
-                    del self.runs[i]
+                    del self.runs[member]
                     continue
             else:
                 if run is None:
-                    run = self.runs[i] = _Run(since=first_step)
+                    run = self.runs[member] = _Run(since=first_step)
                 run.windows, run.well, run.last_slow, run.ratio = run.windows + 1, 0, last_step, ratio
             run.wall += wall
             run.pending.append((last_step, max(0.0, w - others)))
             if run.flag is None and run.windows >= self.windows:
-                run.flag = Flag(i, run.since, run.ratio, run.windows)
+                run.flag = Flag(member, run.since, run.ratio, run.windows)
                 self.flags.append(run.flag)
                 out.named.append(run.flag)
             if run.flag is not None:
@@ -237,10 +240,8 @@ class Stragglers:
         # step's end has synchronised (``_spans``); on the CPU the clock itself.
         self._cuda = strategy.device.type == "cuda"
         self._spans: list[tuple[Any, Any]] = []
-        able = settings.enabled and strategy.world_size > 1 and strategy.name not in ("ft", "fsdp")
-        hooked = able and strategy.watch_gradients(model, self._bucket_ready)
-        self.covered = covered(strategy, settings.enabled, hooked)
-        self.on = bool(hooked)
+        self.on = self._measures(settings, strategy, model)
+        self.covered = self._covers(settings, strategy)
         self.nodes = strategy.all_gather_object(node_name()) if self.on else [node_name()]
         self._work = 0.0  # this window's work so far (this rank)
         self._steps: list[float] = []  # its steps' work (their median: this rank's pace in the window)
@@ -252,6 +253,14 @@ class Stragglers:
         self._fresh = True  # the attempt's first step (lazy set-up, cold caches) is no measure of a rank's pace
         if settings.enabled and strategy.is_main:
             log.info("straggler detection: %s", self.covered)
+
+    def _measures(self, settings: Any, strategy: Strategy, model: torch.nn.Module) -> bool:
+        """Whether this rank's work is timed and compared (its gradients watched where a collective ends them)."""
+        able = settings.enabled and strategy.world_size > 1 and strategy.name not in ("ft", "fsdp")
+        return bool(able and strategy.watch_gradients(model, self._bucket_ready))
+
+    def _covers(self, settings: Any, strategy: Strategy) -> str:
+        return covered(strategy, settings.enabled, self.on)
 
     def _now(self) -> Any:
         if self._cuda:
@@ -294,19 +303,7 @@ class Stragglers:
         self._steps.clear()
 
     def after_step(self, step: int) -> Verdict | None:
-        if not self.on:
-            return None
-        if self._spans:  # (CUDA: the step's end synchronised with the device, its events are done)
-            self._spans[-1][1].synchronize()  # (done already: loss.item() waited for the stream)
-            self._step_work += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
-            self._spans.clear()
-        if self._fresh:  # (not compared: the window starts after it)
-            self._fresh, self._step_work, self._first, self._since = False, 0.0, step + 1, time.perf_counter()
-            return None
-        self._work += self._step_work
-        self._steps.append(self._step_work)
-        self._step_work = 0.0
-        if step % self.window:
+        if not self.on or not self._take(step) or step % self.window:
             return None
         t = time.perf_counter()
         wall = t - self._since
@@ -327,6 +324,21 @@ class Stragglers:
                 log.info("straggler: rank %d (node %s) is well again after step %d", flag.rank, flag.node, flag.until)
             self.event(step, {"rank": flag.rank, "node": flag.node, "recovered": True, "until": flag.until})
         return verdict
+
+    def _take(self, step: int) -> bool:
+        """The step's work into the window's; False for the attempt's first step (not compared: the window starts
+        after it)."""
+        if self._spans:  # (CUDA: the step's end synchronised with the device, its events are done)
+            self._spans[-1][1].synchronize()  # (done already: loss.item() waited for the stream)
+            self._step_work += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+            self._spans.clear()
+        if self._fresh:
+            self._fresh, self._step_work, self._first, self._since = False, 0.0, step + 1, time.perf_counter()
+            return False
+        self._work += self._step_work
+        self._steps.append(self._step_work)
+        self._step_work = 0.0
+        return True
 
     def _say(self, flag: Flag, step: int) -> None:
         if self.strategy.is_main:
@@ -349,6 +361,10 @@ class Stragglers:
         if not self.on or self.settings.action != "exclude":
             return None
         return self.detector.overdue(float(self.settings.exclude_after_seconds))
+
+    def leave(self, flag: Flag, run_dir: str, step: int) -> BaseException:
+        """(``action=exclude``, after the save is durable) What this rank leaves with (:func:`leave`)."""
+        return leave(flag, self.strategy, run_dir, step)
 
     def stats(self) -> dict[str, Any]:
         """``summary.json``'s ``straggler`` section."""
