@@ -277,7 +277,8 @@ class Straggler:
     action: str = key(
         "report",
         "report (name it, book it) | exclude (a rank slow for longer than exclude_after_seconds: the job saves, its "
-        "node is excluded (RUN_DIR/nodes.json) and the job re-forms without it: several nodes, or strategy=ft)",
+        "node is excluded (RUN_DIR/nodes.json) and the job re-forms without it: several nodes; strategy=ft: the slow "
+        "replica group leaves the quorum and rejoins by healing from a peer)",
         check=OneOf("report", "exclude"),
     )
     exclude_after_seconds: float = key(
