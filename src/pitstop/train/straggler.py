@@ -38,8 +38,10 @@ and waits until the save is durable, rank 0 records the node in ``RUN_DIR/nodes.
 the launchers re-form the job without the node.
 
 The interface other detectors build on (``strategy=ft``'s groups): :class:`Detector` takes each window's figures
-(one number per member, in the same order everywhere) and returns a :class:`Verdict`; it holds no clock and no
-process group.
+(``Detector.window(first_step, last_step, work, wall, pace)``: per member, in the same order everywhere, its work
+summed over the window and, optionally, its median step) and returns a :class:`Verdict` (the members named, those
+well again, the seconds newly booked); it holds no clock and no process group. :class:`Stragglers` is the ranks'
+side (timing, the all-gather, the log, the booking) for the strategies whose ranks are the members.
 """
 
 from __future__ import annotations
@@ -257,7 +259,7 @@ class Stragglers:
     def _measures(self, settings: Any, strategy: Strategy, model: torch.nn.Module) -> bool:
         """Whether this rank's work is timed and compared (its gradients watched where a collective ends them)."""
         able = settings.enabled and strategy.world_size > 1 and strategy.name not in ("ft", "fsdp")
-        return bool(able and strategy.watch_gradients(model, self._bucket_ready))
+        return bool(able and strategy.watch_gradients(model, self._gradient_ready))
 
     def _covers(self, settings: Any, strategy: Strategy) -> str:
         return covered(strategy, settings.enabled, self.on)
@@ -269,7 +271,7 @@ class Stragglers:
             return mark
         return time.perf_counter()
 
-    def _bucket_ready(self) -> None:
+    def _gradient_ready(self) -> None:
         self._ready = self._now()
 
     def start(self) -> None:

@@ -72,7 +72,7 @@ class GroupStragglers(Stragglers):
             return False
         if strategy.world_size == 1:
             return True  # (no collective in its backward: its work is its forward and backward)
-        return bool(strategy.watch_gradients(model, self._bucket_ready))
+        return bool(strategy.watch_gradients(model, self._gradient_ready))
 
     def _covers(self, settings: Any, strategy: Strategy) -> str:
         if not settings.enabled:
