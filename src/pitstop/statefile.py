@@ -196,6 +196,8 @@ SUSPECTS = record({"suspects": listof(SUSPECT)})
 _NODE_FAILURE = record({"time": SECONDS, "why": string}, {"step": integer(0)})
 _EXCLUSION = record({"why": string, "by": string}, {"time": SECONDS})
 NODES = record({"nodes": mapping(record({}, {"failures": listof(_NODE_FAILURE), "excluded": _EXCLUSION}))})
+# RUN_DIR/health.json (launch/health.py): each node's recent matmul timings, the reference of the others' health checks
+HEALTH = record({"nodes": mapping(record({}, {"matmul": listof(SECONDS), "time": SECONDS}))})
 # samples.rank{R}.jsonl (train/sample_log.py): an attempt's header, a step's (or micro-batch's) keys, or (ft) a
 # step's outcome
 SAMPLE_HEADER = record(

@@ -26,6 +26,7 @@ from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
 from pitstop.config.schema_loop import (
     MLflow,
     AtStep,
+    BadNode,
     Bitflip,
     Bug,
     Crash,
@@ -347,6 +348,7 @@ SCHEMAS = {
         "random": RandomFault,
         "nonfinite": NonFinite,
         "poison": Poison,
+        "bad_node": BadNode,
     },
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},

@@ -131,6 +131,21 @@ class Poison(NoFault):
     sample: str = key(MISSING, "the sample key (a training sample's __key__, as samples.rank*.jsonl names it)")
 
 
+@dataclass
+class BadNode(NoFault):
+    """``fault=bad_node``: one node is bad for the whole run (``resilience/bad_node.py``): every attempt on it fails
+    at start (``fail``), or its checkpoint dir is not writable (``unwritable``: node health's check finds it)."""
+
+    _target_: str = "pitstop.resilience.bad_node.BadNode"
+    node: str = key(MISSING, "the node's name as pitstop names it: PITSTOP_NODE_NAME, else SLURMD_NODENAME, else host")
+    how: str = key(
+        "fail",
+        "fail (every attempt on the node raises at start) | unwritable (its checkpoint dir cannot be written: the "
+        "launcher's health check fails and the node is not used)",
+        check=OneOf("fail", "unwritable"),
+    )
+
+
 # ---- logger --------------------------------------------------------------------------------------------
 
 
@@ -242,6 +257,31 @@ class Instability:
 
 
 @dataclass
+class Health:
+    """``trainer.health``: each node checks itself before the first rendezvous and before each restart, in about a
+    second (``launch/health.py``): its run dir and checkpoint dirs writable with room for a checkpoint, /dev/shm's room
+    for an async save's staging, free memory, a short matmul against its peers' speed. A node that fails a check, on
+    which attempts failed twice, or that the silent-corruption check suspects (jobs of several nodes) is not used
+    (``RUN_DIR/nodes.json``); the time is the ledger's ``health``."""
+
+    enabled: bool = key(True, "check the node before the first rendezvous and before each restart")
+    room_factor: float = key(
+        2.0,
+        "free space a checkpoint dir needs, in checkpoints (the newest one's size, else 3 x the model's parameters "
+        "in bytes): a save is written whole before the one it replaces is deleted",
+        check=Positive(),
+    )
+    min_free_memory_gb: float = key(0.5, "free memory (MemAvailable) the node needs, GiB", check=AtLeastZero())
+    slow_factor: float = key(
+        3.0,
+        "the matmul fails when slower than this x the reference: the faster of the other nodes' median and this "
+        "node's own past median (RUN_DIR/health.json)",
+        check=Positive(),
+    )
+    matmul_size: int = key(256, "N of the N x N float32 matmul timed (best of 5)", check=Integer(16))
+
+
+@dataclass
 class Trainer:
     """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
     ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
@@ -304,3 +344,4 @@ class Trainer:
     profile: Profile = field(default_factory=Profile)
     sdc: Sdc = field(default_factory=Sdc)
     instability: Instability = field(default_factory=Instability)
+    health: Health = field(default_factory=Health)

@@ -52,7 +52,7 @@ class Runner:
         validate(cfg)
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         self.launch = launch if launch is not None else facts_from_env(os.environ)
-        self.ledger = Ledger(self.launch.program_start)
+        self.ledger = Ledger(self.launch.program_start, self.launch.health_seconds)
         self.progress = Progress()
         self.resumed_from: int | None = None
         self.callbacks: list[Any] = []
