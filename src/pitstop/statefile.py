@@ -3,8 +3,8 @@
 A run dir is written by pitstop, but also torn by a full disk, edited by hand, copied from another version or
 planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
 belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
-(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`, :data:`NODES`),
-and :func:`read_state` reads one:
+(:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`,
+:data:`NODES`, :data:`HEALTH`), and :func:`read_state` reads one:
 
 - the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
   (``NAME.corrupt``, ``NAME.corrupt-2``, ...: never deleted) with a one-line warning naming it, and starts afresh;
