@@ -72,26 +72,27 @@ def _healthy(node: str = "n2") -> Report:
 
 def test_which_node_is_not_used_and_why(tmp_path):
     run = str(tmp_path)
-    assert vetting.verdict(run, "n2", True, _healthy) is None
+    assert vetting.verdict(run, "n2", (1, 2), _healthy) is None
     failing = Report("n2", [Outcome("shm", False, "full")])
-    assert vetting.verdict(run, "n2", True, lambda: failing) == (
+    assert vetting.verdict(run, "n2", (1, 2), lambda: failing) == (
         "node n2 failed its health check 'shm': full",
         "health",
     )
     node_book.record_failure(run, "n2", "RuntimeError: boom")
-    assert vetting.verdict(run, "n2", True, _healthy) is None  # one failure: used again
+    assert vetting.verdict(run, "n2", (1, 2), _healthy) is None  # one failure: used again
     node_book.record_failure(run, "n2", "RuntimeError: boom")
-    why, by = vetting.verdict(run, "n2", True, _healthy)
+    why, by = vetting.verdict(run, "n2", (1, 2), _healthy)
     assert by == "failures" and why.startswith("2 attempts failed on it (the last: RuntimeError: boom")
-    assert vetting.verdict(run, "n2", False, _healthy) is None  # a job of one node: its restart budget decides
+    assert vetting.verdict(run, "n2", (1, 1), _healthy) is None  # a job of one node: its restart budget decides
+    assert vetting.verdict(run, "n2", (2, 2), _healthy) is None  # one that cannot go on without it: likewise
     suspects = {"suspects": [{"rank": 1, "step": 40, "how": "digest", "host": "n1"}]}
     (tmp_path / "suspects.json").write_text(json.dumps(suspects))
-    assert vetting.verdict(run, "n1", True, _healthy) == (
+    assert vetting.verdict(run, "n1", (1, 2), _healthy) == (
         "the silent-corruption check named it at step 40 (suspects.json)",
         "sdc",
     )
     node_book.exclude(run, "n3", "too slow", "straggler")
-    assert vetting.verdict(run, "n3", False, _healthy) == (
+    assert vetting.verdict(run, "n3", (1, 1), _healthy) == (
         "it was excluded from this run by straggler (too slow)",
         "straggler",
     )
@@ -140,7 +141,8 @@ def test_a_nodes_failures_count_once_per_attempt_and_exclude_it_at_the_second_in
     assert node_book.failures(run, "nX") == 1
     assert vetting.failed_here(run, "boom", (1, 2), tag="[agent 7 restart 1]")
     assert not vetting.failed_here(run, "boom", (1, 1))  # one node: recorded, never excluded
-    assert node_book.failures(run, "nX") == 3
+    assert not vetting.failed_here(run, "boom", (2, 2))  # nor where the job cannot go on without it
+    assert node_book.failures(run, "nX") == 4
 
 
 def test_reformations_are_counted_per_agent_and_restart(tmp_path):

@@ -143,8 +143,8 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
 
 def node_failed(cfg_yaml: str, run_dir: str, what: str, facts: LaunchFacts, step: int | None) -> str | None:
     """Record this attempt's failure on this node (once per node and attempt); None if that does not exclude it. On
-    the failure that excludes the node (a job of several nodes) this node's agent is stopped: "" when the job goes on
-    without the node (its launcher says so), else the line that stops the job."""
+    the failure that excludes the node (the job can go on without it: ``vetting.failed_here``) this node's agent is
+    stopped and "" is returned: the job goes on without the node, and its launcher says so."""
     from pitstop.launch import vetting
     from pitstop.launch.plan import nnodes
     from pitstop.resilience.node_book import NodeExcluded, node_name
@@ -157,10 +157,8 @@ def node_failed(cfg_yaml: str, run_dir: str, what: str, facts: LaunchFacts, step
         run_dir, node_name(), f"attempts failed on it twice (the last: {what})", "failures", nodes, text
     )
     logging.getLogger("pitstop").error("%s", err)
-    if isinstance(err, NodeExcluded):
-        vetting.stop_agent(facts.agent_pid)
-        return ""
-    return stop_job(run_dir, str(err), facts)
+    vetting.stop_agent(facts.agent_pid)
+    return "" if isinstance(err, NodeExcluded) else stop_job(run_dir, str(err), facts)
 
 
 def restart_limit(cfg_yaml: str) -> int | None:

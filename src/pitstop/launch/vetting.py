@@ -1,10 +1,11 @@
 """Whether this node may be used, decided by its launcher before the first rendezvous and before each restart.
 
 A node is not used when it is excluded in ``RUN_DIR/nodes.json`` (by anything: :mod:`pitstop.resilience.node_book`),
-when attempts failed on it ``node_book.FAILURES_TO_EXCLUDE`` times, when the silent-corruption check named it
-(``RUN_DIR/suspects.json``) or when it fails its health check (:mod:`pitstop.launch.health`). The last three exclude
-it in the book, in a job of several nodes only: a job of one node has nowhere else to go (its restart budget and the
-crash-loop check govern it), and a check that fails there stops it in one line without marking the node for later.
+when it fails its health check (:mod:`pitstop.launch.health`), and, where the job can go on without it, when attempts
+failed on it ``node_book.FAILURES_TO_EXCLUDE`` times or the silent-corruption check named it
+(``RUN_DIR/suspects.json``): where the job cannot, those may be the job's own (a deterministic bug fails on any
+node), and the crash-loop check and the restart budget decide as before. A job of one node marks nothing in the book
+(it has nowhere else to go): a check that fails there stops it in one line.
 
 What follows an exclusion: the job goes on without the node if ``strategy.nnodes``'s minimum is left (this node's
 launcher ends with :class:`NodeExcluded`, exit status ``EXCLUDED_EXIT``), else it stops in one line naming the nodes
@@ -45,17 +46,22 @@ def suspected(run_dir: str, node: str) -> dict | None:
     return mine[-1] if mine else None
 
 
-def verdict(run_dir: str, node: str, several: bool, check: Callable[[], Report] | None) -> tuple[str, str] | None:
-    """``(why, by)`` if ``node`` must not be used, else None. ``several``: the job may have more than one node;
-    ``check``: the health check to run (None: off)."""
+def verdict(
+    run_dir: str, node: str, nodes: tuple[int, int], check: Callable[[], Report] | None
+) -> tuple[str, str] | None:
+    """``(why, by)`` if ``node`` must not be used, else None. ``nodes``: ``strategy.nnodes``'s (min, max); ``check``:
+    the health check to run (None: off). Failures and suspicion exclude a node only where the job can go on without
+    it: where it cannot, they may be the job's own (a bug fails on any node), and the crash-loop check and the
+    restart budget decide as before."""
     rec = node_book.read_book(run_dir).get(node, {})
     if rec.get("excluded"):
         was = rec["excluded"]
         return f"it was excluded from this run by {was['by']} ({was['why']})", str(was["by"])
+    spare = goes_on_without(run_dir, node, nodes)
     failures = rec.get("failures", [])
-    if several and len(failures) >= node_book.FAILURES_TO_EXCLUDE:
+    if spare and len(failures) >= node_book.FAILURES_TO_EXCLUDE:
         return f"{len(failures)} attempts failed on it (the last: {failures[-1]['why'][:200]})", "failures"
-    suspect = suspected(run_dir, node) if several else None
+    suspect = suspected(run_dir, node) if spare else None
     if suspect is not None:
         return f"the silent-corruption check named it at step {suspect['step']} (suspects.json)", "sdc"
     if check is not None:
@@ -64,6 +70,18 @@ def verdict(run_dir: str, node: str, several: bool, check: Callable[[], Report] 
             return report.line(), "health"
         log.info("%s", report.line())
     return None
+
+
+def goes_on_without(run_dir: str, node: str, nodes: tuple[int, int], env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the job has ``strategy.nnodes``'s minimum left without ``node`` (and the nodes already excluded)."""
+    low, high = nodes
+    if high == 1:
+        return False
+    out = set(node_book.excluded(run_dir)) | {node}
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist:
+        return len([n for n in expand_nodelist(nodelist) if n not in out]) >= low
+    return high - len(out) >= low
 
 
 def nodes_left(run_dir: str, max_nodes: int, env: Mapping[str, str] = os.environ) -> tuple[list[str], int]:
@@ -107,7 +125,7 @@ def vet(
     t0 = time.perf_counter()
     node = node or node_book.node_name()
     os.makedirs(run_dir, exist_ok=True)
-    found = verdict(run_dir, node, nodes[1] > 1, check)
+    found = verdict(run_dir, node, nodes, check)
     if found is not None:
         raise refuse(run_dir, node, found[0], found[1], nodes, text)
     return time.perf_counter() - t0
@@ -117,7 +135,8 @@ def failed_here(
     run_dir: str, why: str, nodes: tuple[int, int], step: int | None = None, tag: str | None = None
 ) -> bool:
     """An attempt failed on this node: recorded (once per ``tag``: the ranks of one node fail in the same attempt);
-    True when that makes the node one to exclude (a job of several nodes, ``FAILURES_TO_EXCLUDE`` failures)."""
+    True when that makes the node one to exclude: ``FAILURES_TO_EXCLUDE`` failures, and the job can go on without it
+    (:func:`verdict`)."""
     node = node_book.node_name()
     try:
         past = node_book.read_book(run_dir).get(node, {}).get("failures", [])
@@ -127,7 +146,7 @@ def failed_here(
             count = node_book.record_failure(run_dir, node, f"{tag} {why}" if tag else why, step)
     except OSError:
         return False
-    return nodes[1] > 1 and count >= node_book.FAILURES_TO_EXCLUDE
+    return count >= node_book.FAILURES_TO_EXCLUDE and goes_on_without(run_dir, node, nodes)
 
 
 def excluded_since(run_dir: str, since: float, node: str | None = None) -> dict | None:
