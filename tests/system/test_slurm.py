@@ -285,6 +285,44 @@ def test_an_elastic_sbatch_job_with_a_bad_node_trains_on_the_other_exactly_as_on
     assert [(e.once, e.repeated) for e in audit(str(run_dir))] == [(320, 0)]  # (20 steps x 16 samples, once)
 
 
+def test_an_sbatch_job_that_cannot_go_on_without_its_bad_node_is_requeued_without_it(slurm, data_root, tmp_path):
+    # strategy.nnodes=2 (the script's: the allocation's count) and n2 unfit (its checkpoint dir unwritable): n2's
+    # launcher excludes it and stops in one line (2 nodes needed, 1 left); n1's agent, whose rendezvous n2 never
+    # joins, stops with the same line after strategy.timeout; the script requeues the job with n2 in its exclusion
+    # list, where it waits for a second node this cluster does not have.
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = ["strategy=ddp", "strategy.nproc_per_node=1", "strategy.timeout=10", "debug=tiny", "logger=none",
+                 "ckpt=sync_save", "fault=bad_node", "fault.node=n2", "fault.how=unwritable"]  # fmt: skip
+    job = sbatch(env, tmp_path, [], overrides, data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    try:
+        deadline = time.monotonic() + 120
+        while "requeueing job" not in (text := out.read_text(errors="replace") if out.exists() else ""):
+            assert time.monotonic() < deadline and job_state(slurm, job) in ("PENDING", "RUNNING"), text[-3000:]
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while "ExcNodeList=n2" not in (shown := scontrol_job(slurm, job)) or "JobState=PENDING" not in shown:
+            assert time.monotonic() < deadline, shown
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+    line = (
+        "error: the job cannot go on: 1 node(s) excluded (n2: node n2 failed its health check 'dirs': ckpt.dir "
+        f"{run_dir}/checkpoints is not writable (fault=bad_node: unwritable (injected))) and strategy.nnodes=2 needs "
+        "2, 1 left; readmit a node (node_book.readmit) or lower the minimum"
+    )
+    text = out.read_text(errors="replace")
+    assert text.count(line) == 2, text[-3000:]  # (n2's launcher, and n1's, whose rendezvous it never joined)
+    assert "pitstop: the nodes' agents exited with 2 2 (n1 n2)" in text
+    assert "pitstop: the job cannot go on without node(s) n2; requeueing job" in text
+    assert "Restarts=1" in shown and not (run_dir / "goodput.json").exists()  # (no attempt ever started)
+
+
+def scontrol_job(slurm: dict, job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
+
+
 def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     """Kill one node of the local cluster as a node failure would: its slurmd, and every process of ``job`` on it
     (the tasks, their children and their slurmstepd), all stopped first so none of them reacts."""

@@ -158,3 +158,73 @@ def test_the_health_checks_time_is_its_own_bucket_out_of_program_start():
     assert "health" in JOB_BUCKETS
     assert ledger.seconds["health"] == 0.5 and 1.45 < ledger.seconds["program_start"] < 1.6
     assert Ledger(time.time() - 0.2, health=5.0).seconds["health"] <= 0.21  # (never more than the start it is in)
+
+
+def _supervise(tmp_path, codes: list[int], nodes: tuple[int, int] = (1, 1), restarts: int = 0, during=None):
+    """pitstop's supervisor's attempts() over attempts that end with ``codes`` in turn (the last: finished);
+    ``during()`` runs in each attempt (what it does to the run dir)."""
+    from pitstop.config import schema
+    from pitstop.config.schema_loop import Health
+    from pitstop.launch.mode import LaunchMode
+    from pitstop.launch.plan import LaunchPlan
+    from pitstop.launch.supervisor import attempts
+
+    ends = iter(codes)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "summary.json").write_text('{"final_step": 3}')
+
+    class Child:
+        pid, exitcode = 4242, None
+
+        def __init__(self, **kw):
+            pass
+
+        def start(self):
+            pass
+
+        def join(self, timeout=None):
+            if during is not None:
+                during()
+            self.exitcode = next(ends)
+
+        def is_alive(self):
+            return False
+
+    class Ctx:
+        Process = Child
+
+        @staticmethod
+        def get_start_method():
+            return "fake"
+
+    trainer = schema.Trainer(health=Health(enabled=False))  # (the checks themselves: tests/integration)
+    job = LaunchPlan(LaunchMode.SUPERVISED, trainer, schema.Single(), nodes=nodes, restarts=restarts)
+    return attempts(Ctx, "{}", str(tmp_path), job, time.time())
+
+
+def test_the_supervisor_restarts_a_reformation_at_once_without_using_the_restart_budget(tmp_path):
+    from pitstop.resilience.node_book import REFORM_EXIT
+
+    assert _supervise(tmp_path, [REFORM_EXIT, REFORM_EXIT, 0], restarts=0) == {"final_step": 3}
+    with pytest.raises(PitstopError, match=r"its restarts are used up \(1 failure\(s\): 1 of trainer.max_restarts=0"):
+        _supervise(tmp_path, [REFORM_EXIT, 1, 0], restarts=0)  # (a real failure still costs one)
+
+
+def test_the_supervisor_does_not_start_an_excluded_node_again(tmp_path, monkeypatch):
+    from pitstop.resilience.node_book import EXCLUDED_EXIT
+
+    monkeypatch.setenv("PITSTOP_NODE_NAME", "n2")
+    for var in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+
+    def slow(run_dir):  # (as the straggler detector's rank does before it exits EXCLUDED_EXIT)
+        return lambda: node_book.exclude(str(run_dir), "n2", "too slow", "straggler")
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(NodeExcluded, match=r"^node n2 is not used: too slow; the job goes on without it \(1 node"):
+        _supervise(a, [EXCLUDED_EXIT, 0], nodes=(1, 2), restarts=5, during=slow(a))
+    with pytest.raises(PitstopError, match="^too slow; the job has no other node"):
+        _supervise(b, [EXCLUDED_EXIT, 0], restarts=5, during=slow(b))
+    # and a node already excluded is not started at all
+    with pytest.raises(NodeExcluded, match=r"^node n2 is not used: it was excluded from this run by straggler"):
+        _supervise(tmp_path / "a", [0], nodes=(1, 2), restarts=5)
