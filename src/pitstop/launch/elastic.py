@@ -112,7 +112,10 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         loop = repeats.marked(run_dir, job_start)  # (the agent had no restart left when the rank stopped it)
         if loop is not None:
             raise CrashLoop(loop) from None
-        raise rank_failed(e, job, run_dir, run_id) from None
+        error = rank_failed(e, job, run_dir, run_id)
+        if (getattr(root_failure(e.failures)[1], "exitcode", 0) or 0) < 0:  # (killed: its rank could not record it)
+            vetting.failed_here(run_dir, str(error), job.nodes)
+        raise error from None
     finally:
         notice.close()
         del store
