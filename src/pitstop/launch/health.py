@@ -281,19 +281,19 @@ def matmul_check(run_dir: str, node: str, n: int, factor: float) -> Outcome:
     seconds = matmul_seconds(n)
     if too_slow(seconds, ref, factor):
         seconds = min(seconds, matmul_seconds(n, reps=20))  # (taken again: a busy moment is not a bad node)
-    assert_ref = f"{ref * 1e3:.2f} ms" if ref is not None else "none yet"
+    ref_text = f"{ref * 1e3:.2f} ms" if ref is not None else "none yet"
     if too_slow(seconds, ref, factor):
         return Outcome(
             "matmul",
             False,
             f"a {n}x{n} matmul took {seconds * 1e3:.2f} ms, over trainer.health.slow_factor={factor:g} x the "
-            f"reference {assert_ref} (its peers' and its own past timings, {HEALTH_FILE})",
+            f"reference {ref_text} (its peers' and its own past timings, {HEALTH_FILE})",
         )
     try:
         record_timing(run_dir, node, seconds)
     except OSError:
         pass  # (an unwritable run dir failed the dirs check already)
-    return Outcome("matmul", True, f"matmul {seconds * 1e3:.2f} ms (reference {assert_ref})")
+    return Outcome("matmul", True, f"matmul {seconds * 1e3:.2f} ms (reference {ref_text})")
 
 
 def _read(path: str) -> str:
