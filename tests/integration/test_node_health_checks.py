@@ -27,8 +27,9 @@ def test_a_healthy_node_passes_every_check_and_its_matmul_becomes_a_reference(ma
     report = checks(cfg, str(tmp_path / "run"), "n1")
     assert [o.check for o in report.outcomes] == ["dirs", "shm", "memory", "matmul"], report
     assert report.failed is None and report.seconds < 5, report.line()
-    assert health.timings(str(tmp_path / "run"))["n1"][0] > 0  # (recorded for the next check and the peers)
+    assert report.matmul is not None and report.matmul > 0  # (the attempt records it once its setup is done)
     assert "reference none yet" in report.outcomes[-1].said
+    assert not (tmp_path / "run").exists()  # (the checks make nothing: a refused job leaves no trace)
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_fails_dirs_naming_the_key(make_cfg, tmp_path):
@@ -36,8 +37,8 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_dirs_naming_the_key(make_
     cfg = _cfg(make_cfg, tmp_path, f"ckpt.dir={tmp_path / 'blocker' / 'ckpt'}")
     report = checks(cfg, str(tmp_path / "run"), "n1")
     assert report.line() == (
-        f"node n1 failed its health check 'dirs': ckpt.dir {tmp_path / 'blocker' / 'ckpt'} is not writable (Not a "
-        "directory)"
+        f"node n1 failed its health check 'dirs': ckpt.dir {tmp_path / 'blocker' / 'ckpt'} is not writable "
+        f"({tmp_path / 'blocker'} is not a directory)"
     )
 
 
@@ -65,8 +66,9 @@ def test_room_for_a_checkpoint_is_the_models_size_then_the_newest_checkpoints(ma
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_a_full_filesystem_fails_dirs(make_cfg, tmp_path):
-    # A real 1 MiB tmpfs as ckpt.dir: the tiny CNN's estimated checkpoint (x2) does not fit on it.
+def test_a_full_or_read_only_filesystem_fails_dirs(make_cfg, tmp_path):
+    # A real 1 MiB tmpfs as ckpt.dir: the tiny CNN's estimated checkpoint (x2) does not fit on it; remounted read-only,
+    # it cannot be written (root writes through file modes: a read-only mount is what stops it).
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
@@ -78,6 +80,12 @@ def test_a_full_filesystem_fails_dirs(make_cfg, tmp_path):
         report = checks(_cfg(make_cfg, tmp_path, f"ckpt.dir={small}"), str(tmp_path / "run"), "n1")
         assert report.failed is not None and report.failed.check == "dirs", report.line()
         assert f"ckpt.dir {small} has 0.00 GiB free" in report.line()
+        # and read-only: the probe's write fails as a save's would
+        subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+        report = checks(_cfg(make_cfg, tmp_path, f"ckpt.dir={small}"), str(tmp_path / "run"), "n1")
+        assert report.line() == (
+            f"node n1 failed its health check 'dirs': ckpt.dir {small} is not writable (Read-only file system)"
+        )
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -90,7 +98,7 @@ def test_a_matmul_far_slower_than_its_peers_fails_and_is_not_recorded(make_cfg, 
     report = checks(_cfg(make_cfg, tmp_path), str(run), "n1")
     assert report.failed is not None and report.failed.check == "matmul", report.line()
     assert "over trainer.health.slow_factor=3 x the reference 0.00 ms" in report.line()
-    assert "n1" not in health.timings(str(run))  # (a slow node's time is no reference for the others)
+    assert report.matmul is None  # (a slow node's time is no reference for the others)
 
 
 def test_the_checks_run_in_a_fork_of_a_warm_server_as_a_launcher_runs_them(make_cfg, tmp_path):
@@ -110,4 +118,17 @@ def test_a_command_on_a_node_that_fails_its_check_stops_in_one_line(data_root, t
         f"error: node n7 failed its health check 'dirs': ckpt.dir {run}/checkpoints is not writable (fault=bad_node: "
         "unwritable (injected)); the job has no other node (strategy.nnodes=1): fix the node and run again"
     )
-    assert not (run / "goodput.json").exists()  # (no attempt started)
+    assert not (run / "goodput.json").exists() and not (run / "checkpoints").exists()  # (no attempt started)
+
+
+def test_an_attempt_that_sets_up_records_its_nodes_matmul_as_the_next_checks_reference(data_root, tmp_path):
+    run = tmp_path / "run"
+    args = ["debug=tiny", "trainer.max_steps=2", "trainer.max_restarts=1", f"run_dir={run}"]
+    env = dict(os.environ, PITSTOP_NODE_NAME="n7")
+    for _ in range(2):  # (the second check compares against the first's record)
+        p = cli(args, data_root, tmp_path, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+    (first,) = health.timings(str(run))["n7"][:1]
+    assert len(health.timings(str(run))["n7"]) == 2 and first > 0
+    said = p.stdout + p.stderr  # (the second launch's check line names the first's timing as its reference)
+    assert "node n7 is healthy" in said and f"(reference {first * 1e3:.2f} ms)" in said, said[-3000:]

@@ -28,10 +28,12 @@ def worker(
     job_start: float | None = None,
     agent: int | None = None,
     health: float = 0.0,
+    matmul: float | None = None,
 ) -> dict:
     """The entry point of each rank that torch's elastic agent starts: a fork of the agent's pre-imported server
     (``method`` forkserver: warm) or a fresh interpreter (spawn). ``agent``: the launching process, told of a
-    preemption notice; ``health``: the seconds its launcher spent on the node's health check (the first ranks').
+    preemption notice; ``health``, ``matmul``: its launcher's health check of the node (the first ranks'; the node's
+    first local rank records the matmul's timing).
     The agent's facts (its arguments and ``RANK``/``TORCHELASTIC_RESTART_COUNT``) become this attempt's
     :class:`LaunchFacts`. A restarted rank checks its node first (:func:`vet_restart`)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -44,7 +46,8 @@ def worker(
     else:
         start = process_start_wall()
     if restart > 0:
-        health = vet_restart(cfg_yaml, run_dir, agent, int(os.environ["RANK"]))
+        health, matmul = vet_restart(cfg_yaml, run_dir, agent, int(os.environ["RANK"]))
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
     facts = LaunchFacts(
         program_start=start,
         launched=True,
@@ -52,15 +55,16 @@ def worker(
         start_method=method,
         agent_pid=agent,
         health_seconds=health,
+        matmul_seconds=matmul if first else None,
     )
     return run_attempt(cfg_yaml, run_dir, facts, int(os.environ["RANK"]))
 
 
-def vet_restart(cfg_yaml: str, run_dir: str, agent: int | None, rank: int) -> float:
+def vet_restart(cfg_yaml: str, run_dir: str, agent: int | None, rank: int) -> tuple[float, float | None]:
     """Before a restart under torch's agent (which restarts ranks by itself), the rank checks its node: the node's
     first local rank runs the health check, every rank reads the book of nodes. A node not to use stops its agent:
     exit ``EXCLUDED_EXIT`` (the job goes on without it; its launcher says so) or, if the job cannot go on, the one
-    line left for every launcher (as a crash loop's). Returns the seconds it took (the ledger's ``health``)."""
+    line left for every launcher (as a crash loop's). Returns what ``vetting.vet`` does."""
     from pitstop.launch import health, vetting
     from pitstop.launch.plan import nnodes
     from pitstop.resilience.node_book import EXCLUDED_EXIT, NodeExcluded, node_name

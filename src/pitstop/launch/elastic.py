@@ -87,7 +87,7 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     notice = JobNotice(job.notices, lambda msg, sig: SignalException(msg, sigval=sig))
     try:
         notice.install()  # (inside: a notice that waited, blocked, is delivered by it and raises here)
-        results = elastic_launch(config, worker)(cfg_yaml, run_dir, method, job_start, os.getpid(), health)
+        results = elastic_launch(config, worker)(cfg_yaml, run_dir, method, job_start, os.getpid(), *health)
     except (RendezvousClosedError, RendezvousTimeoutError, RendezvousConnectionError) as e:
         vetting.raise_if_excluded(run_dir, job, job_start)  # (this node's rank excluded it and stopped its agent)
         loop = repeats.marked(run_dir, job_start)  # (another node's rank found a crash loop and stopped its agent)

@@ -4,16 +4,18 @@ before each restart, by the launcher of each node (:mod:`pitstop.launch.vetting`
 The checks, in order; the first that fails is the node's one line:
 
 - ``dirs``: the run dir, ``ckpt.dir`` and ``ckpt.local.dir`` (where local) can be written (a probe file is written,
-  synced and removed) and have room for ``trainer.health.room_factor`` checkpoints. A checkpoint's size is the newest
-  checkpoint's in ``ckpt.dir`` (its files' sizes), else an estimate from the model's parameters: the model is built on
-  torch's ``meta`` device (no memory, no data) and its parameters' float32 bytes are counted three times (the weights
-  and an Adam optimizer's two moments; an over-estimate for SGD).
+  synced and removed; in a dir's nearest existing parent while it is not made yet: the check makes nothing) and have
+  room for ``trainer.health.room_factor`` checkpoints. A checkpoint's size is the newest checkpoint's in ``ckpt.dir``
+  (its files' sizes), else an estimate from the model's parameters: the model is built on torch's ``meta`` device (no
+  memory, no data) and its parameters' float32 bytes are counted three times (the weights and an Adam optimizer's two
+  moments; an over-estimate for SGD).
 - ``shm``: with an async save (``ckpt=async_dcp``), ``/dev/shm`` has room for one checkpoint's staging.
 - ``memory``: ``MemAvailable`` of ``/proc/meminfo`` is at least ``trainer.health.min_free_memory_gb``.
 - ``matmul``: the best of 5 timings of an N x N float32 matmul on one CPU thread (``trainer.health.matmul_size``) is
   at most ``trainer.health.slow_factor`` x the reference: the faster of the median of the other nodes' medians and the
-  median of this node's own past timings (``RUN_DIR/health.json``, the last 8 of each node's passing checks). With no
-  reference yet (the first check in the run dir) it passes and becomes one. A timing over the limit is taken again
+  median of this node's own past timings (``RUN_DIR/health.json``, the last 8 of each node's passing checks, put on
+  record by the attempt the check let start: ``pitstop.resilience.health_record``). With no reference yet (the first
+  check in the run dir) it passes and becomes one. A timing over the limit is taken again
   (best of 20) before the check fails: a busy moment is not a bad node.
 
 Where the launcher runs without torch (pitstop's supervisor), the checks run in a fork of its warm server
@@ -22,26 +24,21 @@ Where the launcher runs without torch (pitstop's supervisor), the checks run in 
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop import fsurl
 from pitstop.resilience.bad_node import unwritable
-from pitstop.statefile import HEALTH, read_state
-from pitstop.telemetry.metrics import write_json_atomic
+from pitstop.resilience.health_record import HEALTH_FILE, timings
 
 log = logging.getLogger("pitstop.health")
 
-HEALTH_FILE = "health.json"
-KEEP = 8  # timings kept per node
 GIB = 1024**3
 
 
@@ -57,6 +54,7 @@ class Report:
     node: str
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
+    matmul: float | None = None  # a passing matmul's seconds: recorded by the attempt once its setup is done
 
     @property
     def failed(self) -> Outcome | None:
@@ -69,11 +67,17 @@ class Report:
         return f"node {self.node} is healthy ({self.seconds:.2f} s): " + "; ".join(o.said for o in self.outcomes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "seconds": self.seconds, "outcomes": [asdict(o) for o in self.outcomes]}
+        return {
+            "node": self.node,
+            "seconds": self.seconds,
+            "outcomes": [asdict(o) for o in self.outcomes],
+            "matmul": self.matmul,
+        }
 
     @staticmethod
     def from_dict(doc: dict[str, Any]) -> Report:
-        return Report(str(doc["node"]), [Outcome(**o) for o in doc["outcomes"]], float(doc["seconds"]))
+        outcomes = [Outcome(**o) for o in doc["outcomes"]]
+        return Report(str(doc["node"]), outcomes, float(doc["seconds"]), doc.get("matmul"))
 
 
 # ---- pure rules ---------------------------------------------------------------------------------------------------
@@ -118,10 +122,14 @@ def free_bytes(path: str) -> int:
 
 
 def probe_write(path: str) -> str | None:
-    """Why ``path`` cannot be written (made if missing; a probe file written, synced, removed), or None."""
+    """Why ``path`` cannot be written (a probe file written, synced, removed), or None. A dir not made yet is probed in
+    its nearest existing parent (where it would be made): the check leaves nothing behind."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
     probe = os.path.join(path, f".health-probe-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"ok")
             f.flush()
@@ -187,29 +195,6 @@ def matmul_seconds(n: int, reps: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-# ---- the record of timings ------------------------------------------------------------------------------------------
-@contextmanager
-def _editing(run_dir: str) -> Iterator[dict[str, dict[str, Any]]]:
-    path = os.path.join(run_dir, HEALTH_FILE)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        doc = read_state(path, HEALTH, keep_aside=True, then="the health record starts again", logger=log)
-        nodes = dict(doc["nodes"]) if doc is not None else {}
-        yield nodes
-        write_json_atomic(path, {"nodes": nodes}, fsync=False, indent=1, sort_keys=True)
-
-
-def timings(run_dir: str) -> dict[str, list[float]]:
-    doc = read_state(os.path.join(run_dir, HEALTH_FILE), HEALTH, keep_aside=False, then="no reference from it")
-    return {n: list(r.get("matmul", [])) for n, r in (doc["nodes"] if doc is not None else {}).items()}
-
-
-def record_timing(run_dir: str, node: str, seconds: float) -> None:
-    with _editing(run_dir) as nodes:
-        past = list(nodes.get(node, {}).get("matmul", []))
-        nodes[node] = {"matmul": (past + [round(seconds, 6)])[-KEEP:], "time": round(time.time(), 3)}
-
-
 # ---- the checks ---------------------------------------------------------------------------------------------------
 def dirs_to_check(cfg: DictConfig, run_dir: str) -> list[tuple[str, str, bool]]:
     """``(key, local path, holds checkpoints)`` of each dir the node writes: run dir, ckpt.dir, ckpt.local.dir."""
@@ -269,12 +254,14 @@ def checks(cfg: DictConfig, run_dir: str, node: str, meminfo: Callable[[], str] 
         )
     else:
         report.outcomes.append(Outcome("memory", True, f"{(avail or 0) / GIB:.1f} GiB free"))
-    report.outcomes.append(matmul_check(run_dir, node, int(h.matmul_size), float(h.slow_factor)))
+    outcome, report.matmul = matmul_check(run_dir, node, int(h.matmul_size), float(h.slow_factor))
+    report.outcomes.append(outcome)
     report.seconds = round(time.perf_counter() - t0, 4)
     return report
 
 
-def matmul_check(run_dir: str, node: str, n: int, factor: float) -> Outcome:
+def matmul_check(run_dir: str, node: str, n: int, factor: float) -> tuple[Outcome, float | None]:
+    """The matmul's outcome, and its seconds when it passed (for the record)."""
     past = timings(run_dir)
     own = past.pop(node, [])
     ref = reference(own, past)
@@ -283,17 +270,12 @@ def matmul_check(run_dir: str, node: str, n: int, factor: float) -> Outcome:
         seconds = min(seconds, matmul_seconds(n, reps=20))  # (taken again: a busy moment is not a bad node)
     ref_text = f"{ref * 1e3:.2f} ms" if ref is not None else "none yet"
     if too_slow(seconds, ref, factor):
-        return Outcome(
-            "matmul",
-            False,
+        said = (
             f"a {n}x{n} matmul took {seconds * 1e3:.2f} ms, over trainer.health.slow_factor={factor:g} x the "
-            f"reference {ref_text} (its peers' and its own past timings, {HEALTH_FILE})",
+            f"reference {ref_text} (its peers' and its own past timings, {HEALTH_FILE})"
         )
-    try:
-        record_timing(run_dir, node, seconds)
-    except OSError:
-        pass  # (an unwritable run dir failed the dirs check already)
-    return Outcome("matmul", True, f"matmul {seconds * 1e3:.2f} ms (reference {ref_text})")
+        return Outcome("matmul", False, said), None
+    return Outcome("matmul", True, f"matmul {seconds * 1e3:.2f} ms (reference {ref_text})"), seconds
 
 
 def _read(path: str) -> str:

@@ -58,5 +58,5 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     node = node_name()
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
     check = (lambda: health.checks(cfg, run_dir, node)) if first and job.trainer.health.enabled else None
-    seconds = vetting.vet(run_dir, job.nodes, job.nodes_text, check, node)
-    return Runner(cfg, run_dir, dataclasses.replace(facts, health_seconds=seconds)).run()
+    seconds, matmul = vetting.vet(run_dir, job.nodes, job.nodes_text, check, node)
+    return Runner(cfg, run_dir, dataclasses.replace(facts, health_seconds=seconds, matmul_seconds=matmul)).run()

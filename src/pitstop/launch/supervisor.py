@@ -90,10 +90,11 @@ def attempts(
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
         # /proc's process start times is too coarse for sub-second restarts). The node's health check is in it.
         start = job_start if attempt == 0 else time.time()
-        health = vetting.vet(run_dir, job.nodes, job.nodes_text, check)
+        health, matmul = vetting.vet(run_dir, job.nodes, job.nodes_text, check)
         facts = LaunchFacts(
             program_start=start,
             health_seconds=health,
+            matmul_seconds=matmul,
             launched=True,
             supervised=True,
             restart=attempt,

@@ -119,16 +119,22 @@ def refuse(run_dir: str, node: str, why: str, by: str, nodes: tuple[int, int], t
 
 def vet(
     run_dir: str, nodes: tuple[int, int], text: str, check: Callable[[], Report] | None, node: str | None = None
-) -> float:
+) -> tuple[float, float | None]:
     """Check this node before it is used (``check``: its health check, None when ``trainer.health`` is off); the
-    seconds it took (the ledger's ``health``). Raises what :func:`refuse` returns when it must not be used."""
+    seconds it took (the ledger's ``health``) and the matmul's timing for the record (the attempt records it once its
+    setup is done: ``LaunchFacts.matmul_seconds``). Raises what :func:`refuse` returns when it must not be used."""
     t0 = time.perf_counter()
     node = node or node_book.node_name()
-    os.makedirs(run_dir, exist_ok=True)
-    found = verdict(run_dir, node, nodes, check)
+    reports: list[Report] = []
+
+    def checked() -> Report:
+        reports.append(check())  # type: ignore[misc]
+        return reports[-1]
+
+    found = verdict(run_dir, node, nodes, checked if check is not None else None)
     if found is not None:
         raise refuse(run_dir, node, found[0], found[1], nodes, text)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, reports[-1].matmul if reports else None
 
 
 def failed_here(

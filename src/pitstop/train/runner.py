@@ -29,6 +29,8 @@ from pitstop.config import flatten, secrets, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
 from pitstop.goodput.ledger import Ledger
+from pitstop.resilience.health_record import record_timing
+from pitstop.resilience.node_book import node_name
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
 from pitstop.strategy.nodes import all_reduce_latency, check_nodes
 from pitstop.train import assembly, process, steps, summary
@@ -168,6 +170,8 @@ class Runner:
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
+            if self.launch.matmul_seconds is not None:  # (the node's health check let this attempt set up: a reference)
+                record_timing(self.run_dir, node_name(), self.launch.matmul_seconds)
 
     def _taking(self) -> tuple[int, int]:
         micro = self.stepper.micro if self.stepper is not None else 1
