@@ -132,3 +132,9 @@ def test_an_attempt_that_sets_up_records_its_nodes_matmul_as_the_next_checks_ref
     assert len(health.timings(str(run))["n7"]) == 2 and first > 0
     said = p.stdout + p.stderr  # (the second launch's check line names the first's timing as its reference)
     assert "node n7 is healthy" in said and f"(reference {first * 1e3:.2f} ms)" in said, said[-3000:]
+
+
+def test_too_little_free_memory_fails_memory_naming_the_key(make_cfg, tmp_path):
+    report = checks(_cfg(make_cfg, tmp_path, "trainer.health.min_free_memory_gb=1000000"), str(tmp_path / "run"), "n1")
+    assert report.failed is not None and report.failed.check == "memory", report.line()
+    assert report.line().endswith("GiB free, trainer.health.min_free_memory_gb=1e+06")
