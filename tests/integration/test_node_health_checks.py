@@ -138,3 +138,13 @@ def test_too_little_free_memory_fails_memory_naming_the_key(make_cfg, tmp_path):
     report = checks(_cfg(make_cfg, tmp_path, "trainer.health.min_free_memory_gb=1000000"), str(tmp_path / "run"), "n1")
     assert report.failed is not None and report.failed.check == "memory", report.line()
     assert report.line().endswith("GiB free, trainer.health.min_free_memory_gb=1e+06")
+
+
+def test_an_unwritable_local_tier_is_a_warning_not_a_failure(make_cfg, tmp_path):
+    # (the local tier is optional: a run switches it off with a warning, tests/system/test_ckpt_local_kills.py)
+    (tmp_path / "blocker").write_text("a file where the dir should be")
+    cfg = _cfg(make_cfg, tmp_path, f"ckpt.local.dir={tmp_path / 'blocker' / 'shm'}")
+    report = checks(cfg, str(tmp_path / "run"), "n1")
+    assert report.failed is None, report.line()
+    assert f"ckpt.local.dir {tmp_path / 'blocker' / 'shm'} is not writable" in report.outcomes[0].said
+    assert report.outcomes[0].said.endswith(": the local tier will be off")

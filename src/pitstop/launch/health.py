@@ -3,12 +3,13 @@ before each restart, by the launcher of each node (:mod:`pitstop.launch.vetting`
 
 The checks, in order; the first that fails is the node's one line:
 
-- ``dirs``: the run dir, ``ckpt.dir`` and ``ckpt.local.dir`` (where local) can be written (a probe file is written,
-  synced and removed; in a dir's nearest existing parent while it is not made yet: the check makes nothing) and have
-  room for ``trainer.health.room_factor`` checkpoints. A checkpoint's size is the newest checkpoint's in ``ckpt.dir``
-  (its files' sizes), else an estimate from the model's parameters: the model is built on torch's ``meta`` device (no
-  memory, no data) and its parameters' float32 bytes are counted three times (the weights and an Adam optimizer's two
-  moments; an over-estimate for SGD).
+- ``dirs``: the run dir, ``ckpt.dir`` and ``ckpt.local.dir`` (where local; the local tier is optional: a run
+  switches it off with a warning when it cannot be written, so here too it is a warning, not a failure) can be written
+  (a probe file is written, synced and removed; in a dir's nearest existing parent while it is not made yet: the check
+  makes nothing) and have room for ``trainer.health.room_factor`` checkpoints. A checkpoint's size is the newest
+  checkpoint's in ``ckpt.dir`` (its files' sizes), else an estimate from the model's parameters: the model is built on
+  torch's ``meta`` device (no memory, no data) and its parameters' float32 bytes are counted three times (the weights
+  and an Adam optimizer's two moments; an over-estimate for SGD).
 - ``shm``: with an async save (``ckpt=async_dcp``), ``/dev/shm`` has room for one checkpoint's staging.
 - ``memory``: ``MemAvailable`` of ``/proc/meminfo`` is at least ``trainer.health.min_free_memory_gb``.
 - ``matmul``: the best of 5 timings of an N x N float32 matmul on one CPU thread (``trainer.health.matmul_size``) is
@@ -225,18 +226,23 @@ def checks(cfg: DictConfig, run_dir: str, node: str, meminfo: Callable[[], str] 
         size, how = estimated_checkpoint_bytes(cfg), "3 x the model's float32 parameters"
     need = int((size or 0) * float(h.room_factor))
     fault = cfg.get("fault")
+    notes = []
     for key, path, holds in spots:
-        why = "fault=bad_node: unwritable (injected)" if holds and unwritable(fault, node) else probe_write(path)
-        if why is not None:
-            report.outcomes.append(Outcome("dirs", False, f"{key} {path} is not writable ({why})"))
-            break
-        out = room(path, need if holds else 0, free_bytes(path))
-        if not out.ok:
-            out = Outcome("dirs", False, f"{key} {out.said} ({how} x trainer.health.room_factor={h.room_factor:g})")
-            report.outcomes.append(out)
+        why = "fault=bad_node: unwritable (injected)" if key == "ckpt.dir" and unwritable(fault, node) else None
+        why = why or probe_write(path)
+        said = f"{key} {path} is not writable ({why})" if why else None
+        if said is None:
+            out = room(path, need if holds else 0, free_bytes(path))
+            said = None if out.ok else f"{key} {out.said} ({how} x trainer.health.room_factor={h.room_factor:g})"
+        if said is not None and key == "ckpt.local.dir":  # (optional: the run switches it off with a warning)
+            log.warning("health: %s; the local checkpoint tier will be off", said)
+            notes.append(f"{said}: the local tier will be off")
+        elif said is not None:
+            report.outcomes.append(Outcome("dirs", False, said))
             break
     else:
-        report.outcomes.append(Outcome("dirs", True, f"{len(spots)} dir(s) writable, room for {need / GIB:.2f} GiB"))
+        text = f"{len(spots)} dir(s) writable, room for {need / GIB:.2f} GiB"
+        report.outcomes.append(Outcome("dirs", True, "; ".join([text, *notes])))
     if str(OmegaConf.select(cfg, "ckpt._target_", default="")).endswith(".AsyncDCP") and size:
         free = free_bytes("/dev/shm") if os.path.isdir("/dev/shm") else None
         if free is not None and free < size:
