@@ -1,6 +1,6 @@
 """Node health's checks themselves (pitstop.launch.health) on real dirs, a real filesystem's free space, a real matmul
 and a real fork of a warm server: a dir that cannot be written, a checkpoint dir without room (the room threshold
-raised, and a real 1 MiB tmpfs where this runs as root), a slow matmul against what peers recorded, and the checks run
+raised, and a real 256 KiB tmpfs where this runs as root), a slow matmul against what peers recorded, and the checks run
 in a fork as a launcher runs them; a refused node in one line from the command, exit 2."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_dirs_naming_the_key(make_
     cfg = _cfg(make_cfg, tmp_path, f"ckpt.dir={tmp_path / 'blocker' / 'ckpt'}")
     report = checks(cfg, str(tmp_path / "run"), "n1")
     assert report.line() == (
-        f"node n1 failed its health check 'dirs': ckpt.dir {tmp_path / 'blocker' / 'ckpt'} is not writable "
-        f"({tmp_path / 'blocker'} is not a directory)"
+        f"ckpt.dir {tmp_path / 'blocker' / 'ckpt'} is not writable ({tmp_path / 'blocker'} is not a directory) "
+        "(node n1 failed its health check 'dirs')"
     )
 
 
@@ -47,12 +47,12 @@ def test_room_for_a_checkpoint_is_the_models_size_then_the_newest_checkpoints(ma
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     # 3 x 4 bytes per parameter of the tiny CNN (built on the meta device): this factor asks for more than the disk has
     params = health.estimated_checkpoint_bytes(_cfg(make_cfg, tmp_path))
-    assert params and params % 12 == 0
+    assert params and params % 8 == 0  # (4 bytes per parameter, twice: the weights and SGD's momentum, debug=tiny)
     factor = free / params * 2
     report = checks(_cfg(make_cfg, tmp_path, f"trainer.health.room_factor={factor}"), str(run), "n1")
     assert report.failed is not None and report.failed.check == "dirs", report.line()
-    assert "ckpt.dir" in report.line() and "3 x the model's float32 parameters x trainer.health.room_factor" in (
-        report.line()
+    assert report.line().startswith("ckpt.dir") and (
+        "(the model's parameters and optimizer state, estimated x trainer.health.room_factor" in report.line()
     )
     # a newest complete checkpoint of 1 MiB: its size is the estimate now
     step = run / "checkpoints" / "step_00000005"
@@ -67,24 +67,24 @@ def test_room_for_a_checkpoint_is_the_models_size_then_the_newest_checkpoints(ma
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_or_read_only_filesystem_fails_dirs(make_cfg, tmp_path):
-    # A real 1 MiB tmpfs as ckpt.dir: the tiny CNN's estimated checkpoint (x2) does not fit on it; remounted read-only,
+    # A real 256 KiB tmpfs as ckpt.dir: the tiny CNN's estimated checkpoint does not fit on it; remounted read-only,
     # it cannot be written (root writes through file modes: a read-only mount is what stops it).
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        need = health.estimated_checkpoint_bytes(_cfg(make_cfg, tmp_path)) * 2
-        assert need > 2**20, need  # (else this test could not fail for the bug it names)
+        need = health.estimated_checkpoint_bytes(_cfg(make_cfg, tmp_path))
+        assert need > 2**18, need  # (else this test could not fail for the bug it names)
         report = checks(_cfg(make_cfg, tmp_path, f"ckpt.dir={small}"), str(tmp_path / "run"), "n1")
         assert report.failed is not None and report.failed.check == "dirs", report.line()
-        assert f"ckpt.dir {small} has 0.00 GiB free" in report.line()
+        assert report.line().startswith(f"ckpt.dir {small} has 0.00 GiB free"), report.line()
         # and read-only: the probe's write fails as a save's would
         subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
         report = checks(_cfg(make_cfg, tmp_path, f"ckpt.dir={small}"), str(tmp_path / "run"), "n1")
         assert report.line() == (
-            f"node n1 failed its health check 'dirs': ckpt.dir {small} is not writable (Read-only file system)"
+            f"ckpt.dir {small} is not writable (Read-only file system) (node n1 failed its health check 'dirs')"
         )
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -115,8 +115,8 @@ def test_a_command_on_a_node_that_fails_its_check_stops_in_one_line(data_root, t
             env=dict(os.environ, PITSTOP_NODE_NAME="n7"))  # fmt: skip
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (
-        f"error: node n7 failed its health check 'dirs': ckpt.dir {run}/checkpoints is not writable (fault=bad_node: "
-        "unwritable (injected)); the job has no other node (strategy.nnodes=1): fix the node and run again"
+        f"error: ckpt.dir {run}/checkpoints is not writable (fault=bad_node: unwritable (injected)) (node n7 failed "
+        "its health check 'dirs'); the job has no other node (strategy.nnodes=1): fix the node and run again"
     )
     assert not (run / "goodput.json").exists() and not (run / "checkpoints").exists()  # (no attempt started)
 
@@ -137,7 +137,9 @@ def test_an_attempt_that_sets_up_records_its_nodes_matmul_as_the_next_checks_ref
 def test_too_little_free_memory_fails_memory_naming_the_key(make_cfg, tmp_path):
     report = checks(_cfg(make_cfg, tmp_path, "trainer.health.min_free_memory_gb=1000000"), str(tmp_path / "run"), "n1")
     assert report.failed is not None and report.failed.check == "memory", report.line()
-    assert report.line().endswith("GiB free, trainer.health.min_free_memory_gb=1e+06")
+    assert "GiB free, trainer.health.min_free_memory_gb=1e+06 (node n1 failed its health check 'memory')" in (
+        report.line()
+    )
 
 
 def test_an_unwritable_local_tier_is_a_warning_not_a_failure(make_cfg, tmp_path):

@@ -273,8 +273,8 @@ def test_an_elastic_sbatch_job_with_a_bad_node_trains_on_the_other_exactly_as_on
     text = out.read_text(errors="replace")
     assert "pitstop: the nodes' agents exited with 0 77 (n1 n2)" in text, text[-3000:]
     assert (
-        f"error: node n2 is not used: node n2 failed its health check 'dirs': ckpt.dir {run_dir}/checkpoints is not "
-        "writable (fault=bad_node: unwritable (injected)); the job goes on without it (1 node(s) left, "
+        f"error: node n2 is not used: ckpt.dir {run_dir}/checkpoints is not writable (fault=bad_node: unwritable "
+        "(injected)) (node n2 failed its health check 'dirs'); the job goes on without it (1 node(s) left, "
         "strategy.nnodes=1:2)"
     ) in text
     assert "requeueing" not in text
@@ -308,9 +308,9 @@ def test_an_sbatch_job_that_cannot_go_on_without_its_bad_node_is_requeued_withou
     finally:
         subprocess.run(["scancel", job], env=slurm)
     line = (
-        "error: the job cannot go on: 1 node(s) excluded (n2: node n2 failed its health check 'dirs': ckpt.dir "
-        f"{run_dir}/checkpoints is not writable (fault=bad_node: unwritable (injected))) and strategy.nnodes=2 needs "
-        "2, 1 left; readmit a node (node_book.readmit) or lower the minimum"
+        f"error: the job cannot go on: 1 node(s) excluded (n2: ckpt.dir {run_dir}/checkpoints is not writable "
+        "(fault=bad_node: unwritable (injected)) (node n2 failed its health check 'dirs')) and strategy.nnodes=2 "
+        "needs 2, 1 left; readmit a node (node_book.readmit) or lower the minimum"
     )
     text = out.read_text(errors="replace")
     assert text.count(line) == 2, text[-3000:]  # (n2's launcher, and n1's, whose rendezvous it never joined)

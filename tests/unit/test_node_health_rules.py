@@ -41,7 +41,7 @@ def test_free_memory_is_memavailable_and_room_names_the_dir_and_both_sizes():
 
 def test_a_report_names_the_node_and_the_first_failed_check_in_one_line():
     r = Report("n2", [Outcome("dirs", True, "ok"), Outcome("matmul", False, "slow"), Outcome("memory", False, "x")])
-    assert r.line() == "node n2 failed its health check 'matmul': slow"
+    assert r.line() == "slow (node n2 failed its health check 'matmul')"
     assert Report.from_dict(json.loads(json.dumps(r.to_dict()))).line() == r.line()
     assert Report("n1", [Outcome("dirs", True, "fine")], 0.5).failed is None
 
@@ -75,7 +75,7 @@ def test_which_node_is_not_used_and_why(tmp_path):
     assert vetting.verdict(run, "n2", (1, 2), _healthy) is None
     failing = Report("n2", [Outcome("shm", False, "full")])
     assert vetting.verdict(run, "n2", (1, 2), lambda: failing) == (
-        "node n2 failed its health check 'shm': full",
+        "full (node n2 failed its health check 'shm')",
         "health",
     )
     node_book.record_failure(run, "n2", "RuntimeError: boom")

@@ -259,16 +259,16 @@ class Instability:
 @dataclass
 class Health:
     """``trainer.health``: each node checks itself before the first rendezvous and before each restart, in about a
-    second (``launch/health.py``): its run dir and checkpoint dirs writable with room for a checkpoint, /dev/shm's room
-    for an async save's staging, free memory, a short matmul against its peers' speed. A node that fails a check, on
-    which attempts failed twice, or that the silent-corruption check suspects (jobs of several nodes) is not used
-    (``RUN_DIR/nodes.json``); the time is the ledger's ``health``."""
+    second (``launch/health.py``): its run dir and checkpoint dirs writable with room for a checkpoint, free memory, a
+    short matmul against its peers' speed (and, a warning, /dev/shm's room for an async save's staging). A node that
+    fails a check, on which attempts failed twice, or that the silent-corruption check suspects (jobs of several nodes)
+    is not used (``RUN_DIR/nodes.json``); the time is the ledger's ``health``."""
 
     enabled: bool = key(True, "check the node before the first rendezvous and before each restart")
     room_factor: float = key(
-        2.0,
-        "free space a checkpoint dir needs, in checkpoints (the newest one's size, else 3 x the model's parameters "
-        "in bytes): a save is written whole before the one it replaces is deleted",
+        1.0,
+        "free space a checkpoint dir needs, in checkpoints (the newest one's size, else the model's parameters and "
+        "optimizer state, estimated); raise it to 2 where a save is written whole before the one it replaces goes",
         check=Positive(),
     )
     min_free_memory_gb: float = key(0.5, "free memory (MemAvailable) the node needs, GiB", check=AtLeastZero())

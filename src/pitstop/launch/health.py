@@ -8,9 +8,11 @@ The checks, in order; the first that fails is the node's one line:
   (a probe file is written, synced and removed; in a dir's nearest existing parent while it is not made yet: the check
   makes nothing) and have room for ``trainer.health.room_factor`` checkpoints. A checkpoint's size is the newest
   checkpoint's in ``ckpt.dir`` (its files' sizes), else an estimate from the model's parameters: the model is built on
-  torch's ``meta`` device (no memory, no data) and its parameters' float32 bytes are counted three times (the weights
-  and an Adam optimizer's two moments; an over-estimate for SGD).
-- ``shm``: with an async save (``ckpt=async_dcp``), ``/dev/shm`` has room for one checkpoint's staging.
+  torch's ``meta`` device (no memory, no data) and its parameters' float32 bytes are counted once for the weights and
+  once per state the optimizer keeps per parameter (``optim.optimizer``: Adam's two moments, SGD's momentum buffer).
+- ``shm``: with an async save (``ckpt=async_dcp``), whether ``/dev/shm`` has room for one checkpoint's staging. A
+  warning, not a failure: the save's own check is exact (``ckpt/async_dcp.py``: ``ckpt.checkpointer=process`` stops in
+  one line at its first save, ``auto`` writes from a thread instead), this one an estimate.
 - ``memory``: ``MemAvailable`` of ``/proc/meminfo`` is at least ``trainer.health.min_free_memory_gb``.
 - ``matmul``: the best of 5 timings of an N x N float32 matmul on one CPU thread (``trainer.health.matmul_size``) is
   at most ``trainer.health.slow_factor`` x the reference: the faster of the median of the other nodes' medians and the
@@ -63,8 +65,8 @@ class Report:
 
     def line(self) -> str:
         bad = self.failed
-        if bad is not None:
-            return f"node {self.node} failed its health check '{bad.check}': {bad.said}"
+        if bad is not None:  # (what is wrong first: the one line a one-node job stops with reads as its cause)
+            return f"{bad.said} (node {self.node} failed its health check '{bad.check}')"
         return f"node {self.node} is healthy ({self.seconds:.2f} s): " + "; ".join(o.said for o in self.outcomes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,8 +163,20 @@ def newest_checkpoint_bytes(root: str) -> int | None:
     return total
 
 
+def optimizer_copies(optimizer: Any) -> int:
+    """Copies of the parameters a checkpoint holds: the weights, and each state the optimizer keeps per parameter
+    (``optim.optimizer``: Adam/AdamW 2, SGD with momentum 1, else 0)."""
+    target = str(OmegaConf.select(optimizer, "_target_", default="") or "") if optimizer is not None else ""
+    if "Adam" in target:
+        return 3
+    if target.endswith(".SGD") and float(OmegaConf.select(optimizer, "momentum", default=0) or 0) > 0:
+        return 2
+    return 1
+
+
 def estimated_checkpoint_bytes(cfg: DictConfig) -> int | None:
-    """3 x the float32 bytes of the model's parameters, the model built on the meta device (None if it cannot be)."""
+    """The float32 bytes of the model's parameters x :func:`optimizer_copies`, the model built on the meta device
+    (None if it cannot be)."""
     try:
         import torch
 
@@ -170,7 +184,8 @@ def estimated_checkpoint_bytes(cfg: DictConfig) -> int | None:
 
         with torch.device("meta"):
             model = build(cfg.model)
-        return 3 * 4 * sum(p.numel() for p in model.parameters())
+        copies = optimizer_copies(OmegaConf.select(cfg, "optim.optimizer", default=None))
+        return copies * 4 * sum(p.numel() for p in model.parameters())
     except Exception as e:  # noqa: BLE001 - a model that cannot be built here is the attempt's to report
         log.debug("health: the model's size could not be estimated (%s)", e)
         return None
@@ -223,7 +238,7 @@ def checks(cfg: DictConfig, run_dir: str, node: str, meminfo: Callable[[], str] 
     size = newest_checkpoint_bytes(root) if root else None
     how = "the newest checkpoint's size"
     if size is None and any(holds for _, _, holds in spots):
-        size, how = estimated_checkpoint_bytes(cfg), "3 x the model's float32 parameters"
+        size, how = estimated_checkpoint_bytes(cfg), "the model's parameters and optimizer state, estimated"
     need = int((size or 0) * float(h.room_factor))
     fault = cfg.get("fault")
     notes = []
@@ -246,9 +261,12 @@ def checks(cfg: DictConfig, run_dir: str, node: str, meminfo: Callable[[], str] 
     if str(OmegaConf.select(cfg, "ckpt._target_", default="")).endswith(".AsyncDCP") and size:
         free = free_bytes("/dev/shm") if os.path.isdir("/dev/shm") else None
         if free is not None and free < size:
-            report.outcomes.append(
-                Outcome("shm", False, f"/dev/shm has {free / GIB:.2f} GiB free, an async save stages {size / GIB:.2f}")
+            said = (
+                f"/dev/shm has {free / GIB:.2f} GiB free, an async save's staging needs ~{size / GIB:.2f} "
+                "(ckpt.checkpointer=process would stop at its first save, auto writes from a thread)"
             )
+            log.warning("health: %s", said)
+            report.outcomes.append(Outcome("shm", True, said))  # (a warning: the save's own check is exact)
         else:
             report.outcomes.append(Outcome("shm", True, "/dev/shm has room for staging"))
     text = meminfo() if meminfo is not None else _read("/proc/meminfo")
