@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--from", dest="run_dir", default=None, help="take C, W and R from this run dir's summary.json")
     p.add_argument("--replace-cost", default="0", help="a lost node: seconds until a replacement joins, on top of R")
     p.add_argument("--replace-share", type=float, default=0.0, help="share of failures that lose a node")
+    p.add_argument(
+        "--straggler-share",
+        type=float,
+        default=None,
+        help="with --nodes: share of the time spent waiting for slow ranks (default: the --from run's straggler "
+        "bucket over its total, else 0)",
+    )
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
     p.add_argument("--ft", action="store_true", help="with --nodes: also the job as replica groups (strategy=ft)")
     p.add_argument("--nodes-per-group", type=int, default=1, help="--ft: nodes per replica group (default 1)")
@@ -180,6 +187,19 @@ def measured(run_dir: str) -> tuple[float, float, float]:
     )
 
 
+def measured_straggler_share(run_dir: str) -> float:
+    """The share of a run's time booked as waiting for slow ranks (``summary.json``'s goodput totals)."""
+    import os
+
+    from pitstop.statefile import SUMMARY, Damaged, parse
+
+    try:
+        totals = parse(os.path.join(run_dir, "summary.json"), SUMMARY)["goodput"]["totals"]
+    except (OSError, Damaged):
+        return 0.0  # (measured() names a damaged summary first)
+    return float(totals.get("straggler", 0.0)) / max(float(totals.get("total", 0.0)), 1e-9)
+
+
 def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     from pitstop.goodput.model import at_scale, ft_at_scale
 
@@ -193,17 +213,22 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(str(e))
     if a.nodes_per_group < 1 or ft["step_time"] <= 0:
         p.error("--nodes-per-group must be >= 1 and --step-time positive")
+    slow = a.straggler_share
     if a.run_dir:
         c, w, r = measured(a.run_dir)
-    if node_mtbf <= 0 or not 0 <= a.replace_share <= 1:
-        p.error("--node-mtbf must be positive and --replace-share within [0, 1]")
+        slow = measured_straggler_share(a.run_dir) if slow is None else slow
+    slow = slow or 0.0
+    if node_mtbf <= 0 or not 0 <= a.replace_share <= 1 or not 0 <= slow < 1:
+        p.error("--node-mtbf must be positive, --replace-share within [0, 1] and --straggler-share within [0, 1)")
     nodes = a.nodes or [2**k for k in range(13)]
     print(
         f"per node MTBF {fmt_duration(node_mtbf)}; C={fmt_duration(c)} W={fmt_duration(w)} R={fmt_duration(r)} "
         f"(process restart){f' from {a.run_dir}' if a.run_dir else ''}; a lost node ({a.replace_share:.0%} of "
         f"failures) adds {fmt_duration(replace)}"
     )
-    rows = [at_scale(n, node_mtbf, c, r, w, replace, a.replace_share, fixed) for n in nodes]
+    rows = [at_scale(n, node_mtbf, c, r, w, replace, a.replace_share, fixed, slow) for n in nodes]
+    if slow:
+        print(f"waiting for slow ranks: {slow:.1%} of the time (the ledger's straggler bucket), on every row")
     what = f"at {fmt_duration(fixed)}" if fixed else "at best T"
     if a.ft:
         k = a.nodes_per_group

@@ -90,6 +90,17 @@ class AtLeastZero(Check):
         at_least_zero(key, value, what=self.what)
 
 
+class Above(Check):
+    """A number > ``bound`` (e.g. a factor that must be above 1)."""
+
+    def __init__(self, bound: float):
+        self.bound, self.text = bound, f"> {bound:g}"
+
+    def __call__(self, key: str, value: object) -> None:
+        if not is_number(value) or not value > self.bound:
+            raise ConfigError(f"{key} must be a number > {self.bound:g}, got {value!r}")
+
+
 class OneOf(Check):
     """One of a few values."""
 

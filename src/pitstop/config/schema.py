@@ -36,6 +36,7 @@ from pitstop.config.schema_loop import (
     Poison,
     Preempt,
     RandomFault,
+    SlowRank,
     Stall,
     Trainer,
 )
@@ -349,6 +350,7 @@ SCHEMAS = {
         "nonfinite": NonFinite,
         "poison": Poison,
         "bad_node": BadNode,
+        "slow_rank": SlowRank,
     },
     "logger": {"none": NullLogger, "mlflow": MLflow},
     "trainer": {"default": Trainer},

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
+from pitstop.config.checks import Above, AtLeastZero, Integer, OneOf, Positive, key
 
 PHASE = (
     "where it fires: step (the end of step N), eval (inside the first evaluation at or after step N), restore "
@@ -121,6 +121,19 @@ class NonFinite(AtStep):
     """``fault=nonfinite``: the loss of a step is NaN on a rank, once per run dir (a transient numeric fault)."""
 
     _target_: str = "pitstop.resilience.numeric_faults.NonFiniteAtStep"
+
+
+@dataclass
+class SlowRank(NoFault):
+    """``fault=slow_rank``: a fail-slow rank. From step ``from_step`` on, rank ``rank``'s work takes ``factor`` times as
+    long: it sleeps at the start of each backward (before any of its gradients is ready, as a slow device would be)
+    for (factor - 1) x its own measured forward + backward time (``trainer.straggler`` should name it)."""
+
+    _target_: str = "pitstop.resilience.slow_faults.SlowRank"
+    rank: int = key(1, "which rank is slow", check=Integer(0))
+    factor: float = key(1.5, "its work takes this many times as long", check=Above(1))
+    from_step: int = key(1, "the first step slowed", check=Integer())
+    steps: Optional[int] = key(None, "for how many steps (null: to the end of the run)", check=Integer(optional=True))
 
 
 @dataclass
@@ -282,6 +295,37 @@ class Health:
 
 
 @dataclass
+class Straggler:
+    """``trainer.straggler``: slow ranks. Each rank times its own work per step apart from its waits in collectives
+    (under ``strategy=ddp``: up to the moment its last gradient is ready for DDP's all-reduce); every ``window``
+    steps the ranks share these figures in one small all-gather, and a rank whose typical step is above ``factor`` x
+    the median of the others' for ``windows`` windows in a row is named (the log, ``summary.json``, the tracker, the
+    time line). What the job lost waiting for it is booked in the ledger's ``straggler`` bucket
+    (``pitstop/train/straggler.py``)."""
+
+    enabled: bool = key(
+        True, "time each rank's work and compare (strategy=ddp; one rank has no peer; fsdp: not covered, said once)"
+    )
+    window: int = key(20, "steps per comparison (one all-gather of three numbers per rank)", check=Integer())
+    factor: float = key(
+        1.3,
+        "a rank is slow when its typical step's work in a window is above this x the median of the other ranks' "
+        "(1.3 named no one in a clean ddp(2) run of 2,000 steps on a shared 2-core machine: bench/straggler.py)",
+        check=Above(1),
+    )
+    windows: int = key(2, "slow windows in a row before the rank is named", check=Integer())
+    action: str = key(
+        "report",
+        "report (name it, book it) | exclude (a rank slow for longer than exclude_after_seconds: the job saves, its "
+        "node is excluded (RUN_DIR/nodes.json) and the job re-forms without it: several nodes, or strategy=ft)",
+        check=OneOf("report", "exclude"),
+    )
+    exclude_after_seconds: float = key(
+        600.0, "action=exclude: slow for longer than this (wall clock of its slow windows)", check=Positive()
+    )
+
+
+@dataclass
 class Trainer:
     """``trainer``: the loop's length and cadence, precision, restarts and preemption (one option,
     ``conf/trainer/default.yaml``, which sets nothing of its own: the defaults are these)."""
@@ -345,3 +389,4 @@ class Trainer:
     sdc: Sdc = field(default_factory=Sdc)
     instability: Instability = field(default_factory=Instability)
     health: Health = field(default_factory=Health)
+    straggler: Straggler = field(default_factory=Straggler)

@@ -31,6 +31,9 @@ where they match:
 - ``sdc``            silent data corruption (``trainer.sdc``): the replicas' digest checks, and on a mismatch the
                      rollback's restore and the steps between the checkpoint it restored and the detection, which are
                      computed again;
+- ``straggler``      the time the job lost waiting for its slowest rank (``trainer.straggler``): what its steps would
+                     have taken at the median (other) ranks' pace, over the windows that rank was named slow for;
+                     taken out of ``compute``;
 - ``other``          logging and whatever the loop did outside those (e.g. the final close).
 
 Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + health + init + restore +
@@ -55,7 +58,8 @@ from pitstop.telemetry.metrics import write_json_atomic
 
 STARTUP = ("program_start", "health", "init", "restore", "compile")
 REPLICA = ("quorum", "discarded")  # strategy=ft only (a table shows them when they are not zero)
-TROUBLE = ("instability", "sdc")  # steps not applied or rolled back in the attempt (a table shows them when not zero)
+# steps not applied or rolled back in the attempt, and the wait for a slow rank (a table shows them when not zero)
+TROUBLE = ("instability", "sdc", "straggler")
 SOMETIMES = (*REPLICA, *TROUBLE)
 BUCKETS = (*STARTUP, "compute", "data_wait", "checkpoint", "eval", "logging", *REPLICA, *TROUBLE)
 JOB_BUCKETS = (

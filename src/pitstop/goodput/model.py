@@ -103,11 +103,15 @@ def at_scale(
     replace_cost: float = 0.0,
     replace_share: float = 0.0,
     interval: float | None = None,
+    straggler_share: float = 0.0,
 ) -> dict:
     """The job on ``nodes`` nodes, each failing on average every ``node_mtbf`` seconds (independently: the
     job's MTBF is ``node_mtbf / nodes``). A share ``replace_share`` of the failures takes a node away (a
     replacement must join: ``replace_cost`` more than a process restart ``restart_cost``); the rest restart the
-    processes in place. Checkpoints every ``interval`` seconds of work, or at the best interval for this N."""
+    processes in place. Checkpoints every ``interval`` seconds of work, or at the best interval for this N.
+    ``straggler_share``: the share of the job's time it waits for slow ranks (the ledger's ``straggler`` bucket over
+    its total, as measured): every step is that much longer, so goodput is ``(1 - straggler_share)`` of the rest
+    (:func:`with_stragglers`)."""
     mtbf = node_mtbf / nodes
     r = restart_cost + replace_share * replace_cost
     best = best_interval(mtbf, save_cost, r, write_lag)
@@ -121,11 +125,22 @@ def at_scale(
         "best": best,
         "interval": t,
         # (free saves: save continuously, only the restarts cost)
-        "goodput": expected_goodput(t, mtbf, save_cost, r, write_lag)
-        if t > 0
-        else max(0.0, 1 - (r + write_lag) / mtbf),
-        "exact": exact_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else math.exp(-(r + write_lag) / mtbf),
+        "goodput": with_stragglers(
+            expected_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else max(0.0, 1 - (r + write_lag) / mtbf),
+            straggler_share,
+        ),
+        "exact": with_stragglers(
+            exact_goodput(t, mtbf, save_cost, r, write_lag) if t > 0 else math.exp(-(r + write_lag) / mtbf),
+            straggler_share,
+        ),
+        "straggler_share": straggler_share,
     }
+
+
+def with_stragglers(goodput: float, straggler_share: float) -> float:
+    """Goodput when a share ``straggler_share`` of the job's time is spent waiting for a slow rank (the ledger's
+    ``straggler`` bucket: compute that the median ranks' pace would not have needed)."""
+    return max(0.0, goodput * (1.0 - min(max(straggler_share, 0.0), 1.0)))
 
 
 def ft_at_scale(

@@ -47,6 +47,7 @@ COLORS = {
     "discarded": "#ef9a9a",
     "instability": "#ff6f00",
     "sdc": "#4a148c",
+    "straggler": "#f06292",
     "other": "#9e9e9e",
 }
 

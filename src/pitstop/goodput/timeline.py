@@ -1,7 +1,7 @@
 """A run's time line: its attempts on one clock, coloured by the ledger's buckets, with its steps, saves,
-evaluations, failures, restarts and heals, the steps skipped and the rollbacks of ``trainer.instability``, and the
-corruptions found by ``trainer.sdc``. Read from the run dir alone (``goodput.json``, ``metrics.jsonl``), so it draws
-any run, also one that was killed:
+evaluations, failures, restarts and heals, the steps skipped and the rollbacks of ``trainer.instability``, the
+corruptions found by ``trainer.sdc`` and the slow ranks named by ``trainer.straggler``. Read from the run dir alone
+(``goodput.json``, ``metrics.jsonl``), so it draws any run, also one that was killed:
 
     python -m recipe.goodput --timeline RUN_DIR        # -> RUN_DIR/timeline.png
 
@@ -41,6 +41,7 @@ COLOURS = {
     "discarded": "#d81b60",
     "instability": "#ff6f00",
     "sdc": "#4a148c",
+    "straggler": "#f06292",
     "recovery_gap": "#eeeeee",
 }
 ENDS = {
@@ -48,6 +49,7 @@ ENDS = {
     "failed": ("#c62828", "failed"),
     "hung": ("#ef6c00", "hung"),
     "preempted": ("#6a1b9a", "preempted"),
+    "reformed": ("#6a1b9a", "re-formed without a slow node"),
     "running": ("#c62828", "killed"),
 }
 
@@ -75,6 +77,8 @@ class Line:
     skips: list[tuple[float, int]] = field(default_factory=list)  # steps not applied (trainer.instability)
     rollbacks: list[tuple[float, int]] = field(default_factory=list)  # (when, the step rolled back to)
     sdc: list[tuple[float, int]] = field(default_factory=list)  # a corruption detected (then undone): at its step
+    # a rank named slow (trainer.straggler): (when, the step it was named at, since which step, the rank)
+    stragglers: list[tuple[float, int, int, int]] = field(default_factory=list)
 
 
 def read(run_dir: str, name: str = "") -> Line:
@@ -104,7 +108,7 @@ def read(run_dir: str, name: str = "") -> Line:
                 heals,
             )
         )
-    steps, saves, evals, skips, rollbacks, sdc = [], [], [], [], [], []
+    steps, saves, evals, skips, rollbacks, sdc, slow = [], [], [], [], [], [], []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -127,10 +131,15 @@ def read(run_dir: str, name: str = "") -> Line:
                     evals.append((at, step))
                 elif r.get("event") == "sdc":
                     sdc.append((at, step))
+                elif r.get("event") == "straggler" and "since" in r:
+                    try:
+                        slow.append((at, step, int(r["since"]), int(r["rank"])))
+                    except (KeyError, ValueError, TypeError):
+                        continue
     except FileNotFoundError:
         pass
     name = name or os.path.basename(os.path.normpath(run_dir))
-    return Line(name, attempts, steps, saves, evals, skips, rollbacks, sdc)
+    return Line(name, attempts, steps, saves, evals, skips, rollbacks, sdc, slow)
 
 
 def lines(run_dir: str) -> list[Line]:
@@ -224,6 +233,10 @@ def _panel(ax: object, line: Line) -> set[str]:
             )
         said = "saves: v, evals: o" + (", skipped: x, rolled back: <" if line.skips or line.rollbacks else "")
         said += ", sdc: X" if line.sdc else ""
+        for at, step, since, rank in line.stragglers:  # (named at `step`, slow since `since`)
+            steps.plot([at], [step], "D", color=COLOURS["straggler"], markersize=5)
+            steps.annotate(f"rank {rank} slow since step {since}", (at, step), fontsize=6, color=COLOURS["straggler"])
+        said += ", slow rank named: D" if line.stragglers else ""
         steps.set_ylabel(f"step ({said})", fontsize=7)
         steps.tick_params(labelsize=7)
     return used

@@ -16,7 +16,7 @@ from pitstop.launch import repeats, vetting
 from pitstop.launch.failures import lost_peer
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure, signature
-from pitstop.resilience.node_book import REFORM_EXIT
+from pitstop.resilience.node_book import EXCLUDED_EXIT, REFORM_EXIT, NodeExcluded
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
@@ -97,6 +97,7 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     ``CRASH_LOOP_EXIT``: the same failure as the attempt before, with no progress between); under the agent the
     exception propagates (the agent records it), and a crash loop stops the agent (:func:`crash_loop`)."""
     from pitstop.train.runner import Runner
+    from pitstop.train.straggler import Reform
 
     log_to(run_dir, rank)
     logger = logging.getLogger("pitstop")
@@ -107,6 +108,15 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
     except Preempted as e:
         logger.warning("%s", e)
         raise SystemExit(PREEMPTED_EXIT) from None
+    except (NodeExcluded, Reform) as e:  # (its node excluded: do not start it here again; or re-form without it)
+        logger.warning("%s", e)
+        if isinstance(e, NodeExcluded):
+            if not facts.supervised:  # (torch's agent would start it here again: it is stopped, its launcher says why)
+                vetting.stop_agent(facts.agent_pid)
+            raise SystemExit(EXCLUDED_EXIT) from None
+        if not facts.supervised:  # (the agent's restart for it is a re-formation: no restart of the budget)
+            vetting.note_reform(run_dir, facts.agent_pid, facts.restart)
+        raise SystemExit(e.exit_code) from None
     except ConfigError as e:
         logger.error("%s", e)
         if not facts.supervised:

@@ -13,6 +13,7 @@ is spawned: this process is one of the ranks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from omegaconf import DictConfig
@@ -49,6 +50,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         return elastic(cfg, job, run_dir)
     from pitstop.train.runner import Runner
 
+    from pitstop.resilience.node_book import EXCLUDED_EXIT, REFORM_EXIT, NodeExcluded
+    from pitstop.train.straggler import Reform
+
     if job.mode == LaunchMode.CHILD:  # a rank torchrun/SLURM started: train.log or rankR.log
         os.makedirs(run_dir, exist_ok=True)
         log_to(run_dir, int(os.environ["RANK"]))
@@ -59,4 +63,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
     check = (lambda: health.checks(cfg, run_dir, node)) if first and job.trainer.health.enabled else None
     seconds, matmul = vetting.vet(run_dir, job.nodes, job.nodes_text, check, node)
-    return Runner(cfg, run_dir, dataclasses.replace(facts, health_seconds=seconds, matmul_seconds=matmul)).run()
+    try:
+        return Runner(cfg, run_dir, dataclasses.replace(facts, health_seconds=seconds, matmul_seconds=matmul)).run()
+    except (NodeExcluded, Reform) as e:  # (this node is excluded, or the job re-forms without one: the launcher's cue)
+        logging.getLogger("pitstop").warning("%s", e)
+        raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else REFORM_EXIT) from None

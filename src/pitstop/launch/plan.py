@@ -116,12 +116,39 @@ def nnodes(value: object) -> tuple[int, int]:
     return low, high
 
 
+def check_straggler_and_fault(cfg: DictConfig, trainer: schema.Trainer, strategy: schema.Single) -> None:
+    """Rules that relate ``trainer.straggler`` and ``fault`` to the launch: ``action=exclude`` needs a job that can go
+    on without a node (several nodes, or replica groups); a fault's ``rank`` must be a rank of the job."""
+    if isinstance(strategy, schema.FT):
+        groups, ranks = strategy.replicas, strategy.nproc_per_node  # (a fault's rank: within its group)
+        nodes = 1
+    elif isinstance(strategy, schema.DDP):
+        groups, ranks, nodes = 1, strategy.nproc_per_node * nnodes(strategy.nnodes)[1], nnodes(strategy.nnodes)[1]
+    else:
+        groups, ranks, nodes = 1, 1, 1
+    s = trainer.straggler
+    if s.enabled and s.action == "exclude" and nodes < 2 and groups < 2:
+        raise ConfigError(
+            f"trainer.straggler.action=exclude needs a job that can go on without a node: strategy.nnodes with a "
+            f"maximum above 1, or strategy=ft with several replica groups (this job: strategy={strategy_name(strategy)}"
+            f", {nodes} node); use trainer.straggler.action=report"
+        )
+    rank = OmegaConf.select(cfg, "fault.rank", default=None)
+    if isinstance(rank, int) and not isinstance(rank, bool) and not 0 <= rank < ranks:
+        raise ConfigError(f"fault.rank={rank} but the job has {ranks} rank(s); use 0..{ranks - 1}")
+
+
+def strategy_name(strategy: schema.Single) -> str:
+    return {schema.FT: "ft", schema.FSDP: "fsdp", schema.DDP: "ddp"}.get(type(strategy), "single")
+
+
 def plan(cfg: DictConfig, env: Mapping[str, str]) -> LaunchPlan:
     """The launch of this job, from its composed config and this process's environment (checked once, here)."""
     validate(cfg)
     trainer = typed(cfg, "trainer", schema.Trainer)
     strategy = typed(cfg, "strategy", strategy_schema(cfg))
     assert isinstance(trainer, schema.Trainer) and isinstance(strategy, schema.Single)
+    check_straggler_and_fault(cfg, trainer, strategy)
     restarts = trainer.max_restarts
     if isinstance(strategy, schema.FT):
         from pitstop.strategy.ft_keys import check_keys

@@ -44,6 +44,15 @@ def note_fired(run_dir: str, key: str) -> None:
         os.fsync(f.fileno())
 
 
+def note_injected(run_dir: str, key: str, **fields: object) -> None:
+    """What a fault that kills nothing injected (``fault=slow_rank``: the seconds it slept): a line with ``fields``
+    and no process, so that no launcher takes it for a kill."""
+    with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
+        f.write(json.dumps({"key": key, "time": time.time(), **fields}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def first_time(run_dir: str, key: str) -> bool:
     """Record the fault in RUN_DIR/faults.jsonl; False if it already fired in this run dir."""
     if key in fired_keys(run_dir):

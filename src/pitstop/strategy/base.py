@@ -4,7 +4,7 @@ that checkpointing and evaluation use (on a dedicated gloo group when there are 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -44,6 +44,11 @@ class Strategy(ABC):
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Around the backward of a gradient-accumulation micro-batch that is not the last of its step: the
         gradients stay local (no all-reduce / reduce-scatter); the last micro-batch's backward reduces them all."""
+
+    def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
+        """Call ``ready()`` on this rank as each of its gradients is ready, before any wait for its collective
+        (``trainer.straggler`` times a rank's work apart from its waits). False: this strategy cannot say."""
+        return False
 
     @abstractmethod
     def to_device(self, batch: Any) -> Any:

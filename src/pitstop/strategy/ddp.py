@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import ContextManager, TypeVar
+from typing import Callable, ContextManager, TypeVar
 
 import torch
 
@@ -106,6 +106,17 @@ class DDP(Single):
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
+        """A hook on each parameter, after its gradient is accumulated on this rank (as DDP's own reducer marks it
+        ready for its bucket): the last call of a backward is when the last bucket is ready and this rank's own work
+        is done. DDP's communication is untouched (its own reducer: the same steps, bitwise). On CUDA ``ready()``
+        runs as the gradient's kernels are queued, on the stream they run on (a CUDA event recorded there times
+        them)."""
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _: ready())
+        return True
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()  # DDP's own: gradients accumulate locally, the next synced backward reduces them

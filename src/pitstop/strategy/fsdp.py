@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from collections.abc import Sequence
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ class FSDP(DDP):
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+    def watch_gradients(self, model: nn.Module, ready: Callable[[], None]) -> bool:
+        return False  # (its reduce-scatters run inside backward: no point where its own work alone has ended)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

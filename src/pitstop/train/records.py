@@ -97,6 +97,13 @@ class Records:
         elif exc is not None and not isinstance(exc, (Preempted, Hung)) and not preempted:
             self.goodput.write(step, status="failed")
 
+    def straggler(self, step: int, fields: dict) -> None:
+        """A rank named slow, or well again (``train.straggler``): a line in ``metrics.jsonl`` (the time line marks it)
+        and, when named, metrics in the tracker."""
+        self.metrics_file.write({"event": "straggler", "step": step, **fields, "time": round(time.time(), 3)})
+        if self.logger is not None and "ratio" in fields:
+            self.logger.log_metrics({"straggler_rank": float(fields["rank"]), "straggler_ratio": fields["ratio"]}, step)
+
     def sdc_found(self, step: int, fields: dict) -> None:
         """Silent data corruption found at ``step`` (``train.sdc``): a line in ``metrics.jsonl`` (the time line marks
         it) and a metric in the tracker."""

@@ -44,6 +44,7 @@ from pitstop.train.sdc import SdcCheck
 from pitstop.parts.seed import seed_everything
 from pitstop.train.state import Batches, Progress, StepResult, TrainState, live_state, load_live_state
 from pitstop.train.step import Stepper
+from pitstop.train.straggler import Stragglers, leave
 
 log = logging.getLogger("pitstop")
 
@@ -154,13 +155,15 @@ class Runner:
                 lambda at, why: self.rollback(at, why),
                 lambda step: self._pin("instability", step),
             )
+            # (its hooks on the parameters are in place before the first backward)
+            self.straggler = Stragglers(t.straggler, self.strategy, self.model, self.records.straggler)
             # (a table of the step's collaborators, one name each)
             self.stepper = Stepper(
                 progress=self.progress, strategy=self.strategy, groups=self.groups, model=self.model,
                 optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision, task=self.task,
                 data=self.data, loader=self.loader, ckpt=self.ckpt, fault=self.fault, ledger=self.ledger,
                 watchdog=self.watchdog, meter=self.meter, accum=self.accum, batch_size=t.batch_size,
-                grad_clip=t.grad_clip, channels_last=t.channels_last, guard=guard,
+                grad_clip=t.grad_clip, channels_last=t.channels_last, guard=guard, straggler=self.straggler,
             )  # fmt: skip
             self.sdc = SdcCheck(
                 t.sdc.enabled, t.sdc.interval, self.strategy, self.model, self.optimizer, self.ledger, self.run_dir,
@@ -220,6 +223,7 @@ class Runner:
                 self.groups.restored(self.step)
         self.evals.resumed()
         self.sdc.started(self.step)  # (every rank holds the same state here)
+        self.straggler.restarted(self.step)
         t = self.cfg.trainer
         if self.resumed_from is not None:
             self.total_steps = self.length.after_resume(self.step, self.total_steps)
@@ -281,6 +285,7 @@ class Runner:
                 with ledger.measure("logging"):  # 2. record
                     lr = self.optimizer.param_groups[0]["lr"]
                     meter.record(self.step, self.total_steps, self.loader.epoch, out.loss, lr, out.data_wait, compute)
+                    self.straggler.book(ledger, self.straggler.after_step(self.step))  # (every window: compare)
                 if self.sdc.after_step(self.step, self.step >= self.total_steps):  # 2b. the replicas differed:
                     continue  # rolled back to a checkpoint before the corruption, the same steps again
                 if self.evals.due(self.step, self.total_steps):  # 3. evaluate
@@ -294,6 +299,7 @@ class Runner:
                 for cb in self.callbacks:
                     cb.on_step_end(self.view)
                 self._stop_if_noticed()  # 5. a preemption notice on any rank
+                self._exclude_if_slow()  # 6. (trainer.straggler.action=exclude) a rank slow for too long
         if bar is not None:
             bar.close()
 
@@ -323,6 +329,25 @@ class Runner:
         self.preempt.forward()  # a launcher's own handler (submitit: requeue, then exit) runs after our save
         raise Preempted(f"preempted ({why}) after step {self.step}; run the same command again to resume")
 
+    def _exclude_if_slow(self) -> None:
+        """(``trainer.straggler.action=exclude``) A rank slow for longer than ``exclude_after_seconds``, decided the
+        same on every rank at the same window: save this step and wait until it is durable, record its node as
+        excluded, and leave (``train.straggler.leave``: that node's ranks exit ``EXCLUDED_EXIT``, the others
+        ``REFORM_EXIT``); the launchers re-form the job without the node."""
+        flag = self.straggler.overdue()
+        if flag is None:
+            return
+        ckpt = self.ckpt
+        if self.groups.saves_checkpoints() and ckpt.root is not None and ckpt.last_durable != self.step:
+            with self.watchdog.phase("checkpoint"):
+                self.ledger.add("checkpoint", ckpt.maybe_save(self.target, self.step, force=True).blocked)
+        with self.ledger.measure("checkpoint"), self.watchdog.phase("checkpoint"):
+            ckpt.wait()  # (durable before any rank goes)
+        self.records.flush()
+        self.records.goodput.write(self.step, status="reformed")
+        self._preempted = True  # (a planned exit, no failure: the attempt is recorded as re-formed)
+        raise leave(flag, self.strategy, self.run_dir, self.step)
+
     def _skipped(self, step: int, why: str, loss: float) -> None:
         self.records.skipped(step, self.loader.epoch, why, loss)
 
@@ -337,6 +362,7 @@ class Runner:
             to = self.rollbacks(at_most_step, why, keep_data, self._batches, self.groups.saves_checkpoints())
             self.groups.restored(to)
         self.total_steps = self.length.after_resume(to, self.total_steps, "rolled back")
+        self.straggler.restarted(to)
         self.evals.resumed()
         epochs = self.rollbacks.epochs
         self.records.rolled_back(to, frm, keep_data, epochs, why, bucket, time.perf_counter() - t0)

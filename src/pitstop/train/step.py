@@ -31,6 +31,7 @@ from pitstop.train.instability import Guard
 from pitstop.train.metering import StepMeter
 from pitstop.train.state import Batches, Progress, StepResult, TrainLoader
 from pitstop.train.steps import evaluate
+from pitstop.train.straggler import Stragglers
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Stepper:
     channels_last: bool
     guard: Guard | None = None  # trainer.instability (None: off, a non-finite loss raises)
     micro: int = 1  # the micro-batch being taken (the sample log names it)
+    straggler: Stragglers | None = None  # trainer.straggler: times this rank's work apart from its waits
 
     def evaluate(
         self, loader: ShardLoader, max_batches: int | None, on_batch: Callable[[int], None] | None = None
@@ -77,6 +79,7 @@ class Stepper:
         if guard is not None:
             guard.before(self.model)
         losses, samples, wait, held = [], 0, 0.0, []
+        work = self.straggler if self.straggler is not None and self.straggler.on else None
         for micro in range(1, self.accum + 1):
             self.micro = micro
             t = time.perf_counter()
@@ -88,10 +91,14 @@ class Stepper:
             samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else self.batch_size
             if micro == 1:
                 self.meter.first_batch(batch)  # its shapes, for counting a step's FLOPs once
+            if work is not None:
+                work.start()
             with self.strategy.no_sync(self.model) if micro < self.accum else nullcontext():
                 with self.precision.autocast():
                     loss = self.fault.loss(step, keys, self.task.loss(self.model, batch))
                 self.precision.backward(loss / self.accum if self.accum > 1 else loss)
+            if work is not None:
+                work.stop(synced=micro == self.accum)
             losses.append(loss.detach())
             if micro < self.accum:
                 self.fault.after_micro_batch(step, micro)
@@ -102,10 +109,14 @@ class Stepper:
             self.groups.reduce_gradients(self.model)  # (strategy=ft) averaged over the step's replica groups
             committed = self.groups.commit()
         if not committed:
+            if work is not None:
+                work.discard()
             return StepResult(loss.item(), samples, wait, 0.0, committed=False, quorum=quorum)
         why, nonfinite = guard.check(step, loss, self.model) if guard is not None else (None, False)
         if why is not None:  # not applied: gradients dropped, buffers put back; the loader is past its batches
             guard.put_back()  # (before the look for a bad sample: the model as it was before the step)
+            if work is not None:
+                work.discard()
             culprits = guard.culprits(step, held, self.model) if nonfinite else []
             self.optimizer.zero_grad(set_to_none=True)
             self.loader.commit()
@@ -113,14 +124,19 @@ class Stepper:
             return StepResult(loss.item(), samples, wait, 0.0, quorum=quorum, skipped=why, culprits=culprits, keys=keys)
         del held
         self.loader.commit()  # (strategy=ft) the step's samples, every group's, are consumed
+        t = time.perf_counter()
         self.precision.unscale(self.optimizer)  # (fp16) clipping reads the true gradients
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        optimizing = time.perf_counter() - t
         staging = self.ckpt.wait_staging()  # staging must finish before params change
         self.ledger.add("checkpoint", staging)
         # (what forward changes, BatchNorm statistics, was copied when the save started)
+        t = time.perf_counter()
         self.precision.step(self.optimizer)
         self.scheduler.step()
+        if work is not None:  # (the optimizer is this rank's work too: no collective in it)
+            work.extra(optimizing + time.perf_counter() - t)
         return StepResult(loss.item(), samples, wait, staging, quorum=quorum)
 
     def device_batch(self, batch: Any) -> Any:

@@ -64,6 +64,7 @@ class RunView:
             "precision": r.precision.name,
             "sdc": r.sdc.stats(),
             "instability": r.instability.stats(),  # (skipped steps, rollbacks, quarantined samples)
+            "straggler": r.straggler.stats(),  # (the ranks named slow, the seconds booked waiting for them)
         }
         return {**out, "ft": r.groups.stats()} if r.groups.stats() is not None else out
 
