@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from pitstop.errors import PitstopError
+from pitstop.resilience.node_book import EXCLUDED_EXIT, NodeExcluded
 from pitstop.resilience.preempt import Preempted
 from pitstop import cli
 from pitstop.launch import launcher as launch
@@ -59,7 +60,7 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: {e}", file=sys.stderr)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # Hydra marks this job failed and runs the others; the sweep report shows it
-        raise SystemExit(2) from None
+        raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else 2) from None
     return summary["metrics"].get("val_accuracy")
 
 

@@ -4,8 +4,7 @@ A run dir is written by pitstop, but also torn by a full disk, edited by hand, c
 planted by whoever else can write it; valid JSON of another shape (``null``, ``[]``, a string where a number
 belongs) used to end every later start in an ``AttributeError``. So each state file has a shape here
 (:data:`GOODPUT`, :data:`FLOPS`, :data:`SUMMARY`, :data:`SAMPLE_RECORD`, :data:`INSTABILITY`, :data:`SUSPECTS`,
-:data:`NODES`, :data:`HANGWATCH`),
-and :func:`read_state` reads one:
+:data:`NODES`, :data:`HEALTH`, :data:`HANGWATCH`), and :func:`read_state` reads one:
 
 - the process that owns the file at start (``GoodputLog``, the FLOPs cache) keeps a damaged one aside
   (``NAME.corrupt``, ``NAME.corrupt-2``, ...: never deleted) with a one-line warning naming it, and starts afresh;
@@ -197,6 +196,8 @@ SUSPECTS = record({"suspects": listof(SUSPECT)})
 _NODE_FAILURE = record({"time": SECONDS, "why": string}, {"step": integer(0)})
 _EXCLUSION = record({"why": string, "by": string}, {"time": SECONDS})
 NODES = record({"nodes": mapping(record({}, {"failures": listof(_NODE_FAILURE), "excluded": _EXCLUSION}))})
+# RUN_DIR/health.json (launch/health.py): each node's recent matmul timings, the reference of the others' health checks
+HEALTH = record({"nodes": mapping(record({}, {"matmul": listof(SECONDS), "time": SECONDS}))})
 # RUN_DIR/hangwatch.rank{R}.json (resilience/hang_peers.py): where a rank's loop is, for the hang report of its peers
 HANGWATCH = record(
     {"rank": integer(0), "step": integer(0), "collectives": integer(0)},

@@ -30,6 +30,7 @@ REQUIRED = {
         "nonfinite": ["fault.step=3"],
         "bitflip": ["fault.step=3"],
         "poison": ["fault.sample=0000000"],
+        "bad_node": ["fault.node=n1"],
     }
 }
 

@@ -169,7 +169,7 @@ def test_supervisor_restarts_a_killed_single_process_job_and_the_ledger_spans_bo
         doc["restart_seconds"],
         doc["totals"]["recovery_gap"]
         + sum(  # (each figure rounded)
-            a2["buckets"][k] for k in ("program_start", "init", "restore")
+            a2["buckets"][k] for k in ("program_start", "health", "init", "restore")
         ),
         abs_tol=0.003,
     )

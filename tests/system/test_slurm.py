@@ -239,6 +239,90 @@ def test_a_deterministic_bug_stops_both_nodes_of_an_sbatch_job_in_one_line_and_i
     assert rank1 == [0, 1]  # (the agents restarted once, then were stopped)
 
 
+def _wait_done(slurm: dict, job: str, out: Path, limit: float = 180) -> str:
+    deadline = time.monotonic() + limit
+    while (state := job_state(slurm, job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        assert time.monotonic() < deadline, (out.read_text() if out.exists() else "no output")[-3000:]
+        time.sleep(0.5)
+    return state
+
+
+def test_an_elastic_sbatch_job_with_a_bad_node_trains_on_the_other_exactly_as_one_node_does(slurm, data_root, tmp_path):
+    # fault=bad_node on n2 (its checkpoint dir unwritable): n2's launcher finds it in its health check before the
+    # rendezvous, excludes n2 (RUN_DIR/nodes.json) and exits 77 in one line; n1 forms the job alone
+    # (strategy.nnodes=1:2, --no-kill) and ends bitwise as a one-node run of the same settings does, no attempt
+    # failed, every sample once.
+    from pitstop.audit import audit
+
+    same = ["strategy=ddp", "strategy.nproc_per_node=1", "strategy.cpu_threads=1", "debug=tiny", "trainer.max_steps=20",
+            "ckpt=sync_save", "ckpt.interval_steps=10", "logger=none", "data.record_sample_ids=true"]  # fmt: skip
+    ref = cli([*same, f"run_dir={tmp_path / 'one'}"], data_root, tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    bad = [
+        "strategy.nnodes=1:2",
+        "strategy.last_call_seconds=3",
+        "fault=bad_node",
+        "fault.node=n2",
+        "fault.how=unwritable",
+    ]
+    job = sbatch(env, tmp_path, ["--no-kill"], [*same, *bad], data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    assert _wait_done(slurm, job, out) == "COMPLETED", out.read_text()[-3000:]
+    text = out.read_text(errors="replace")
+    assert "pitstop: the nodes' agents exited with 0 77 (n1 n2)" in text, text[-3000:]
+    assert (
+        f"error: node n2 is not used: ckpt.dir {run_dir}/checkpoints is not writable (fault=bad_node: unwritable "
+        "(injected)) (node n2 failed its health check 'dirs'); the job goes on without it (1 node(s) left, "
+        "strategy.nnodes=1:2)"
+    ) in text
+    assert "requeueing" not in text
+    assert json.loads((run_dir / "nodes.json").read_text())["nodes"]["n2"]["excluded"]["by"] == "health"
+    s = summary(run_dir)
+    assert s["world_size"] == 1 and s["final_step"] == 20 and s["goodput"]["failures"] == 0
+    assert s["params_sha256"] == summary(tmp_path / "one")["params_sha256"]
+    assert [(e.once, e.repeated) for e in audit(str(run_dir))] == [(320, 0)]  # (20 steps x 16 samples, once)
+
+
+def test_an_sbatch_job_that_cannot_go_on_without_its_bad_node_is_requeued_without_it(slurm, data_root, tmp_path):
+    # strategy.nnodes=2 (the script's: the allocation's count) and n2 unfit (its checkpoint dir unwritable): n2's
+    # launcher excludes it and stops in one line (2 nodes needed, 1 left); n1's agent, whose rendezvous n2 never
+    # joins, stops with the same line after strategy.timeout; the script requeues the job with n2 in its exclusion
+    # list, where it waits for a second node this cluster does not have.
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = ["strategy=ddp", "strategy.nproc_per_node=1", "strategy.timeout=10", "debug=tiny", "logger=none",
+                 "ckpt=sync_save", "fault=bad_node", "fault.node=n2", "fault.how=unwritable"]  # fmt: skip
+    job = sbatch(env, tmp_path, [], overrides, data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    try:
+        deadline = time.monotonic() + 120
+        while "requeueing job" not in (text := out.read_text(errors="replace") if out.exists() else ""):
+            assert time.monotonic() < deadline and job_state(slurm, job) in ("PENDING", "RUNNING"), text[-3000:]
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while "ExcNodeList=n2" not in (shown := scontrol_job(slurm, job)) or "JobState=PENDING" not in shown:
+            assert time.monotonic() < deadline, shown
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+    line = (
+        f"error: the job cannot go on: 1 node(s) excluded (n2: ckpt.dir {run_dir}/checkpoints is not writable "
+        "(fault=bad_node: unwritable (injected)) (node n2 failed its health check 'dirs')) and strategy.nnodes=2 "
+        "needs 2, 1 left; readmit a node (node_book.readmit) or lower the minimum"
+    )
+    text = out.read_text(errors="replace")
+    assert text.count(line) == 2, text[-3000:]  # (n2's launcher, and n1's, whose rendezvous it never joined)
+    assert "pitstop: the nodes' agents exited with 2 2 (n1 n2)" in text
+    assert "pitstop: the job cannot go on without node(s) n2; requeueing job" in text
+    assert "Restarts=1" in shown and not (run_dir / "goodput.json").exists()  # (no attempt ever started)
+
+
+def scontrol_job(slurm: dict, job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
+
+
 def _lose_node(slurm: dict, job: str, node: str) -> list[int]:
     """Kill one node of the local cluster as a node failure would: its slurmd, and every process of ``job`` on it
     (the tasks, their children and their slurmstepd), all stopped first so none of them reacts."""

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pitstop.config.schema_loop import Health
 from pitstop.errors import ConfigError
 from pitstop.goodput.interval import AutoInterval
 from pitstop.goodput.model import best_interval, exact_goodput, expected_goodput, young_daly
@@ -294,7 +295,8 @@ def test_a_notice_that_comes_while_an_attempt_starts_reaches_it_and_no_attempt_f
             return "fake"
 
     with pytest.raises(Preempted):
-        job = LaunchPlan(LaunchMode.SUPERVISED, schema.Trainer(preempt_grace_seconds=30), schema.Single(), restarts=3)
+        trainer = schema.Trainer(preempt_grace_seconds=30, health=Health(enabled=False))  # (no real fork)
+        job = LaunchPlan(LaunchMode.SUPERVISED, trainer, schema.Single(), restarts=3)
         attempts(Ctx, "{}", str(tmp_path), job, 0.0, notice=notice)
     assert sent == [(4242, signal.SIGUSR1)]
 

@@ -26,6 +26,7 @@ from pitstop.config.checks import AtLeastZero, Integer, OneOf, Positive, key
 from pitstop.config.schema_loop import (
     MLflow,
     AtStep,
+    BadNode,
     Bitflip,
     Bug,
     Crash,
@@ -348,6 +349,7 @@ SCHEMAS = {
         "random": RandomFault,
         "nonfinite": NonFinite,
         "poison": Poison,
+        "bad_node": BadNode,
         "slow_rank": SlowRank,
     },
     "logger": {"none": NullLogger, "mlflow": MLflow},

@@ -144,6 +144,21 @@ class Poison(NoFault):
     sample: str = key(MISSING, "the sample key (a training sample's __key__, as samples.rank*.jsonl names it)")
 
 
+@dataclass
+class BadNode(NoFault):
+    """``fault=bad_node``: one node is bad for the whole run (``resilience/bad_node.py``): every attempt on it fails
+    at start (``fail``), or its checkpoint dir is not writable (``unwritable``: node health's check finds it)."""
+
+    _target_: str = "pitstop.resilience.bad_node.BadNode"
+    node: str = key(MISSING, "the node's name as pitstop names it: PITSTOP_NODE_NAME, else SLURMD_NODENAME, else host")
+    how: str = key(
+        "fail",
+        "fail (every attempt on the node raises at start) | unwritable (its checkpoint dir cannot be written: the "
+        "launcher's health check fails and the node is not used)",
+        check=OneOf("fail", "unwritable"),
+    )
+
+
 # ---- logger --------------------------------------------------------------------------------------------
 
 
@@ -255,6 +270,31 @@ class Instability:
 
 
 @dataclass
+class Health:
+    """``trainer.health``: each node checks itself before the first rendezvous and before each restart, in about a
+    second (``launch/health.py``): its run dir and checkpoint dirs writable with room for a checkpoint, free memory, a
+    short matmul against its peers' speed (and, a warning, /dev/shm's room for an async save's staging). A node that
+    fails a check, on which attempts failed twice, or that the silent-corruption check suspects (jobs of several nodes)
+    is not used (``RUN_DIR/nodes.json``); the time is the ledger's ``health``."""
+
+    enabled: bool = key(True, "check the node before the first rendezvous and before each restart")
+    room_factor: float = key(
+        1.0,
+        "free space a checkpoint dir needs, in checkpoints (the newest one's size, else the model's parameters and "
+        "optimizer state, estimated); raise it to 2 where a save is written whole before the one it replaces goes",
+        check=Positive(),
+    )
+    min_free_memory_gb: float = key(0.5, "free memory (MemAvailable) the node needs, GiB", check=AtLeastZero())
+    slow_factor: float = key(
+        3.0,
+        "the matmul fails when slower than this x the reference: the faster of the other nodes' median and this "
+        "node's own past median (RUN_DIR/health.json)",
+        check=Positive(),
+    )
+    matmul_size: int = key(256, "N of the N x N float32 matmul timed (best of 5)", check=Integer(16))
+
+
+@dataclass
 class Straggler:
     """``trainer.straggler``: slow ranks. Each rank times its own work per step apart from its waits in collectives
     (under ``strategy=ddp``: up to the moment its last gradient is ready for DDP's all-reduce); every ``window``
@@ -349,4 +389,5 @@ class Trainer:
     profile: Profile = field(default_factory=Profile)
     sdc: Sdc = field(default_factory=Sdc)
     instability: Instability = field(default_factory=Instability)
+    health: Health = field(default_factory=Health)
     straggler: Straggler = field(default_factory=Straggler)

@@ -15,6 +15,8 @@ where they match:
 - ``checkpoint``     the loop blocked by saves: staging, writes, waiting for a save in flight (checkpoint save);
 - ``eval``           evaluation of surviving steps;
 - ``program_start``  process start → the runner exists: interpreter and imports (program startup);
+- ``health``         the node's health check before it is used, in its launcher before the attempt exists (the
+                     launcher hands the seconds down: ``LaunchFacts.health_seconds``; out of ``program_start``);
 - ``init``           process groups, model, optimizer, data index, loaders, checkpointer (training preparation);
 - ``restore``        reading the checkpoint it resumes from (checkpoint restore);
 - ``compile``        ``torch.compile`` compiling the model at its first steps and evaluation (``trainer.compile``;
@@ -34,7 +36,8 @@ where they match:
                      taken out of ``compute``;
 - ``other``          logging and whatever the loop did outside those (e.g. the final close).
 
-Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + init + restore + compile of
+Restart cost R (``restart_seconds``, per automatic restart) = recovery_gap + program_start + health + init + restore +
+compile of
 the attempts a supervisor or the elastic agent started after a failure.
 
 In-process ``-m`` sweeps: jobs after the first in one process import nothing; each is charged the
@@ -53,7 +56,7 @@ from typing import Any, Callable
 from pitstop.statefile import GOODPUT, read_state
 from pitstop.telemetry.metrics import write_json_atomic
 
-STARTUP = ("program_start", "init", "restore", "compile")
+STARTUP = ("program_start", "health", "init", "restore", "compile")
 REPLICA = ("quorum", "discarded")  # strategy=ft only (a table shows them when they are not zero)
 # steps not applied or rolled back in the attempt, and the wait for a slow rank (a table shows them when not zero)
 TROUBLE = ("instability", "sdc", "straggler")
@@ -78,14 +81,17 @@ MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent ch
 class Ledger:
     """This attempt's seconds per bucket; ``other`` = wall time since process start minus the rest."""
 
-    def __init__(self, program_start: float) -> None:
-        """``program_start``: the wall clock at which this attempt's program start began (``LaunchFacts``)."""
+    def __init__(self, program_start: float, health: float = 0.0) -> None:
+        """``program_start``: the wall clock at which this attempt's program start began (``LaunchFacts``);
+        ``health``: seconds of it that the launcher spent on the node's health check (booked as ``health``)."""
         now = time.time()
         seconds = max(0.0, now - min(program_start, now))
         self.start_wall = now - seconds
         self.t0 = time.perf_counter() - seconds
         self.seconds = {b: 0.0 for b in BUCKETS}
-        self.seconds["program_start"] = seconds
+        checked = min(max(0.0, health), seconds)
+        self.seconds["program_start"] = seconds - checked
+        self.seconds["health"] = checked
         self._open: tuple[str, float] | None = None  # the phase being measured now, since when
 
     def add(self, bucket: str, seconds: float) -> None:

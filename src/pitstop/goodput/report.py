@@ -37,6 +37,7 @@ COLORS = {
     "checkpoint": "#1565c0",
     "eval": "#7b1fa2",
     "program_start": "#4e342e",
+    "health": "#26a69a",
     "init": "#795548",
     "restore": "#a1887f",
     "recovery_gap": "#ff7043",

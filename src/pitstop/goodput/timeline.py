@@ -28,6 +28,7 @@ BUCKETS = (*LEDGER, "other")
 COLOURS = {
     "other": "#e0e0e0",
     "program_start": "#9e9e9e",
+    "health": "#80cbc4",
     "init": "#bdbdbd",
     "restore": "#ffb74d",
     "compute": "#43a047",

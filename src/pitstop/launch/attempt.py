@@ -12,22 +12,30 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.errors import ConfigError, Interrupt, PitstopError, Unrecoverable
-from pitstop.launch import repeats
+from pitstop.launch import repeats, vetting
 from pitstop.launch.failures import lost_peer
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure, signature
-from pitstop.resilience.node_book import EXCLUDED_EXIT, NodeExcluded
+from pitstop.resilience.node_book import EXCLUDED_EXIT, REFORM_EXIT, NodeExcluded
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.parts.launch_facts import LaunchFacts, process_start_wall, record_error
 
 
 def worker(
-    cfg_yaml: str, run_dir: str, method: str = "spawn", job_start: float | None = None, agent: int | None = None
+    cfg_yaml: str,
+    run_dir: str,
+    method: str = "spawn",
+    job_start: float | None = None,
+    agent: int | None = None,
+    health: float = 0.0,
+    matmul: float | None = None,
 ) -> dict:
     """The entry point of each rank that torch's elastic agent starts: a fork of the agent's pre-imported server
     (``method`` forkserver: warm) or a fresh interpreter (spawn). ``agent``: the launching process, told of a
-    preemption notice. The agent's facts (its arguments and ``RANK``/``TORCHELASTIC_RESTART_COUNT``) become
-    this attempt's :class:`LaunchFacts`."""
+    preemption notice; ``health``, ``matmul``: its launcher's health check of the node (the first ranks'; the node's
+    first local rank records the matmul's timing).
+    The agent's facts (its arguments and ``RANK``/``TORCHELASTIC_RESTART_COUNT``) become this attempt's
+    :class:`LaunchFacts`. A restarted rank checks its node first (:func:`vet_restart`)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     # Program start: the first ranks count from the job's start (the launching process's imports, the
     # rendezvous, and a server's imports or their own); a restarted rank from its own start (a fork: now).
@@ -37,8 +45,48 @@ def worker(
         start = time.time()
     else:
         start = process_start_wall()
-    facts = LaunchFacts(program_start=start, launched=True, restart=restart, start_method=method, agent_pid=agent)
+    if restart > 0:
+        health, matmul = vet_restart(cfg_yaml, run_dir, agent, int(os.environ["RANK"]))
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    facts = LaunchFacts(
+        program_start=start,
+        launched=True,
+        restart=restart,
+        start_method=method,
+        agent_pid=agent,
+        health_seconds=health,
+        matmul_seconds=matmul if first else None,
+    )
     return run_attempt(cfg_yaml, run_dir, facts, int(os.environ["RANK"]))
+
+
+def vet_restart(cfg_yaml: str, run_dir: str, agent: int | None, rank: int) -> tuple[float, float | None]:
+    """Before a restart under torch's agent (which restarts ranks by itself), the rank checks its node: the node's
+    first local rank runs the health check, every rank reads the book of nodes. A node not to use stops its agent:
+    exit ``EXCLUDED_EXIT`` (the job goes on without it; its launcher says so) or, if the job cannot go on, the one
+    line left for every launcher (as a crash loop's). Returns what ``vetting.vet`` does."""
+    from pitstop.launch import health, vetting
+    from pitstop.launch.plan import nnodes
+    from pitstop.resilience.node_book import EXCLUDED_EXIT, NodeExcluded, node_name
+
+    cfg = OmegaConf.create(cfg_yaml)
+    nodes = nnodes(OmegaConf.select(cfg, "strategy.nnodes", default=1))
+    text = str(OmegaConf.select(cfg, "strategy.nnodes", default=1))
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    node = node_name()
+    enabled = bool(OmegaConf.select(cfg, "trainer.health.enabled", default=True))
+    check = (lambda: health.checks(cfg, run_dir, node)) if first and enabled else None
+    try:
+        return vetting.vet(run_dir, nodes, text, check, node)
+    except PitstopError as e:
+        log_to(run_dir, rank)
+        logging.getLogger("pitstop").error("%s", e)
+        if isinstance(e, NodeExcluded):
+            vetting.stop_agent(agent)
+            raise SystemExit(EXCLUDED_EXIT) from None
+        facts = LaunchFacts(program_start=time.time(), launched=True, agent_pid=agent)
+        stop_job(run_dir, str(e), facts)
+        raise SystemExit(2) from None
 
 
 def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) -> dict:
@@ -62,7 +110,13 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         raise SystemExit(PREEMPTED_EXIT) from None
     except (NodeExcluded, Reform) as e:  # (its node excluded: do not start it here again; or re-form without it)
         logger.warning("%s", e)
-        raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else e.exit_code) from None
+        if isinstance(e, NodeExcluded):
+            if not facts.supervised:  # (torch's agent would start it here again: it is stopped, its launcher says why)
+                vetting.stop_agent(facts.agent_pid)
+            raise SystemExit(EXCLUDED_EXIT) from None
+        if not facts.supervised:  # (the agent's restart for it is a re-formation: no restart of the budget)
+            vetting.note_reform(run_dir, facts.agent_pid, facts.restart)
+        raise SystemExit(e.exit_code) from None
     except ConfigError as e:
         logger.error("%s", e)
         if not facts.supervised:
@@ -70,6 +124,9 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         record_error(run_dir, str(e))
         raise SystemExit(2) from None
     except BaseException as e:
+        if isinstance(e, SystemExit) and e.code == REFORM_EXIT:  # the job re-forms without an excluded node: no
+            vetting.note_reform(run_dir, facts.agent_pid, facts.restart)  # failure, its launcher restarts it at once
+            raise
         if isinstance(e, PitstopError):
             logger.error("%s", e)
         elif facts.supervised:
@@ -82,7 +139,13 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         elif not isinstance(e, (SystemExit, KeyboardInterrupt, Interrupt)) and not lost_peer(str(e)):
             step = runner.step if runner is not None and hasattr(runner, "progress") else None
             limit = restart_limit(cfg_yaml) if not facts.supervised and facts.agent_pid else None
-            loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts, limit)
+            # (the supervisor records its attempts' failures on the node itself; a node excluded for its failures
+            # is the verdict, before a crash loop's: the job may go on without it)
+            node = node_failed(cfg_yaml, run_dir, signature(e), facts, step) if limit is not None else None
+            if node is None:
+                loop = crash_loop(run_dir, Failure(rank, facts.restart, step, signature(e)), facts, limit)
+            else:
+                loop = node or None
         elif not facts.supervised and lost_peer(str(e)):
             peers_loop(run_dir, facts)
         if not facts.supervised:
@@ -90,6 +153,26 @@ def run_attempt(cfg_yaml: str, run_dir: str, facts: LaunchFacts, rank: int = 0) 
         text = str(e) if isinstance(e, PitstopError) else f"{type(e).__name__}: {e}".splitlines()[0][:300]
         record_error(run_dir, loop or text)
         raise SystemExit(CRASH_LOOP_EXIT if loop else 1) from None
+
+
+def node_failed(cfg_yaml: str, run_dir: str, what: str, facts: LaunchFacts, step: int | None) -> str | None:
+    """Record this attempt's failure on this node (once per node and attempt); None if that does not exclude it. On
+    the failure that excludes the node (the job can go on without it: ``vetting.failed_here``) this node's agent is
+    stopped and "" is returned: the job goes on without the node, and its launcher says so."""
+    from pitstop.launch import vetting
+    from pitstop.launch.plan import nnodes
+    from pitstop.resilience.node_book import NodeExcluded, node_name
+
+    text = str(OmegaConf.select(OmegaConf.create(cfg_yaml), "strategy.nnodes", default=1))
+    nodes = nnodes(text)
+    if not vetting.failed_here(run_dir, what, nodes, step, tag=f"[agent {facts.agent_pid} restart {facts.restart}]"):
+        return None
+    err = vetting.refuse(
+        run_dir, node_name(), f"attempts failed on it twice (the last: {what})", "failures", nodes, text
+    )
+    logging.getLogger("pitstop").error("%s", err)
+    vetting.stop_agent(facts.agent_pid)
+    return "" if isinstance(err, NodeExcluded) else stop_job(run_dir, str(err), facts)
 
 
 def restart_limit(cfg_yaml: str) -> int | None:
@@ -114,9 +197,10 @@ def crash_loop(run_dir: str, failure: Failure, facts: LaunchFacts, limit: int | 
         # Under torch's agent, which counts every restart as one: a failure with no progress since the one before
         # costs one more (repeats.without_progress); the rank stops the agent when that is past its limit.
         extra = repeats.without_progress(repeats.history(run_dir))
-        if extra == 0 or facts.restart + 1 + extra <= int(limit):  # (else torch's own count decides, as before)
+        used = facts.restart - vetting.reforms(run_dir, facts.agent_pid)  # (re-formations use no restart)
+        if (extra == 0 and used == facts.restart) or used + 1 + extra <= int(limit):  # (else torch's count decides)
             return None
-        budget = repeats.budget_line(facts.restart + 1, extra, "strategy.max_restarts", int(limit))
+        budget = repeats.budget_line(used + 1, extra, "strategy.max_restarts", int(limit))
         line = f"the job failed (last: rank {failure.rank}: {failure.what}); its restarts are used up ({budget})"
         logging.getLogger("pitstop").error("%s", line)
         return stop_job(run_dir, line, facts)

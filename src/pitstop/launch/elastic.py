@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pitstop.config import schema
 from pitstop.errors import CrashLoop, PitstopError
-from pitstop.launch import repeats
+from pitstop.launch import repeats, vetting
 from pitstop.launch.attempt import start_warm, worker
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
@@ -46,7 +46,12 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     # Warm ranks: the agent starts (and restarts) them as forks of a pre-imported server, not as fresh
     # interpreters; the first ones are charged this job's start (the server's imports are their program start).
     # Started after the checks (a refused job starts nothing), before the agent's own imports.
-    method = start_warm(cfg, job).get_start_method()
+    ctx = start_warm(cfg, job)
+    method = ctx.get_start_method()
+    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    # This node's health before the first rendezvous: a node not to use ends here (the job goes on without it, or
+    # stops in one line); the seconds are the first ranks' ledger's `health` (a restart's: the rank checks itself).
+    health = vetting.vet(run_dir, job.nodes, job.nodes_text, vetting.launcher_check(ctx, cfg_yaml, run_dir, job))
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -82,10 +87,9 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
     notice = JobNotice(job.notices, lambda msg, sig: SignalException(msg, sigval=sig))
     try:
         notice.install()  # (inside: a notice that waited, blocked, is delivered by it and raises here)
-        results = elastic_launch(config, worker)(
-            OmegaConf.to_yaml(cfg, resolve=True), run_dir, method, job_start, os.getpid()
-        )
+        results = elastic_launch(config, worker)(cfg_yaml, run_dir, method, job_start, os.getpid(), *health)
     except (RendezvousClosedError, RendezvousTimeoutError, RendezvousConnectionError) as e:
+        vetting.raise_if_excluded(run_dir, job, job_start)  # (this node's rank excluded it and stopped its agent)
         loop = repeats.marked(run_dir, job_start)  # (another node's rank found a crash loop and stopped its agent)
         if loop is not None:
             raise CrashLoop(loop) from None
@@ -94,6 +98,7 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         # torch's agent, stopped by a signal, leaves its rendezvous open (its keep-alive thread goes on beating): the
         # store outlives this job, or that thread's failures would print after the job's one line
         _OPEN_AFTER_A_SIGNAL.append(store)
+        vetting.raise_if_excluded(run_dir, job, job_start)  # (a rank found its node excluded and stopped the agent)
         loop = repeats.marked(run_dir, job_start)  # (a rank found the same failure twice and stopped the agent)
         if loop is not None:
             raise CrashLoop(loop) from None
@@ -103,10 +108,14 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
             f"preempted after a notice ({e.sigval.name}); run the same command again to resume ({run_dir})"
         ) from None
     except ChildFailedError as e:
+        vetting.raise_if_excluded(run_dir, job, job_start)
         loop = repeats.marked(run_dir, job_start)  # (the agent had no restart left when the rank stopped it)
         if loop is not None:
             raise CrashLoop(loop) from None
-        raise rank_failed(e, job, run_dir, run_id) from None
+        error = rank_failed(e, job, run_dir, run_id)
+        if (getattr(root_failure(e.failures)[1], "exitcode", 0) or 0) < 0:  # (killed: its rank could not record it)
+            vetting.failed_here(run_dir, str(error), job.nodes)
+        raise error from None
     finally:
         notice.close()
         del store
@@ -180,7 +189,7 @@ def agent_config(job: LaunchPlan, endpoint: str, run_id: str, method: str, run_d
             **({} if is_host is None else {"is_host": is_host}),
         },
         local_addr="127.0.0.1" if max_nodes == 1 else None,  # (the ranks' MASTER_ADDR: rank 0's store on loopback)
-        max_restarts=job.restarts,
+        max_restarts=job.restarts + vetting.reform_allowance(job),
         monitor_interval=0.2,
         start_method=method,
         shutdown_timeout=int(job.grace) + 30,

@@ -12,17 +12,21 @@ is spawned: this process is one of the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 from omegaconf import DictConfig
 
+from pitstop.launch import health, vetting
 from pitstop.launch.attempt import log_to
 from pitstop.launch.elastic import elastic
 from pitstop.launch.mode import LaunchMode
 from pitstop.launch.plan import plan
 from pitstop.launch.supervisor import supervise
 from pitstop.parts.launch_facts import facts_from_env
+from pitstop.resilience.bad_node import check_node
+from pitstop.resilience.node_book import node_name
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
@@ -31,6 +35,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.
     quiet_resource_tracker()
     job = plan(cfg, os.environ)
+    check_node(cfg.get("fault"), job.nodes[1], cfg.get("ckpt"))  # (fault=bad_node: a node the job has)
     if job.mode == LaunchMode.REPLICAS:  # strategy=ft: this command starts the Lighthouse and the groups
         from pitstop.launch.replicas import run_replicas
 
@@ -51,8 +56,15 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     if job.mode == LaunchMode.CHILD:  # a rank torchrun/SLURM started: train.log or rankR.log
         os.makedirs(run_dir, exist_ok=True)
         log_to(run_dir, int(os.environ["RANK"]))
+    facts = facts_from_env(os.environ)
+    # This process is the attempt (no launcher of pitstop's restarts it): it checks its node itself, the node's first
+    # local rank running the health check.
+    node = node_name()
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    check = (lambda: health.checks(cfg, run_dir, node)) if first and job.trainer.health.enabled else None
+    seconds, matmul = vetting.vet(run_dir, job.nodes, job.nodes_text, check, node)
     try:
-        return Runner(cfg, run_dir, facts_from_env(os.environ)).run()
+        return Runner(cfg, run_dir, dataclasses.replace(facts, health_seconds=seconds, matmul_seconds=matmul)).run()
     except (NodeExcluded, Reform) as e:  # (this node is excluded, or the job re-forms without one: the launcher's cue)
         logging.getLogger("pitstop").warning("%s", e)
         raise SystemExit(EXCLUDED_EXIT if isinstance(e, NodeExcluded) else REFORM_EXIT) from None

@@ -15,12 +15,14 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop.errors import ConfigError, CrashLoop, PitstopError
-from pitstop.launch import repeats
+from pitstop.launch import repeats, vetting
 from pitstop.launch.attempt import run_attempt, start_warm
 from pitstop.launch.repeats import CRASH_LOOP_EXIT, Failure
 from pitstop.launch.plan import LaunchPlan
 from pitstop.notices import notices_blocked
+from pitstop.resilience import node_book
 from pitstop.resilience.fault_record import killed_by_fault
+from pitstop.resilience.node_book import EXCLUDED_EXIT, REFORM_EXIT, node_name
 from pitstop.resilience.preempt import PREEMPTED_EXIT, LauncherNotice, Preempted
 from pitstop.parts import launch_facts
 from pitstop.parts.launch_facts import LaunchFacts, error_file
@@ -77,7 +79,8 @@ def attempts(
     os.makedirs(run_dir, exist_ok=True)
     errors = error_file(run_dir)
     max_restarts, limit_key, grace = job.restarts, job.restarts_key, job.grace
-    attempt = -1
+    check = vetting.launcher_check(ctx, cfg_yaml, run_dir, job)
+    attempt, reforms = -1, 0  # (re-formations after a node's exclusion: restarts that use no budget)
     while True:
         attempt += 1
         if notice is not None and notice.received is not None:  # (the notice came between two attempts)
@@ -85,9 +88,13 @@ def attempts(
         if os.path.exists(errors):
             os.remove(errors)
         # The attempt's program start: the job's start for the first, this moment for a restart (the clock of
-        # /proc's process start times is too coarse for sub-second restarts).
+        # /proc's process start times is too coarse for sub-second restarts). The node's health check is in it.
+        start = job_start if attempt == 0 else time.time()
+        health, matmul = vetting.vet(run_dir, job.nodes, job.nodes_text, check)
         facts = LaunchFacts(
-            program_start=job_start if attempt == 0 else time.time(),
+            program_start=start,
+            health_seconds=health,
+            matmul_seconds=matmul,
             launched=True,
             supervised=True,
             restart=attempt,
@@ -128,13 +135,25 @@ def attempts(
             raise ConfigError(why)
         if code == CRASH_LOOP_EXIT:  # (the attempt found its failure repeated the one before: said in `why`)
             raise CrashLoop(why)
+        if code == REFORM_EXIT:  # (a node was excluded at run time, the state saved: the job re-forms at once)
+            reforms += 1
+            log.info("%s %d ended to re-form the job without an excluded node; starting it again", name, attempt + 1)
+            continue
+        if code == EXCLUDED_EXIT:  # (the attempt excluded its own node: it is not started on it again)
+            node = node_name()
+            rec = node_book.excluded(run_dir).get(node, {"why": why, "by": "the attempt"})
+            raise vetting.refuse(run_dir, node, str(rec["why"]), str(rec["by"]), job.nodes, job.nodes_text)
+        if vetting.failed_here(run_dir, why, job.nodes):  # (the node's failures: a job of several nodes leaves it)
+            node = node_name()
+            raise vetting.refuse(run_dir, node, f"attempts failed on it twice (the last: {why})", "failures",
+                                 job.nodes, job.nodes_text)  # fmt: skip
         if code is not None and code < 0:  # killed: nothing in the attempt could say so; the same signal at the same
             loop = killed(run_dir, attempt, -code, child.pid)  # step as the last is a loop too (out-of-memory kills)
             if loop:
                 raise CrashLoop(loop)
         extra = repeats.without_progress(repeats.history(run_dir))  # (a failure where the last one was costs 2)
-        budget = repeats.budget_line(attempt + 1, extra, limit_key, max_restarts)
-        if attempt + 1 + extra > max_restarts:
+        budget = repeats.budget_line(attempt + 1 - reforms, extra, limit_key, max_restarts)
+        if attempt + 1 - reforms + extra > max_restarts:
             raise PitstopError(
                 f"the job failed (last: {why}); its restarts are used up ({budget}) — see {run_dir}/train.log"
             )

@@ -28,6 +28,8 @@ class LaunchFacts:
     restart: int = 0  # 0 for a job's first attempt; > 0 for an automatic restart
     start_method: str | None = None  # "forkserver": a warm attempt (a fork of a pre-imported server); "spawn"
     agent_pid: int | None = None  # pitstop's launching process of an elastic job: told of a preemption notice
+    health_seconds: float = 0.0  # of the program start: the node's health check before this attempt (ledger `health`)
+    matmul_seconds: float | None = None  # that check's matmul: put on record once the attempt's setup is done
 
 
 _import_seconds: float | None = None

@@ -150,3 +150,23 @@ def _listdir(path: str | None) -> list[str]:
         return os.listdir(path) if path else []
     except OSError:
         return []
+
+
+def all_reduce_latency(strategy: Strategy, reps: int = 5) -> float | None:
+    """Node health's last check, which needs the process group: the median seconds of a one-element all-reduce
+    across the job's ranks (after one untimed), measured right after the group forms; None for one rank."""
+    if strategy.world_size <= 1:
+        return None
+    import statistics
+    import time
+
+    import torch
+
+    t = strategy.to_device(torch.zeros(1))
+    strategy.all_reduce_sum(t).cpu()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        strategy.all_reduce_sum(t).cpu()  # (.cpu(): waits for it on a GPU)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -29,8 +29,10 @@ from pitstop.config import flatten, secrets, validate
 from pitstop.config.build import build, target_modules
 from pitstop.data.loader import server as worker_server
 from pitstop.goodput.ledger import Ledger
+from pitstop.resilience.health_record import record_timing
+from pitstop.resilience.node_book import node_name
 from pitstop.resilience.preempt import Preempted, PreemptionNotice, save_for_notice
-from pitstop.strategy.nodes import check_nodes
+from pitstop.strategy.nodes import all_reduce_latency, check_nodes
 from pitstop.train import assembly, process, steps, summary
 from pitstop.parts.digest import model_sha256
 from pitstop.parts.launch_facts import LaunchFacts, facts_from_env, record_error
@@ -53,7 +55,7 @@ class Runner:
         validate(cfg)
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         self.launch = launch if launch is not None else facts_from_env(os.environ)
-        self.ledger = Ledger(self.launch.program_start)
+        self.ledger = Ledger(self.launch.program_start, self.launch.health_seconds)
         self.progress = Progress()
         self.resumed_from: int | None = None
         self.callbacks: list[Any] = []
@@ -97,6 +99,11 @@ class Runner:
             self.strategy.setup()
             self.watchdog.at_least("peers", self.groups.peer_wait_seconds())
             check_nodes(self.strategy, cfg, self.run_dir)  # same config, shared run dir, node-local caches
+            if t.health.enabled and self.strategy.world_size > 1:  # (node health's check that needs the group)
+                latency = all_reduce_latency(self.strategy)
+                if self.strategy.is_main and latency is not None:
+                    log.info("health: a one-element all-reduce over %d ranks takes %.2f ms", self.strategy.world_size,
+                             latency * 1e3)  # fmt: skip
             seed_everything(cfg.seed, deterministic=t.deterministic)
             os.makedirs(self.run_dir, exist_ok=True)
             self.records.goodput = assembly.build_goodput_log(self.run_dir, self.ledger, self.strategy, self.launch)
@@ -169,6 +176,8 @@ class Runner:
             )  # fmt: skip
             self.callbacks = [build(c) for c in (cfg.get("callbacks") or {}).values() if c]
             self.view = summary.RunView(self)
+            if self.launch.matmul_seconds is not None:  # (the node's health check let this attempt set up: a reference)
+                record_timing(self.run_dir, node_name(), self.launch.matmul_seconds)
 
     def _taking(self) -> tuple[int, int]:
         micro = self.stepper.micro if self.stepper is not None else 1

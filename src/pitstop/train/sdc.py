@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+
 import time
 from typing import Any, Callable
 
 import torch
 
 from pitstop.errors import Unrecoverable
+from pitstop.resilience.node_book import node_name
 from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.batch import local_shard
@@ -376,10 +377,10 @@ class SdcCheck:
         """``RUN_DIR/suspects.json`` gets each rank named (every rank takes part: the hosts are gathered); under
         replica groups ``ranks`` are places of the last comparison, each recorded as its group (``replica``)."""
         if self.groups is not None:
-            hosts = self._gather(_as_bytes(socket.gethostname()))
+            hosts = self._gather(_as_bytes(node_name()))
             self._hosts = [_text(h) for h in hosts] if hosts is not None else ["?"] * len(self._ids)
         elif self._hosts is None:
-            self._hosts = [str(h) for h in self.strategy.all_gather_object(socket.gethostname())]
+            self._hosts = [str(h) for h in self.strategy.all_gather_object(node_name())]
         if not self.strategy.is_main:
             return
         path = os.path.join(self.run_dir, SUSPECTS_FILE)
