@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -48,11 +49,21 @@ def test_a_node_whose_attempts_fail_twice_is_excluded_and_the_job_goes_on_withou
         "fault.node=b",
     ]
     agents = {}
-    for name in ("a", "b"):  # (a first: it hosts the rendezvous store)
+    for name in ("a", "b"):
         with open(tmp_path / f"agent_{name}.log", "w") as out:
             cmd = cli_cmd([*args, f"paths.cache_dir={tmp_path / ('cache_' + name)}"], data_root, tmp_path)
             env = dict(os.environ, PITSTOP_NODE_NAME=name)
             agents[name] = popen_cmd(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        if name == "a":
+            # a first, so that its agent hosts the rendezvous store (on one machine torch lets whichever agent binds
+            # first host it, and b's leaves with b): its launch line, then as long as test_nodes.py's agents wait
+            deadline = time.monotonic() + 60
+            while "launching 1 ranks" not in (tmp_path / "agent_a.log").read_text(errors="replace"):
+                assert time.monotonic() < deadline and agents["a"].poll() is None, (
+                    tmp_path / "agent_a.log"
+                ).read_text()
+                time.sleep(0.05)
+            time.sleep(1.5)
     try:
         codes = {name: p.wait(240) for name, p in agents.items()}
     finally:

@@ -319,6 +319,55 @@ def test_an_sbatch_job_that_cannot_go_on_without_its_bad_node_is_requeued_withou
     assert "Restarts=1" in shown and not (run_dir / "goodput.json").exists()  # (no attempt ever started)
 
 
+def test_an_elastic_sbatch_job_excludes_its_slow_node_and_re_forms_without_it(slurm, data_root, tmp_path):
+    # trainer.straggler.action=exclude with fault=slow_rank on rank 1: once rank 1 has been named slow for longer than
+    # exclude_after_seconds, the job saves, rank 1's node is excluded (RUN_DIR/nodes.json, by straggler), its rank
+    # exits 77 and stops its agent, the other exits 78. Which node rank 1 is on is the rendezvous's choice. n2: n1's
+    # agent re-forms the job alone (strategy.nnodes=1:2, --no-kill) from that save, using no restart of
+    # strategy.max_restarts=0, and it finishes at world size 1. n1 (whose agent hosts the rendezvous: the job cannot
+    # go on without it): the script requeues the job with n1 in its exclusion list (this cluster has no other node for
+    # it: it waits). Either way every sample read so far was read once.
+    from pitstop.audit import audit
+
+    run_dir = tmp_path / "run"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = ["strategy=ddp", "strategy.nproc_per_node=1", "strategy.nnodes=1:2", "strategy.last_call_seconds=5",
+                 "strategy.max_restarts=0", "strategy.cpu_threads=1", "debug=tiny", "trainer.max_steps=60",
+                 "trainer.eval_every_steps=null", "ckpt=sync_dcp", "ckpt.interval_steps=100", "logger=none",
+                 "data.record_sample_ids=true", "trainer.straggler.window=10", "trainer.straggler.action=exclude",
+                 "trainer.straggler.exclude_after_seconds=0.01", "fault=slow_rank", "fault.rank=1",
+                 "fault.factor=3"]  # fmt: skip
+    job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    try:
+        deadline = time.monotonic() + 180
+        while (state := job_state(slurm, job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and not (
+            state == "PENDING" and "requeueing job" in (out.read_text(errors="replace") if out.exists() else "")
+        ):
+            assert time.monotonic() < deadline, (out.read_text() if out.exists() else "no output")[-3000:]
+            time.sleep(0.5)
+        shown = scontrol_job(slurm, job)
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+    text = out.read_text(errors="replace")
+    book = json.loads((run_dir / "nodes.json").read_text())["nodes"]
+    (slow,) = book
+    assert book[slow]["excluded"]["by"] == "straggler", book
+    attempts = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    left = attempts[0]["step"]  # (the save it left at)
+    assert attempts[0]["status"] == "reformed" and 0 < left < 60, attempts
+    if slow == "n2":
+        assert state == "COMPLETED" and "pitstop: the nodes' agents exited with 0 77 (n1 n2)" in text, text[-3000:]
+        assert [a["status"] for a in attempts] == ["reformed", "finished"] and attempts[1]["resumed_from"] == left
+        assert summary(run_dir)["world_size"] == 1 and summary(run_dir)["final_step"] == 60
+        read = 16 * 2 * left + 16 * (60 - left)
+    else:
+        assert "pitstop: the job cannot go on without node(s) n1; requeueing job" in text, text[-3000:]
+        assert "ExcNodeList=n1" in shown and "Restarts=1" in shown, shown
+        read = 16 * 2 * left
+    assert [(e.once, e.repeated) for e in audit(str(run_dir))] == [(read, 0)]
+
+
 def scontrol_job(slurm: dict, job: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
 

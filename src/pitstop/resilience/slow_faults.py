@@ -25,6 +25,7 @@ import torch
 from pitstop.errors import ConfigError
 from pitstop.resilience.fault import FaultContext, NoFault, check_step
 from pitstop.resilience.fault_record import fired_records, note_injected
+from pitstop.resilience.node_book import excluded
 
 log = logging.getLogger("pitstop.resilience.fault")
 
@@ -59,6 +60,10 @@ class SlowRank(NoFault):
         self._warm = False
 
     def bind(self, ctx: FaultContext) -> None:
+        if self.rank >= ctx.world_size and excluded(ctx.run_dir):  # (the job re-formed smaller without its node)
+            log.info("fault=slow_rank: rank %d left the job with its excluded node: nothing to slow", self.rank)
+            self.ctx, self.rank = ctx, -1  # (no rank of this job)
+            return
         super().bind(ctx)
         check_step(self.from_step, ctx)
         if ctx.rank != self.rank:
