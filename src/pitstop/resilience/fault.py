@@ -55,6 +55,7 @@ class FaultContext:
     # strategy=ft: registers a call made (with the step) as this process starts applying the state a peer sent it
     on_heal: Callable[[Callable[[int], None]], None] | None = None
     model: Any = None  # the (wrapped) model: fault=bitflip corrupts one of its parameters
+    optimizer: Any = None  # the optimizer: fault=slow_rank times its step (part of a rank's work)
     sample_keys: Callable[[], set[str]] | None = None  # the training split's sample keys (read when called)
 
 

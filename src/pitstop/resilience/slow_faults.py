@@ -2,9 +2,11 @@
 
 From step ``from_step`` (for ``steps`` steps, or to the end) rank ``rank``'s work takes ``factor`` times as long: at
 the start of each backward (a hook on the loss's gradient: before any of this rank's gradients, so before any of its
-gradient buckets is ready and its all-reduce can start) it sleeps ``(factor - 1)`` x its own forward + backward time,
-as measured by the fault itself on the steps before (the median of the last few, the sleeps left out; it slows
-nothing until it has measured three micro-batches after the attempt's first). A slow device
+gradient buckets is ready and its all-reduce can start) it sleeps ``(factor - 1)`` x its own work per micro-batch,
+as measured by the fault itself on the steps before: the median of its last few forwards + backwards (the sleeps left
+out) and its share of the median optimizer step (the optimizer's step divided among the step's micro-batches): the
+work ``trainer.straggler`` times. It slows nothing until it has measured three micro-batches after the attempt's
+first. A slow device
 looks like this: the rank's own work is longer, and every other rank waits for it in the gradient all-reduce.
 
 What it slept in all is on record in ``RUN_DIR/faults.jsonl`` (a ``slow_rank:slept`` line, written as the run
@@ -54,6 +56,8 @@ class SlowRank(NoFault):
         self.replica, self.rank, self.factor = replica, int(rank), float(factor)
         self.from_step, self.steps = int(from_step), None if steps is None else int(steps)
         self.recent: deque[float] = deque(maxlen=9)  # this rank's own work per micro-batch, its sleeps left out
+        self.optimizer_steps: deque[float] = deque(maxlen=9)  # its optimizer's steps
+        self._opt_t0 = 0.0
         self.total, self.slowed = 0.0, 0
         self._t0 = self._slept = 0.0
         self._last_step = 0
@@ -71,6 +75,21 @@ class SlowRank(NoFault):
         if ctx.model is None:
             raise ConfigError("fault=slow_rank slows a rank's backward: it needs the model")
         ctx.model.register_forward_pre_hook(self._forward)
+        if ctx.optimizer is not None:
+            ctx.optimizer.register_step_pre_hook(self._optimizer_starts)
+            ctx.optimizer.register_step_post_hook(self._optimizer_ended)
+
+    def _optimizer_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._opt_t0 = time.perf_counter()
+
+    def _optimizer_ended(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps.append(time.perf_counter() - self._opt_t0)
+
+    def pace(self) -> float:
+        """This rank's work per micro-batch: forward + backward, and its share of the optimizer's step."""
+        steps = self.optimizer_steps
+        share = statistics.median(steps) / max(1, self.ctx.grad_accum_steps) if steps else 0.0
+        return statistics.median(self.recent) + share
 
     def _forward(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():  # (an evaluation's forward is no work of a step)
@@ -87,7 +106,7 @@ class SlowRank(NoFault):
         def backward_starts(grad: torch.Tensor) -> torch.Tensor:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             if self._slows(step) and len(self.recent) >= 3:  # (its pace known: a few micro-batches measured)
-                pause = (self.factor - 1.0) * statistics.median(self.recent)
+                pause = (self.factor - 1.0) * self.pace()
                 time.sleep(pause)
                 self._slept += pause
                 self.total += pause

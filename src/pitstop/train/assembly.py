@@ -202,6 +202,7 @@ def build_fault(
     hold: ExitStack,
     data: ShardedDataset | None = None,
     model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Fault:
     """The fault injector of ``fault`` (``fault=none`` injects nothing), bound to this run; ``fault.replica``
     (``strategy=ft``) aims it at replica groups (``ReplicaGroups.aim_fault``)."""
@@ -224,6 +225,7 @@ def build_fault(
             on_restore=ckpt.on_load if ckpt is not None and ckpt.root is not None else None,
             sample_keys=(lambda: train_keys(data)) if data is not None else None,
             model=model,
+            optimizer=optimizer,
         )
     )
     return fault

@@ -141,7 +141,7 @@ class Runner:
             )
             self.fault = assembly.build_fault(
                 cfg, self.run_dir, self.strategy, self.groups, self.total_steps, self.ledger, self.ckpt, hold,
-                self.data, model=self.model,
+                self.data, model=self.model, optimizer=self.optimizer,
             )  # fmt: skip
             settings = t.instability
             guard = None
