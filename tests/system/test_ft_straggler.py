@@ -16,6 +16,7 @@ from conftest import cli, read_jsonl
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.serial,  # (one group against the other: neighbour tests on 2 cores disturb it; see test_straggler)
     pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft: pip install -e '.[ft]'"),
 ]
 
