@@ -51,6 +51,7 @@ COMPOSED_ONLY = {
     "optim.lr=1e6": "exits 2 on purpose; system/test_instability.py runs it (stops in one line, no restart)",
     "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
     "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",
+    "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
     "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
 }
