@@ -15,6 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+# ddp(2) on the quick start's model, nothing but the steps: no tracker, no checkpoint, no progress bar, one batch of
+# evaluation, full batches only (the detectors' benchmarks, bench/sdc.py and bench/straggler.py)
+DDP_LOOP = [
+    "strategy=ddp",
+    "logger=none",
+    "ckpt=none",
+    "trainer.progress_bar=false",
+    "trainer.eval_max_batches=1",
+    "loader.drop_last=true",
+]
+
+
 def compose(overrides: list[str], config_name: str = "train"):
     from pitstop.config import compose as compose_config
 

@@ -31,16 +31,9 @@ import os
 import tempfile
 import time
 
-from common import train, compose, ensure_data, median, save_result
+from common import DDP_LOOP, compose, ensure_data, median, save_result, train
 
-BASE = [
-    "strategy=ddp",
-    "logger=none",
-    "ckpt=none",
-    "trainer.progress_bar=false",
-    "trainer.eval_max_batches=1",
-    "loader.drop_last=true",
-]
+BASE = DDP_LOOP
 LOOP = ("compute", "data_wait", "sdc", "logging")  # the loop's own buckets (not start-up, not the final evaluation)
 
 

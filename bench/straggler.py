@@ -36,16 +36,9 @@ import os
 import tempfile
 import time
 
-from common import ROOT, compose, ensure_data, median, save_result, train
+from common import DDP_LOOP, ROOT, compose, ensure_data, median, save_result, train
 
-BASE = [
-    "strategy=ddp",
-    "logger=none",
-    "ckpt=none",
-    "trainer.progress_bar=false",
-    "trainer.eval_max_batches=1",
-    "loader.drop_last=true",
-]
+BASE = DDP_LOOP
 LOOP = ("compute", "straggler", "data_wait", "logging", "sdc")  # the loop's own buckets
 FROM = 40
 SLOW = ["fault=slow_rank", "fault.rank=1", "fault.factor=1.5", f"fault.from_step={FROM}"]

@@ -238,6 +238,16 @@ def purge_up_to(root: str, step: int) -> None:
             remove(path)
 
 
+def write_probe(path: str) -> None:
+    """Write ``path`` (a probe file), sync it and remove it: OSError if the file system will not (read-only, full, not
+    permitted). Node health's check and the checkpointer's own use it."""
+    with open(path, "wb") as f:
+        f.write(b"ok")
+        f.flush()
+        os.fsync(f.fileno())
+    os.remove(path)
+
+
 def check_writable(root: str, key: str = "ckpt.dir", private: bool = False) -> None:
     """CheckpointError in one line unless ``root`` can be written (made if missing).  ``private``: a dir in a place
     others may write (the local tier's tmpfs): it and its parent must be real dirs of this user's, ``root`` made
@@ -253,11 +263,7 @@ def check_writable(root: str, key: str = "ckpt.dir", private: bool = False) -> N
             if wrong:
                 raise CheckpointError(f"{key}: {root} {wrong}, not a dir of this user's alone")
         os.makedirs(root, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
+        write_probe(probe)
     except OSError as e:
         raise CheckpointError(
             f"{key} {root} is not writable ({e.strerror or e}); point {key} at a writable directory"

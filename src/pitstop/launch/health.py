@@ -37,6 +37,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pitstop import fsurl
+from pitstop.ckpt.layout import write_probe
 from pitstop.resilience.bad_node import unwritable
 from pitstop.resilience.health_record import HEALTH_FILE, timings
 
@@ -131,13 +132,8 @@ def probe_write(path: str) -> str | None:
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         return f"{path} is not a directory"
-    probe = os.path.join(path, f".health-probe-{os.getpid()}")
     try:
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
+        write_probe(os.path.join(path, f".health-probe-{os.getpid()}"))
     except OSError as e:
         return e.strerror or str(e)
     return None
