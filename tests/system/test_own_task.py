@@ -67,8 +67,7 @@ def test_the_pages_own_steps_run_as_written_and_train_a_regression(tmp_path):
     # (its bash block, run by bash in the user's folder with this Python's environment first on PATH)
     import subprocess
 
-    user, blocks = _user_dir(tmp_path), page_blocks()
-    (user / "shards").mkdir()
+    user, blocks = _user_dir(tmp_path), page_blocks()  # (no shards/ made here: the page's writer makes it)
     env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(PY), os.environ["PATH"]])}
     env.pop("PYTHONPATH", None)  # (the page exports its own)
     wrote = subprocess.run([PY, "-c", blocks["writer"]], cwd=user, env=env, capture_output=True, text=True, timeout=120)
