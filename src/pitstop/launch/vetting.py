@@ -29,7 +29,7 @@ from pitstop.launch.health import Report
 from pitstop.resilience import node_book
 from pitstop.resilience.bad_node import expand_nodelist
 from pitstop.resilience.node_book import NodeExcluded
-from pitstop.statefile import SUSPECTS, integer, read_records, read_state, record, string
+from pitstop.statefile import integer, read_records, record, string
 
 if TYPE_CHECKING:
     from pitstop.launch.plan import LaunchPlan
@@ -41,8 +41,7 @@ REFORM = record({"node": string, "agent": integer(0), "restart": integer(0)})
 
 def suspected(run_dir: str, node: str) -> dict | None:
     """The newest silent-corruption suspect record that names ``node`` (``host``), or None."""
-    doc = read_state(os.path.join(run_dir, "suspects.json"), SUSPECTS, keep_aside=False, then="no node is suspected")
-    mine = [s for s in (doc["suspects"] if doc is not None else []) if s.get("host") == node]
+    mine = [s for s in node_book.read_suspects(run_dir) if s.get("host") == node]
     return mine[-1] if mine else None
 
 
@@ -77,21 +76,21 @@ def goes_on_without(run_dir: str, node: str, nodes: tuple[int, int], env: Mappin
     low, high = nodes
     if high == 1:
         return False
-    out = set(node_book.excluded(run_dir)) | {node}
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if nodelist:
-        return len([n for n in expand_nodelist(nodelist) if n not in out]) >= low
-    return high - len(out) >= low
+    return _left(set(node_book.excluded(run_dir)) | {node}, high, env) >= low
 
 
 def nodes_left(run_dir: str, max_nodes: int, env: Mapping[str, str] = os.environ) -> tuple[list[str], int]:
     """The excluded nodes, and how many of the job's nodes are left."""
     out = node_book.excluded(run_dir)
+    return sorted(out), _left(set(out), max_nodes, env)
+
+
+def _left(out: set[str], max_nodes: int, env: Mapping[str, str]) -> int:
+    """How many of the job's nodes are not in ``out``: the allocation's (SLURM), else ``max_nodes`` less them."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if nodelist:
-        have = expand_nodelist(nodelist)
-        return sorted(out), len([n for n in have if n not in out])
-    return sorted(out), max(0, max_nodes - len(out))
+        return len([n for n in expand_nodelist(nodelist) if n not in out])
+    return max(0, max_nodes - len(out))
 
 
 def refuse(run_dir: str, node: str, why: str, by: str, nodes: tuple[int, int], text: str) -> PitstopError:

@@ -28,12 +28,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from pitstop.errors import PitstopError
-from pitstop.statefile import NODES, read_state
+from pitstop.statefile import NODES, SUSPECTS, read_state
 from pitstop.telemetry.metrics import write_json_atomic
 
 log = logging.getLogger("pitstop.nodes")
 
 NODES_FILE = "nodes.json"
+SUSPECTS_FILE = "suspects.json"  # the ranks the silent-corruption check found corrupted (written by train/sdc.py)
 EXCLUDED_EXIT = 77  # this node was excluded from the job: its launcher does not start it again here
 # the other ranks, when a node was excluded at run time (after a save): the job re-forms without it; the launcher
 # restarts them at once, and it is not a failure (no restart budget used, not a crash loop's repeat)
@@ -55,6 +56,13 @@ def read_book(run_dir: str) -> dict[str, dict[str, Any]]:
     """``{node: {"failures": [...], "excluded": {...} or absent}}`` (empty if there is no book or it is damaged)."""
     doc = read_state(os.path.join(run_dir, NODES_FILE), NODES, keep_aside=False, then="no node is excluded by it")
     return dict(doc["nodes"]) if doc is not None else {}
+
+
+def read_suspects(run_dir: str) -> list[dict]:
+    """The ranks found corrupted in this run dir (``RUN_DIR/suspects.json``), oldest first, each naming its node
+    (``host``); a damaged file is named in one warning and read as none (no node is suspected by it)."""
+    doc = read_state(os.path.join(run_dir, SUSPECTS_FILE), SUSPECTS, keep_aside=False, then="no node is suspected")
+    return list(doc["suspects"]) if doc is not None else []
 
 
 def excluded(run_dir: str) -> dict[str, dict[str, Any]]:

@@ -58,7 +58,7 @@ from typing import Any, Callable
 import torch
 
 from pitstop.errors import Unrecoverable
-from pitstop.resilience.node_book import node_name
+from pitstop.resilience.node_book import SUSPECTS_FILE, node_name
 from pitstop.ckpt.contract import Target
 from pitstop.goodput.ledger import Ledger
 from pitstop.parts.batch import local_shard
@@ -79,19 +79,10 @@ from pitstop.train.replay import Recording, Replaying, Snapshot, state_digest
 
 log = logging.getLogger("pitstop")
 
-SUSPECTS_FILE = "suspects.json"
-
 
 class CorruptionRepeats(Unrecoverable):
     """The replicas differ again at the step where a rollback already found them differing (exit status 2, never
     restarted: the same steps would differ again)."""
-
-
-def read_suspects(run_dir: str) -> list[dict]:
-    """The ranks found corrupted in this run dir (``RUN_DIR/suspects.json``), oldest first; a damaged file is named
-    in one warning and read as none."""
-    doc = read_state(os.path.join(run_dir, SUSPECTS_FILE), SUSPECTS, keep_aside=False, then="no suspects read")
-    return list(doc["suspects"]) if doc is not None else []
 
 
 def covered(strategy: Strategy, enabled: bool, replay: bool = False, groups: ReplicaGroups | None = None) -> str:
