@@ -238,6 +238,7 @@ class Stragglers:
         self.window = int(settings.window)
         self.detector = Detector(settings.factor, settings.windows)
         self._ready: Any = None  # when this rank's latest gradient was ready
+        self._end: Any = None  # (CUDA) the micro-batch's one event for that, recorded again at each gradient
         # On CUDA the host runs ahead of the device: the marks are CUDA events on the current stream, read after the
         # step's end has synchronised (``_spans``); on the CPU the clock itself.
         self._cuda = strategy.device.type == "cuda"
@@ -272,12 +273,18 @@ class Stragglers:
         return time.perf_counter()
 
     def _gradient_ready(self) -> None:
-        self._ready = self._now()
+        if self._cuda:  # (one event per micro-batch, not one per parameter: its last record is the one read)
+            self._end.record()
+            self._ready = self._end
+        else:
+            self._ready = time.perf_counter()
 
     def start(self) -> None:
         if self.on:
             self._ready = None
             self._t = self._now()
+            if self._cuda:
+                self._end = torch.cuda.Event(enable_timing=True)
 
     def stop(self, synced: bool) -> None:
         if self.on:
