@@ -169,29 +169,7 @@ def final_losses(run_dir) -> dict[int, float]:
     return out
 
 
-def manual_pages() -> list[Path]:
-    """The manual a user reads, in order: README.md, then the docs site's guides in its nav order (mkdocs.yml)."""
-    import re
-
-    nav = (ROOT / "mkdocs.yml").read_text()
-    return [ROOT / "README.md", *(ROOT / "docs" / p for p in re.findall(r":\s*(guides/[\w-]+\.md)\s*$", nav, re.M))]
-
-
-def readme_commands() -> list[str]:
-    """Every ``python -m`` command of the manual (README.md and the guides, in order): the lines of its fenced
-    blocks, then its inline code."""
-    import re
-
-    text = "\n".join(p.read_text() for p in manual_pages())
-    cmds: list[str] = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
-            if line.startswith("python -m "):
-                cmds.append(line)
-    for inline in re.findall(r"`(python -m [^`]+)`", text):
-        cmds.append(inline.strip())
-    return cmds
+from manual import manual_pages, readme_commands  # noqa: E402,F401  (the manual's pages and commands)
 
 
 def image_tree(root: Path, classes=("cat", "dog", "eel"), per_class: int = 12) -> Path:

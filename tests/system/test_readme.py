@@ -24,37 +24,11 @@ import pytest
 
 import warm
 from conftest import readme_commands, COLD as COLD_ALL
+from manual import assert_shows, not_run, page_outputs
 from conftest import ROOT, assert_accuracy_counts, image_tree, warm_server
 
 README = ROOT / "README.md"
 
-# Commands this machine cannot run, with why (matched by substring).
-SKIP = {
-    "hydra/launcher=slurm": "asks for a GPU node (slurm.yaml: 16 CPUs, 8 GPUs, 256 GB); the same commands run with "
-    "a node's size of the local cluster in system/test_slurm.py (a sweep with a preempted job, and the two-node "
-    "command for ddp and fsdp)",
-}
-
-# Commands that exercise nothing another test does not already run at these settings, with the test that does:
-# composed only here (unit/test_readme_compose.py composes and validates every one of them).
-COMPOSED_ONLY = {
-    "-m optim=sgd,adamw model=cnn,resnet18": "a -m sweep runs in "
-    "system/test_cli.py::test_multirun_sweep_over_two_options and with the report in this file's ckpt x loader "
-    "sweep; resnet18 trains in experiment=digits_resnet18 below",
-    "trainer.compile=true": "compiled runs train, save and resume in system/test_accel_kills.py "
-    "(test_compiled_run_resumes_an_eager_checkpoint_and_back)",
-    "fault=bug fault.step=6": "exits 2 on purpose; the same command runs in "
-    "system/test_crash_loop_launchers.py (two attempts, one line)",
-    "fault=nonfinite": "integration/test_instability_runs.py runs it (the step skipped, the run goes on)",
-    "fault=poison": "integration/test_instability_runs.py runs it (the sample quarantined, the audit clean over two "
-    "epochs)",
-    "optim.lr=1e6": "exits 2 on purpose; system/test_instability.py runs it (stops in one line, no restart)",
-    "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
-    "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",
-    "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
-    "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
-    "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
-}
 # The commands a new user runs first stay cold (a fresh interpreter, its imports and program start); the others
 # run warm (tests/warm.py: the same program in a real process, forked from a pre-imported interpreter).
 COLD = {"python -m recipe.prepare", "python -m recipe.train"}
@@ -175,12 +149,13 @@ def two_nodes(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProc
 
 
 COMMANDS = readme_commands()
+OUTPUTS = page_outputs()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c[len("python -m ") :][:60] for c in COMMANDS])
 def test_readme_command(cmd, project):
-    skip = next((why for key, why in {**SKIP, **COMPOSED_ONLY}.items() if key in cmd), None)
+    skip = not_run(cmd)
     if skip:
         pytest.skip(skip)
     cwd, env = project["cwd"], project["env"]
@@ -215,6 +190,8 @@ def test_readme_command(cmd, project):
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
             pytest.fail(f"{' '.join(argv[1:])} did not finish in 600 s\n{err[-3000:]}")
     assert p.returncode == 0, f"{' '.join(argv[1:])}\n{p.stderr[-3000:]}"
+    for page, _, excerpt in (o for o in OUTPUTS if o[1] == cmd):  # what the page says it prints
+        assert_shows(excerpt, f"{p.stdout}\n{p.stderr}", f"{cmd!r} on {page.name}")
     module, args = argv[2], argv[3:]
     sweep = "-m" in args or "--multirun" in args
     if module == "recipe.train" and "--cfg" not in args:

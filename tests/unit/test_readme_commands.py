@@ -24,6 +24,6 @@ def test_the_readme_is_short_and_links_every_guide_of_the_site_in_one_click():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
     guides = sorted(p.name for p in (ROOT / "docs" / "guides").glob("*.md"))
-    assert sorted(p.name for p in manual_pages()[1:]) == guides  # (every guide is on the site, in its nav)
+    assert set(guides) <= {p.name for p in manual_pages()[1:]}  # (every guide is on the site, in its nav)
     for name in guides:
         assert f"](docs/guides/{name})" in text, name
