@@ -60,10 +60,33 @@ class FaultContext:
 
 
 class Fault(ABC):
-    """The contract of a ``fault`` option: checked and armed at setup, told after every step, closed at the end."""
+    """The contract of a ``fault`` option: checked and armed at setup, told after every step, closed at the end.
+
+    A fault breaks a run on purpose (a kill, a stall, a bad value), to see what a configuration loses and that it
+    recovers. Every rank builds one; the loop calls :meth:`bind` once during setup (after the checkpointer is built,
+    before the restore), :meth:`after_micro_batch`, :meth:`loss` and :meth:`after_step` inside
+    and after each step, :meth:`during_eval` inside evaluations, and :meth:`close` at the end, also when the run
+    fails.
+
+    An implementation must:
+
+    - refuse, in :meth:`bind`, settings that would never fire (a step past the run's last, a rank the job does not
+      have, a phase that needs a checkpointer or replica groups the job has not): raise
+      :class:`~pitstop.errors.ConfigError` in one line, so a test that means to kill a run cannot pass because
+      nothing happened;
+    - fire only on the ranks it is aimed at (``rank``), and, when it is meant to happen once, once per run dir
+      (``pitstop.resilience.fault_record``: the restarted attempt must get past it);
+    - do nothing beyond the failure it stands for (a kill, a stall, one flipped bit, one bad loss): the run it
+      leaves must be one that a real failure could leave, so what recovers from it recovers from the real one;
+    - stop its own threads and timers in :meth:`close`.
+
+    Subclass :class:`NoFault` (every hook a no-op) and override what your fault needs.
+    """
 
     name: str = "base"
+    """The option's name, as the run's log and ``faults.jsonl`` show it."""
     rank: int = 0
+    """The rank it fires on."""
 
     @abstractmethod
     def bind(self, ctx: FaultContext) -> None:

@@ -91,7 +91,17 @@ class ShardLoader(TrainBatches):
     The contract of a ``loader`` option: ``iter(loader)`` (training batches, endless), ``iterate_once``
     (an evaluation pass in lockstep across ranks), ``steps_per_epoch``, ``state_dict``/``load_state_dict``
     (the data position), ``stats`` (cumulative counters); a subclass says where shard bytes come from
-    (:meth:`source`)."""
+    (:meth:`source`).
+
+    This class owns the order (which shard each reader reads, in which order, each epoch) and the position; a
+    ``loader`` option of your own subclasses it and implements only :meth:`source`, as ``PlainLoader`` (read
+    each shard from where it lives) and ``CachedLoader`` (through a node-local cache) do. Its ``__init__`` takes
+    the arguments below plus its own keys (the config's ``loader.*``) and must pass the others on. What
+    :meth:`source` returns travels to the reader processes (picklable; no open file or connection until it
+    reads), and must hand back a shard's exact bytes or raise: a read that fails is retried (``loader.retries``
+    for a URL), then fails the run with a :class:`~pitstop.errors.DataError` naming the shard, never a shortened
+    epoch. Two loaders of the same data,
+    seed and ranks hand out the same batches, whichever source they read from."""
 
     kind = "base"
     epoch: int = 0  # (an attribute here: the readers advance it)
@@ -275,7 +285,10 @@ class ShardLoader(TrainBatches):
     # ---- reading ----------------------------------------------------------------------------------
     @abstractmethod
     def source(self) -> ShardSource:
-        """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
+        """Where this loader's readers get shard bytes (a fresh, picklable object per epoch): a
+        :class:`~pitstop.data.loader.reader.ShardSource` whose ``read(ref)`` returns the bytes of the shard
+        ``ref.url``. Called in the trainer at the start of each epoch's reading; the object is pickled to each reader
+        process."""
 
     def _reader(self, epoch: int, resume: bool = True) -> Iterator[dict | Failure]:
         """Readers for ``epoch``: from the saved position if it is the current epoch (and ``resume``), else from its
