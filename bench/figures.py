@@ -112,6 +112,17 @@ def parse_target(target: str, where: str = "target") -> tuple[str, str | None, f
                      f"'>= 0.9 * other.key')")  # fmt: skip
 
 
+def flat(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """Every figure's dotted key and value; a list of tables is indexed (``peers.uncapped.pitstop.0.wait``), a list
+    of numbers is one figure."""
+    out: list[tuple[str, object]] = []
+    for k, v in figures.items():
+        if isinstance(v, list) and any(isinstance(x, dict) for x in v):
+            v = {str(i): x for i, x in enumerate(v)}
+        out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return out
+
+
 def lookup(figures: dict, key: str) -> object:
     """The figure ``key`` (dotted; a number indexes a list) of a result's figures; KeyError if it has none."""
     value: object = figures

@@ -97,23 +97,13 @@ def figure(root: str, here: str, name: str, key: str, spec: str | None) -> str:
     return f"{text}<sup>[{name}]({os.path.relpath(PAGE, here or '.')}#{name})</sup>"
 
 
-def flat(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
-    """Every figure's dotted key and value; a list of tables is indexed (``peers.uncapped.pitstop.0.wait``), a list
-    of numbers is one figure."""
-    out: list[tuple[str, object]] = []
-    for k, v in figures.items():
-        if isinstance(v, list) and any(isinstance(x, dict) for x in v):
-            v = {str(i): x for i, x in enumerate(v)}
-        out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
-    return out
-
-
-def bench_figures(root: str):  # noqa: ANN201 - the module bench/figures.py (its declarations' reader)
+def bench_figures():  # noqa: ANN201 - the module bench/figures.py (its declarations' reader)
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_figures", os.path.join(root, "bench", "figures.py"))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (this checkout's, whatever ``root`` is)
+    spec = importlib.util.spec_from_file_location("bench_figures", os.path.join(here, "bench", "figures.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_figures", module)  # (its dataclasses look their module up)
+    sys.modules["bench_figures"] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
@@ -133,7 +123,7 @@ def summary_of(root: str, script: str | None) -> str:
 def benchmarks(root: str) -> str:
     """One table per result file: each figure's value, unit, meaning and target (met / missed), the command, commit,
     date and machine once, and whether the code it measures changed since (``bench/figures.py``)."""
-    bf = bench_figures(root)
+    bf = bench_figures()
     folder = os.path.join(root, "bench", "results")
     names = sorted(n[:-5] for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
     overview = ["| Benchmark | Measured on | Freshness | Targets met | Targets missed |", "|---|---|---|---|---|"]
@@ -146,7 +136,7 @@ def benchmarks(root: str) -> str:
             f"its script ({script or 'none named'}) is not in this checkout"))  # fmt: skip
         where = f"{m['cores']} cores ({m['cpu']}), {m['gpu'] or 'no GPU'}, torch {m['torch']}"
         rows, verdicts = [], []
-        for key, value in flat(r["figures"]):
+        for key, value in bf.flat(r["figures"]):
             fig = decl.describe(key) if decl else None
             unit, meaning, target = (fig.unit, fig.meaning, fig.target) if fig else ("", "*not described*", None)
             said = bf.verdict(value, target, r["figures"])

@@ -82,6 +82,7 @@ class Strategy(ABC):
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the one that logs, tracks and writes the run's files."""
         return self.rank == 0
 
     @cached_property
@@ -91,6 +92,7 @@ class Strategy(ABC):
 
     @property
     def pin_memory(self) -> bool:
+        """Whether the loader pins its batches (for non-blocking copies to the device): on CUDA."""
         return self.device.type == "cuda"
 
     @abstractmethod

@@ -227,6 +227,8 @@ class ShardLoader(TrainBatches):
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
     def state_dict(self) -> dict:
+        """The data position: the epoch, the batches handed out in it, each reader's sample position, and what was
+        consumed of each partition (for a resume on another number of ranks); JSON-able."""
         ended = self.batches >= self.steps_per_epoch()
         offsets: plan.Consumed = {}
         if not ended:  # what is consumed of each partition, with this rank's reading (for a resume on other ranks)
