@@ -168,9 +168,16 @@ def shown(value: object, unit: str) -> str:
         return f"{value * 100:.3g}%"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, int) and abs(value) >= 10000:
+        return f"{value:,}"
     if isinstance(value, list):
         return ", ".join(shown(v, unit) for v in value)
     return str(value)
+
+
+def with_unit(text: str, unit: str) -> str:
+    """A shown figure and its unit: ``12.5 ms``, ``1.26x``, ``50%`` (a ``%`` figure shows it already), ``3``."""
+    return text if unit in ("", "%") else f"{text}x" if unit == "x" else f"{text} {unit}"
 
 
 def shown_target(target: str | None, unit: str) -> str:
@@ -181,10 +188,10 @@ def shown_target(target: str | None, unit: str) -> str:
     if re.search(r"\b(true|false)\b", target):
         return f"{SHOWN_OP[op]} {'yes' if number else 'no'}"
     if ref is None:
-        return f"{SHOWN_OP[op]} {shown(number, unit) if unit == '%' else f'{number:g}'}"
+        return f"{SHOWN_OP[op]} {shown(number, unit) if unit == '%' else with_unit(f'{number:g}', unit)}"
     text = (f"{factor:g} × " if factor != 1 else "") + f"`{ref}`"
     if number:
-        size = f"{abs(number) * 100:g} points" if unit == "%" else f"{abs(number):g}"  # (of a percentage)
+        size = f"{abs(number) * 100:g} points" if unit == "%" else with_unit(f"{abs(number):g}", unit)  # (of a %)
         text += f" {'+' if number > 0 else '−'} {size}"
     return f"{SHOWN_OP[op]} {text}"
 

@@ -143,7 +143,7 @@ def benchmarks(root: str) -> str:
             verdicts.append(said)
             mark = {"met": "met", "missed": "**missed**", "no target": ""}.get(said, said)
             aim = bf.shown_target(target, unit) if target else "*no target*"
-            amount = bf.shown(value, unit) + (f" {unit}" if unit not in ("", "%", "x") else unit if unit == "x" else "")
+            amount = bf.with_unit(bf.shown(value, unit), unit)
             rows.append(f"| {key_cell(key)} | {amount} | {meaning} | {aim} | {mark} |")
         state = {"fresh": "fresh", "stale": "**stale**", "unknown": "freshness unknown"}[fresh.state]
         more = len(fresh.changed) - 6

@@ -130,7 +130,7 @@ def test_the_results_page_gives_each_figure_its_unit_meaning_and_target_met_or_m
     page = hooks.benchmarks(str(tmp_path))
     assert "| [b](#b) | 2026-12-04 | freshness unknown | 1 | 1 |" in page  # (the overview: one met, one missed)
     assert "## b\n\nWhat b measures, in one sentence. More.\n" in page
-    assert '| <code class="key">ratio</code> | 0.98x | ours over theirs | ≥ 0.99 | **missed** |' in page
+    assert '| <code class="key">ratio</code> | 0.98x | ours over theirs | ≥ 0.99x | **missed** |' in page
     assert '| <code class="key">share</code> | 0.2% | of a step | ≤ 1% | met |' in page
     assert '| <code class="key">rows.<wbr>one.<wbr>ms</code> | 12.5 ms | a row\'s step | *no target* |  |' in page
     assert "No git history here" in page  # (a folder outside any repository)

@@ -49,8 +49,10 @@ def test_targets_read_back_as_the_page_shows_them_and_a_malformed_one_is_refused
     assert bf.shown_target(">= goodput.ddp + 0.15", "%") == "≥ `goodput.ddp` + 15 points"
     assert bf.shown_target(">= 0.9 * rate.ddp", "steps/s") == "≥ 0.9 × `rate.ddp`"
     assert bf.shown_target("== true", "") == "= yes"
-    assert bf.shown_target(">= -2", "points") == "≥ -2"
+    assert bf.shown_target(">= -2", "points") == "≥ -2 points" and bf.shown_target("<= 1", "s") == "≤ 1 s"
+    assert bf.shown_target(">= 0.99", "x") == "≥ 0.99x"
     assert bf.shown(0.00198, "%") == "0.198%" and bf.shown(1.23456, "x") == "1.235" and bf.shown(True, "") == "yes"
+    assert bf.shown(71900, "") == "71,900" and bf.with_unit(bf.shown(12.5, "ms"), "ms") == "12.5 ms"
     for bad in ("about 0.6", "<= ", ">= a + b", "0.6"):
         with pytest.raises(ValueError, match="cannot read the target"):
             bf.parse_target(bad)

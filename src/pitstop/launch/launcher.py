@@ -37,8 +37,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     that restarts attempts (``trainer.max_restarts``), one process per rank through torch's elastic agent, or
     replica groups (``strategy=ft``); a job started by ``torchrun`` or SLURM is one rank of it. A config error
     raises :class:`~pitstop.errors.ConfigError` before anything starts; a run that fails raises a
-    :class:`~pitstop.errors.PitstopError` naming what failed (a preempted one,
-    ``pitstop.resilience.preempt.Preempted``). Calling it from Python (a notebook, a test) needs a config made by
+    :class:`~pitstop.errors.PitstopError` naming what failed; a preempted one (saved, to be requeued) raises
+    ``pitstop.resilience.preempt.Preempted``. Calling it from Python (a notebook, a test) needs a config made by
     :func:`pitstop.config.compose`."""
     from pitstop.data.loader.server import quiet_resource_tracker
 

@@ -38,7 +38,8 @@ class Task(Protocol):
         """The metrics of one evaluation pass, the same on every rank: e.g. ``{"val_loss": ..., "val_accuracy":
         ...}``: they go to ``metrics.jsonl``, the tracker and ``summary.json`` as they are named.
 
-        Called on every rank after every ``trainer.eval_every_steps`` steps and at the end. ``batches`` yields
+        Called on every rank at each evaluation (every ``trainer.eval_every_steps`` steps, else at each epoch's end,
+        and after the last step). ``batches`` yields
         ``(batch, counted)`` pairs, as many on every rank: run the forward on each (a collective under DDP/FSDP)
         but score only the counted ones (the others pad a rank's share). Sum on this rank, then call
         ``all_reduce_sum(tensor)`` once on the sums (on ``device``) and divide: the result must not depend on how
