@@ -24,6 +24,7 @@ freshness is "unknown", never a failure.
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 import os
 import re
@@ -239,6 +240,30 @@ def code_of(text: str, path: str, drop: tuple[str, ...] = ()) -> str:
     return ast.dump(tree)
 
 
+@functools.lru_cache(maxsize=4096)
+def _code_at(top: str, base: str, name: str, is_script: bool) -> str | None:
+    """The code of ``name`` at commit ``base`` (None: not there). A commit does not change: results measured at one
+    commit share the answer."""
+    old = _git(top, "show", f"{base}:{name}")
+    return code_of(old.stdout, name, DECLARED if is_script else ()) if old.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_now(here: str, stamp: tuple[int, int], name: str, is_script: bool) -> str:
+    """The code of the work tree's file ``here`` as it is at ``stamp`` (its mtime and size)."""
+    with open(here) as f:
+        return code_of(f.read(), name, DECLARED if is_script else ())
+
+
+def _code_changed(top: str, base: str, name: str, is_script: bool) -> bool:
+    """Whether the code of ``name`` differs between commit ``base`` and the work tree."""
+    here = os.path.join(top, name)
+    if not os.path.isfile(here):
+        return True
+    st = os.stat(here)
+    return _code_at(top, base, name, is_script) != _code_now(here, (st.st_mtime_ns, st.st_size), name, is_script)
+
+
 def freshness(root: str, commit: str | None, script: str, measures: tuple[str, ...]) -> Freshness:
     """Compare the code at the result's ``commit`` with this checkout's, for ``script`` and the paths it
     ``measures``. ``commit`` may end in ``+changes`` (measured with uncommitted changes: compared from the commit)."""
@@ -256,14 +281,8 @@ def freshness(root: str, commit: str | None, script: str, measures: tuple[str, .
         if diff.returncode != 0:
             return Freshness("unknown", why=f"git diff failed: {diff.stderr.strip()[:200]}")
         top = _git(root, "rev-parse", "--show-toplevel").stdout.strip()
-        changed = []
-        for name in diff.stdout.split():  # (relative to the repository's top)
-            old = _git(root, "show", f"{base}:{name}")
-            here = os.path.join(top, name)
-            now = open(here).read() if os.path.isfile(here) else None
-            drop = DECLARED if name == script else ()
-            if old.returncode != 0 or now is None or code_of(old.stdout, name, drop) != code_of(now, name, drop):
-                changed.append(name)
+        # (relative to the repository's top)
+        changed = [name for name in diff.stdout.split() if _code_changed(top, base, name, name == script)]
     except (OSError, subprocess.SubprocessError) as e:
         return Freshness("unknown", why=f"git could not say ({type(e).__name__})")
     if changed:
