@@ -23,6 +23,23 @@ import tempfile
 
 from common import ROOT, compose, ensure_data, save_result
 
+# What bench/results/cache_policy.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script).
+FIGURES = {
+    "share": ("%", "the cache's size, as a share of the training shards' bytes", None),
+    "epochs": ("", "epochs read per policy", None),
+    "ranks": ("", "loaders (ranks) of this machine sharing one cache dir", None),
+    "workers": ("", "DataLoader workers per loader", None),
+    "future_later_epoch_x": (
+        "x",
+        "cache_policy=future: bytes from the source in the worst epoch after the first, "
+        "over the data set's (0.5 is the least possible with half of it cached)",
+        "<= 0.6",
+    ),
+    "lru_later_epoch_x": ("x", "the same with cache_policy=lru, for comparison", None),
+}
+MEASURES = ["src/pitstop/data/loader/cache.py", "src/pitstop/data/loader/cached.py", "src/pitstop/data/remote.py"]
+
 SAMPLES = 4160  # (its own data dir: 64 samples per shard)
 
 

@@ -42,6 +42,26 @@ import time
 
 from common import compose, ensure_data, median
 
+# What bench/results/ckpt_signing.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). (The tables' other figures are printed, not kept in a result.)
+ABOUT = {"ckpt_signing": "What signing checkpoints (PITSTOP_CKPT_KEY) costs a save and a verification, per backend."}
+FIGURES = {
+    "model": ("", "the model saved (with its AdamW state)", None),
+    "repeats": ("", "saves timed per row, signed and unsigned alternating", None),
+    "*.block_ratio": ("x", "the loop's blocking time per save, signed over unsigned (median)", None),
+    "*.durable_ratio": ("x", "seconds until the save is durable, signed over unsigned (median)", None),
+    "*.durable_signed_s": ("s", "seconds until a signed save is durable (median)", None),
+    "*.durable_unsigned_s": ("s", "seconds until an unsigned save is durable (median)", None),
+    "verify_unsigned_gbps": (
+        "GB/s",
+        "the checksum check's read rate without the key (CRC32C; pitstop.ckpt.integrity.verify, "
+        "what python -m pitstop.ckpt.verify runs)",
+        None,
+    ),
+    "verify_signed_gbps": ("GB/s", "the same with the key set (SHA-256 of every byte, and the HMAC)", None),
+}
+MEASURES = ["src/pitstop/ckpt"]
+
 DATA = ["data.channels=3", "data.image_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]", "optim=adamw"]
 MODELS = {
     "ResNet-50 (BatchNorm)": [

@@ -42,6 +42,40 @@ import time
 
 from common import ROOT, ensure_data, save_result
 
+# What bench/results/ft.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). Targets: issue 25's.
+FIGURES = {
+    "epochs": ("", "epochs of the digits trained by each job", None),
+    "mtbf_seconds": ("s", "mean time between the injected SIGKILLs (gaps ~ Exponential(mtbf))", None),
+    "seed": ("", "the seed of the failure times (the same for both jobs)", None),
+    "ranks_per_group": ("", "ranks per replica group (ddp runs twice as many)", None),
+    "goodput.ft": (
+        "%",
+        "productive seconds over wall seconds, strategy=ft (2 replica groups)",
+        ">= goodput.ddp + 0.15",
+    ),
+    "goodput.ddp": ("%", "the same for ddp with elastic restarts of every rank", None),
+    "goodput_without_failures.*": ("%", "goodput of the same job with no failure", None),
+    "failures.*": ("", "SIGKILLs the job received", None),
+    "wall_seconds.*": ("s", "wall clock of the job, for the same epochs", None),
+    "samples_seen.*": ("", "samples trained (equal work: the same epochs)", None),
+    "pause_median_seconds": (
+        "s",
+        "the healthy group's pause per failure (its longest step around the kill, less its median step), median",
+        "<= 1",
+    ),
+    "healthy_restarts": ("", "restarts of a group that was not killed", "== 0"),
+    "lost_steps_per_failure": ("", "steps a healthy group discarded per failure", "<= 1"),
+    "heal_median_seconds": ("s", "a killed group's heal: its restart to its first committed step, median", None),
+    "no_failure_step_rate.ft": (
+        "steps/s",
+        "steps per second without failures, strategy=ft (a quorum per step)",
+        ">= 0.9 * no_failure_step_rate.ddp",
+    ),
+    "no_failure_step_rate.ddp": ("steps/s", "the same for ddp", None),
+}
+MEASURES = ["src/pitstop/strategy", "src/pitstop/launch", "src/pitstop/data/loader/replica.py"]
+
 JOB = ["logger=none", "trainer.progress_bar=false", "trainer.batch_size=64", "trainer.eval_every_steps=null",
        "loader.num_workers=0", "ckpt=async_dcp", "ckpt.interval_steps=7", "data.record_sample_ids=true"]  # fmt: skip
 

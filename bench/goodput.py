@@ -49,6 +49,81 @@ import time
 from common import ROOT, ensure_data, save_result
 from pitstop.goodput.model import exact_goodput, expected_goodput
 
+# What bench/results/goodput.json's and goodput_restarts.json's figures are, and the code they measure (read by the
+# docs' results page, bench/figures.py, without running this script).
+ABOUT = {
+    "goodput": "Measured goodput under injected failures against the goodput model's prediction, per checkpoint "
+    "backend and interval.",
+    "goodput_restarts": "What an automatic restart costs (R) and the job's goodput, with cold restarts, warm ones "
+    "(forks of a pre-imported server) and warm ones with a local checkpoint tier; and ddp's restart through the "
+    "elastic agent, cold and warm.",
+}
+FIGURES = {
+    # goodput.json
+    "mtbf_s": ("s", "the configured mean time between failures (fault.mtbf_seconds)", None),
+    "work_s": ("s", "seconds of training compute per job", None),
+    "steps": ("", "steps per job", None),
+    "throttle_mbps": ("MB/s", "the saves' write throttle (ckpt.throttle_mbps: a slow network volume)", None),
+    "seed": ("", "the failure times' seed (the same for every configuration)", None),
+    "worst_diff_points": ("points", "the largest |measured - predicted at the configured MTBF| over the rows", "<= 5"),
+    "auto_minus_best_fixed_points.*": ("points", "interval=auto's goodput minus the best fixed interval's", ">= -2"),
+    "runs.*.*.measured": ("%", "goodput measured (productive / wall seconds)", None),
+    "runs.*.*.predicted": (
+        "%",
+        "the model's goodput at the configured MTBF, from the run's measured C, W, R, e0",
+        None,
+    ),
+    "runs.*.*.diff_points": ("points", "measured - predicted (the target is on the largest: worst_diff_points)", None),
+    "runs.*.*.predicted_seen": ("%", "the model's goodput at the run's realised MTBF (fitted to the run)", None),
+    "runs.*.*.diff_seen_points": ("points", "measured - predicted at the realised MTBF", None),
+    "runs.*.*.first_order": ("%", "the first-order formula's goodput (recipe.goodput's headline)", None),
+    "runs.*.*.failures": ("", "failures injected", None),
+    "runs.*.*.mtbf_seen_s": ("s", "the realised MTBF: wall clock / failures", None),
+    "runs.*.*.interval_s": ("s", "the checkpoint interval (interval=auto: the one it chose)", None),
+    "runs.*.*.C_s": ("s", "C: the loop's blocking seconds per save", None),
+    "runs.*.*.W_s": ("s", "W: from the loop resuming to the save being durable (async saves)", None),
+    "runs.*.*.R_s": ("s", "R: start-up and restore per attempt", None),
+    "runs.*.*.e0": ("%", "the productive share of the time not spent on saves or failures", None),
+    # goodput_restarts.json
+    "warm_over_cold_R": ("x", "restart cost R, warm restarts over cold ones", "<= 0.25"),
+    "rows.warm_local.goodput": ("%", "the job's goodput with warm restarts and the local checkpoint tier", ">= 0.6"),
+    "rows.*.rc": ("", "the job's exit status", "== 0"),
+    "rows.*.goodput": ("%", "the job's goodput (productive / wall seconds)", None),
+    "rows.*.R": ("s", "R: seconds per automatic restart, from the failure to training again", None),
+    "rows.*.model": ("%", "the model's goodput at the configured MTBF, from the run's measured costs", None),
+    "rows.*.model_seen": ("%", "the model's goodput at the run's realised MTBF", None),
+    "rows.*.mtbf_seen": ("s", "the realised MTBF: wall clock / failures", None),
+    "rows.*.restarts": ("", "automatic restarts", None),
+    "rows.*.gap": (
+        "s",
+        "R's part from the failed attempt's last record to the next process's start, per restart",
+        None,
+    ),
+    "rows.*.program_start": (
+        "s",
+        "R's part from the process start to the runner existing (interpreter, imports), per restart",
+        None,
+    ),
+    "rows.*.init": (
+        "s",
+        "R's part building the job (process groups, model, optimizer, loaders, checkpointer), per restart",
+        None,
+    ),
+    "rows.*.restore": ("s", "R's part restoring the checkpoint, per restart", None),
+    "rows.*.wall": ("s", "the job's wall clock", None),
+    "rows.*.cold_start": ("s", "the first attempt's start (program start + init + restore)", None),
+    "rows.*.lost": ("s", "seconds of steps computed again (lost work), per restart", None),
+    "ddp.*.rc": ("", "the job's exit status", "== 0"),
+    "ddp.*.R": ("s", "R: seconds for the agent's restart of both ranks", None),
+    "ddp.*.gap": ("s", "R's part from the failed attempt's last record to the next processes' start", None),
+    "ddp.*.program_start": ("s", "the restarted attempt's program start (interpreter, imports)", None),
+    "ddp.*.init": ("s", "the restarted attempt's init", None),
+    "ddp.*.restore": ("s", "the restarted attempt's restore", None),
+    "ddp.*.wall": ("s", "the job's wall clock", None),
+    "ddp.*.cold_start": ("s", "the first attempt's start (program start + init + restore)", None),
+}
+MEASURES = ["src/pitstop/goodput", "src/pitstop/ckpt", "src/pitstop/launch", "src/pitstop/resilience/fault.py"]
+
 PY = sys.executable
 
 

@@ -37,6 +37,25 @@ import tempfile
 
 from common import train, ensure_data, median, save_result
 
+# What bench/results/instability.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). single: one process; ddp: 2 ranks (gloo); single_interleaved: two
+# Runners in this process, blocks of steps in turn.
+FIGURES = {
+    "model": ("", "the job measured", None),
+    "repeats": ("", "runs with the guard off and on, the order alternating", None),
+    "*.steps": ("", "steps per run", None),
+    "*.block": ("", "steps per block, the two Runners in turn", None),
+    "*.step_off_ms": ("ms", "a step with trainer.instability.enabled=false (median of the runs' medians)", None),
+    "*.step_on_ms": ("ms", "a step with the guard on, the default (median of the runs' medians)", None),
+    "*.cost_ratio": ("x", "on over off: the guard's cost per step", None),
+    "*.cost_ms": ("ms", "on minus off, per step", None),
+    "*.loop_on_over_off": ("x", "the loop's wall time, on over off (noisy on a shared machine)", None),
+    "*.same_params": ("", "on and off ended with the same parameters (the guard changes no stable step)", "== true"),
+    "*.runs_step_off_ms": ("ms", "each run's median step, off", None),
+    "*.runs_step_on_ms": ("ms", "each run's median step, on", None),
+}
+MEASURES = ["src/pitstop/train/instability.py", "src/pitstop/train/step.py"]
+
 BASE = [
     "logger=none",
     "ckpt=none",

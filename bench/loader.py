@@ -59,6 +59,61 @@ import warnings
 
 from common import ROOT, compose, ensure_data, save_result
 
+# What bench/results/loader.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). "The ceiling": the local-disk loader's faster epoch.
+FIGURES = {
+    "data.shards": ("", "training shards (synthetic 224x224 JPEGs)", None),
+    "data.samples": ("", "training samples", None),
+    "data.mb": ("MB", "the training shards' size", None),
+    "store.latency_ms": ("ms", "the store's delay per request", None),
+    "store.mbps_per_connection": ("MB/s", "the store's rate per connection", None),
+    "store.link_mbps": ("MB/s", "the cap on all connections together (the main table's)", None),
+    "batch": ("", "samples per batch", None),
+    "decode_path.*.floor_samples_s": ("samples/s", "the image library alone on one thread (the floor)", None),
+    "decode_path.*.decode_samples_s": ("samples/s", "the recipe's decode + collate on one thread", None),
+    "decode_path.*.loader_samples_s": ("samples/s", "the whole loader in the training process, one epoch", None),
+    "decode_path.*.decode_x": ("x", "decode + collate over the floor", ">= 0.75"),
+    "decode_path.*.loader_x": ("x", "the whole loader over the floor (adds tar parsing and bookkeeping)", None),
+    "step_ms": ("ms", "the fixed cost of a training step (a sleep), calibrated to the local decode", None),
+    "peers.*.link_mbps": ("MB/s", "the link cap of this peer table (none: uncapped)", None),
+    "peers.*.pitstop.*.samples_s": ("samples/s", "pitstop's cached loader over the S3 API, epoch 1 then 2", None),
+    "peers.*.pitstop.*.wait": ("%", "its data-wait share of the epoch", None),
+    "peers.*.pitstop.*.mb_source": ("MB", "its bytes read from the store", None),
+    "peers.*.streaming.*.samples_s": ("samples/s", "MosaicML streaming over the same images, epoch 1 then 2", None),
+    "peers.*.streaming.*.wait": ("%", "its data-wait share of the epoch", None),
+    "peers.*.streaming.*.mb_source": ("MB", "its bytes read from the store", None),
+    "peers.*.ratio": ("x", "pitstop's samples/s over streaming's, epoch 1 and epoch 2", ">= 1"),
+    "peers.skipped": ("", "why the peer tables were not run", None),
+    "ceiling_samples_s": ("samples/s", "the ceiling: the local-disk loader's faster epoch", None),
+    "cold_from_construction_x": (
+        "x",
+        "the cached loader's cold epoch (empty cache, capped link), timed from its "
+        "construction, over the ceiling (the headline)",
+        ">= 0.95",
+    ),
+    "warm_epoch_x": ("x", "the cached loader's second epoch over the ceiling", ">= 0.9"),
+    "warm_epoch_wait": ("%", "the cached loader's second epoch's data-wait share", "<= 0.05"),
+    "cold_vs_plain": ("x", "the cached loader's first epoch over loader=plain's first", ">= 1.2"),
+    "cold_prefetch2_x": ("x", "the cold epoch with loader.prefetch_shards=2, over the ceiling", None),
+    "cold_one_request_x": ("x", "the cold epoch with loader.download_parts=1, over the ceiling", None),
+    "cold_uncapped_from_construction_x": ("x", "the cold epoch with the link uncapped, over the ceiling", None),
+    "setup_s": ("s", "untimed set-up between the loader's construction and its first batch (the credited rows)", None),
+    "cold_setup_credited_x": (
+        "x",
+        "the cold epoch after the untimed set-up, over the ceiling (not the headline)",
+        None,
+    ),
+    "cold_setup_credited_no_first_x": ("x", "the same without the first shards fetched during the set-up", None),
+    "epochs.*.*.samples_s": (
+        "samples/s",
+        "samples per second of the epoch (ceiling, plain, cached: epochs 1, 2)",
+        None,
+    ),
+    "epochs.*.*.wait": ("%", "the epoch's data-wait share", None),
+    "epochs.*.*.mb_source": ("MB", "bytes read from the store in the epoch", None),
+}
+MEASURES = ["src/pitstop/data", "src/pitstop/testing/slowstore.py", "recipe/vision.py"]
+
 STREAMING_HINT = (
     "pip install mosaicml-streaming (beside pitstop, see this file's docstring) and moto[server], "
     "s3fs (pip install -e '.[dev]')"

@@ -22,6 +22,18 @@ from pathlib import Path
 
 from common import ROOT, compose, ensure_data, save_result
 
+# What bench/results/mixing.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). windows.K: loader.shuffle_shards_window=K.
+FIGURES = {
+    "batch": ("", "samples per batch", None),
+    "epochs_trained": ("", "epochs the CNN was trained for each window (--train)", None),
+    "windows.*.classes_per_batch": ("", "distinct classes per batch, mean over an epoch (of 10)", None),
+    "windows.*.shards_per_batch": ("", "distinct shards per batch, mean over an epoch", None),
+    "windows.*.epoch_read_s": ("s", "the epoch's read time (1 rank, 2 workers)", None),
+    "windows.*.val_accuracy": ("%", "validation accuracy after the training (one run each)", None),
+}
+MEASURES = ["src/pitstop/data/loader/plan.py", "src/pitstop/data/loader/reader.py", "src/pitstop/data/loader/base.py"]
+
 
 def class_sorted_shards(out: Path) -> None:
     import webdataset as wds

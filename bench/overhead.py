@@ -28,6 +28,32 @@ import time
 
 from common import compose, ensure_data, median, save_result
 
+# What bench/results/overhead*.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). "hand": the minimal hand-written PyTorch loop, same settings.
+ABOUT = {"overhead_mlflow": "What logger=mlflow costs the training loop past the tracker's start-up: the time the "
+         "loop spends handing metrics over, and steps/s against logger=none."}  # fmt: skip
+FIGURES = {
+    "settings": ("", "the settings both loops ran with", None),
+    "steps": ("", "steps per run", None),
+    "repeats": ("", "runs of each loop, alternating", None),
+    "*.steps_per_s": ("steps/s", "pitstop's loop, whole run (median over the runs)", None),
+    "*.hand_steps_per_s": ("steps/s", "the hand-written loop, whole run", None),
+    "*.steady_steps_per_s": ("steps/s", "pitstop's loop, second half of the run (steady state)", None),
+    "*.hand_steady_steps_per_s": ("steps/s", "the hand-written loop, second half", None),
+    "main.ratio_steady": ("x", "pitstop's steps/s over the hand loop's, steady state, every option off (CPU)",
+                          ">= 0.99"),
+    "*.ratio_steady": ("x", "pitstop's steps/s over the hand loop's, steady state", None),
+    "*.ratio_whole": ("x", "pitstop's steps/s over the hand loop's, whole run", None),
+    "mlflow.log_every_steps": ("", "steps between two metric hand-overs (trainer.log_every_steps)", None),
+    "mlflow.enqueue_us_per_step": ("µs", "the loop's time handing metrics to the logger, per step", None),
+    "mlflow.enqueue_share_of_step": ("%", "that time as a share of a step", "< 0.01"),
+    "mlflow.steady_cost": ("%", "1 - steps/s with logger=mlflow over logger=none, second half of the run", None),
+    "mlflow.whole_run_cost": ("%", "the same over the whole run (includes the logger process starting on the "
+                              "same cores)", None),
+}  # fmt: skip
+MEASURES = ["src/pitstop/train", "src/pitstop/parts", "src/pitstop/data/loader", "src/pitstop/telemetry",
+            "src/pitstop/strategy/base.py", "src/pitstop/strategy/single.py"]  # fmt: skip
+
 # (loader.drop_last: every step of both loops is a full batch, the same work per step; else pitstop's epoch-end
 # remainders are smaller steps than the hand loop's and its steps/s would flatter it)
 BASE = ["logger=none", "ckpt=none", "trainer.progress_bar=false", "trainer.log_every_steps=10", "loader.drop_last=true"]

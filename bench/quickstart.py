@@ -26,6 +26,27 @@ from pathlib import Path
 
 from common import ROOT, ensure_data, median, save_result
 
+# What bench/results/quickstart.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script). auto: strategy.cpu_threads=auto (the default); contended:
+# strategy.cpu_threads=<cores> (the loop's threads and the loader's workers contend for the cores). Medians.
+FIGURES = {
+    "repeats": ("", "runs of each split, alternating", None),
+    "cores": ("", "this machine's cores", None),
+    "*.wall_s": ("s", "the job's wall clock, process start to exit, as a user waits for it", None),
+    "*.wall_s_min": ("s", "the fastest run's wall clock", None),
+    "*.wall_s_max": ("s", "the slowest run's wall clock", None),
+    "*.goodput": ("%", "productive seconds over wall seconds (the run's ledger)", None),
+    "*.goodput_min": ("%", "the lowest run's goodput", None),
+    "*.goodput_max": ("%", "the highest run's goodput", None),
+    "*.val_accuracy": ("%", "the validation accuracy at the end", None),
+    "*.productive_s": ("s", "seconds of productive compute", None),
+    "*.program_start_s": ("s", "process start to the runner existing (interpreter, imports)", None),
+    "*.init_s": ("s", "building the job (model, optimizer, loaders, checkpointer)", None),
+    "*.eval_s": ("s", "evaluation", None),
+    "*.data_wait_s": ("s", "waiting for batches", None),
+}
+MEASURES = ["src", "recipe", "conf"]
+
 PARTS = ("productive", "program_start", "init", "eval", "data_wait")
 
 

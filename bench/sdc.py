@@ -33,6 +33,43 @@ import time
 
 from common import DDP_LOOP, compose, ensure_data, median, save_result, train
 
+# What bench/results/sdc.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script).
+FIGURES = {
+    "model": ("", "the job measured", None),
+    "steps": ("", "steps per run", None),
+    "repeats": ("", "runs of each row (off, default, every step), in turn", None),
+    "interval": ("", "the default trainer.sdc.interval (steps between checks)", None),
+    "step_ms": ("ms", "a step with the check off (median)", None),
+    "check_ms": (
+        "ms",
+        "one check: the digests and the all-gather, waiting for the slower rank included (median)",
+        None,
+    ),
+    "digest_ms": ("ms", "this rank's digest alone (median)", None),
+    "cost_per_step_at_default": (
+        "%",
+        "the check's cost per step at the default interval (check / interval / step)",
+        "<= 0.01",
+    ),
+    "cost_per_step_every_step": ("%", "the check's cost per step at trainer.sdc.interval=1", None),
+    "loop_default_over_off": (
+        "x",
+        "the loop's wall time, default interval over off (noisy: read the per-check figures)",
+        None,
+    ),
+    "loop_every_step_over_off": ("x", "the loop's wall time, every step over off (noisy)", None),
+    "resnet50_adamw.floats": ("", "floats digested (ResNet-50 with AdamW's state)", None),
+    "resnet50_adamw.step_ms": ("ms", "one ResNet-50 step (batch 16, 32x32, one thread)", None),
+    "resnet50_adamw.digest_ms": ("ms", "one digest of its model and optimizer state", None),
+    "resnet50_adamw.cost_per_step_at_default": ("%", "the digest's cost per step at the default interval", "<= 0.01"),
+    "clean_run.steps": ("", "steps of the clean run, checked every step", None),
+    "clean_run.checks": ("", "checks it made", None),
+    "clean_run.corruptions_found": ("", "corruptions it reported (a clean run must report none)", "== 0"),
+    "clean_run.seconds": ("s", "its wall clock", None),
+}
+MEASURES = ["src/pitstop/train/sdc.py", "src/pitstop/parts/digest.py"]
+
 BASE = DDP_LOOP
 LOOP = ("compute", "data_wait", "sdc", "logging")  # the loop's own buckets (not start-up, not the final evaluation)
 

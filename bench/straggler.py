@@ -38,6 +38,53 @@ import time
 
 from common import DDP_LOOP, ROOT, compose, ensure_data, median, save_result, train
 
+# What bench/results/straggler.json's figures are, and the code they measure (read by the docs' results page,
+# bench/figures.py, without running this script).
+FIGURES = {
+    "model": ("", "the job measured", None),
+    "window": ("", "steps per window (trainer.straggler.window): ranks are compared once a window", None),
+    "factor": ("x", "a rank is named slow past this ratio to the others' median (trainer.straggler.factor)", None),
+    "cost.steps": ("", "steps per run", None),
+    "cost.repeats": ("", "runs with the detector off and on, in turn", None),
+    "cost.step_ms_off": ("ms", "a step with the detector off (median)", None),
+    "cost.step_ms_on": ("ms", "a step with the detector on (median)", None),
+    "cost.on_over_off": ("x", "on over off, end to end (noise included)", None),
+    "cost.exchange_ms_per_step": ("ms", "the detector's all-gathers and decisions, per step", None),
+    "cost.hook_ms_per_backward": ("ms", "the time inside its gradient hooks, per backward", None),
+    "cost.hooks_per_backward": ("", "hook calls per backward", None),
+    "cost.ddp_fwd_bwd_ms": ("ms", "one forward + backward without the hooks (one rank)", None),
+    "cost.hooked_fwd_bwd_ms": ("ms", "the same with the hooks", None),
+    "cost.cost_per_step": ("%", "(exchange + hooks) over the step with the detector off", "< 0.01"),
+    "latency.from_step": ("", "fault=slow_rank slows rank 1 (1.5x) from this step", None),
+    "latency.named_at_step": ("", "the step at which rank 1 was named", None),
+    "latency.since": ("", "the step the detector says the slowness began", None),
+    "latency.steps": ("", "steps from the slowdown to the naming (two windows is the least, by design)", None),
+    "latency.ratio": ("x", "rank 1's work over the others' median in the window that named it", None),
+    "clean_run.steps": ("", "steps of the clean run", None),
+    "clean_run.windows": ("", "windows it checked", None),
+    "clean_run.false_flags": ("", "ranks it named (a clean run must name none)", "== 0"),
+    "clean_run.max_ratio": ("x", "the highest ratio of a rank's work to the others' median in any window", None),
+    "clean_run.seconds": ("s", "its wall clock", None),
+    "booked_vs_cost.steps": ("", "steps per run, slowed and clean", None),
+    "booked_vs_cost.slowdown_cost_s": ("s", "the loop's wall clock slowed minus clean, per repeat", None),
+    "booked_vs_cost.bucket_s": ("s", "the slowed run's straggler bucket, per repeat", None),
+    "booked_vs_cost.slept_s": ("s", "what the fault slept, per repeat", None),
+    "booked_vs_cost.slowdown_cost_by_step_median_s": (
+        "s",
+        "the slowdown's cost from the step medians, per repeat",
+        None,
+    ),
+    "booked_vs_cost.bucket_over_cost": ("x", "the bucket over the slowdown's cost (medians)", ">= 0.5"),
+    "booked_vs_cost.bucket_over_cost_by_step_median": ("x", "the same, cost from the step medians", None),
+    "booked_vs_cost.bucket_over_slept": ("x", "the bucket over what the fault slept (medians)", None),
+}
+MEASURES = [
+    "src/pitstop/train/straggler.py",
+    "src/pitstop/train/straggler_groups.py",
+    "src/pitstop/strategy/ddp.py",
+    "src/pitstop/resilience/slow_faults.py",
+]
+
 BASE = DDP_LOOP
 LOOP = ("compute", "straggler", "data_wait", "logging", "sdc")  # the loop's own buckets
 FROM = 40

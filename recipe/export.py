@@ -61,6 +61,10 @@ def model_state(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def export(src: str, out: str, dtype: str | None = None) -> str:
+    """Write the model weights of the checkpoint ``src`` names (a checkpoint dir, or the newest complete one under a
+    run dir or a checkpoints dir) to ``out`` as a plain ``state_dict`` that ``torch.load`` reads, cast to ``dtype``
+    (e.g. ``bfloat16``) if given; return the checkpoint dir it read. What ``python -m recipe.export`` runs. Every file
+    of the checkpoint is checked against its checksum first: a corrupt one raises and writes nothing."""
     ckpt = find_checkpoint(src)
     sd = model_state(ckpt)
     if dtype:

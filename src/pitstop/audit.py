@@ -27,6 +27,9 @@ from pitstop.statefile import INSTABILITY, SAMPLE_RECORD, Shape, integer, option
 
 @dataclass
 class EpochAudit:
+    """One epoch's verdict: samples ``expected`` (the train split), consumed ``once``, ``repeated`` and
+    ``missing``; :attr:`ok` unless one was repeated or missing (missing is allowed in a ``partial`` last epoch)."""
+
     epoch: int
     expected: int
     once: int = 0
@@ -182,6 +185,10 @@ def quarantined(run_dir: str) -> set[str]:
 
 
 def audit(run_dir: str) -> list[EpochAudit]:
+    """Every epoch of the run in ``run_dir`` (a run trained with ``data.record_sample_ids=true``), counted from its
+    sample logs as the module says: what ``python -m pitstop.audit RUN_DIR`` prints, one :class:`EpochAudit` per
+    epoch. Raises ``SystemExit`` with a one-line message when the logs cannot say (no readable header, steps
+    missing from ``metrics.jsonl``)."""
     skipped: Keys = {}
     steps, header = surviving_keys(run_dir, skipped)
     if not header:  # (every header line damaged: nothing says what an epoch holds)

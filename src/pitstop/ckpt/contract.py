@@ -92,15 +92,46 @@ class SaveResult:
 
 
 class Checkpointer(ABC):
-    """The contract of a ``ckpt`` option, as the training loop uses it (in this order)."""
+    """The contract of a ``ckpt`` option, as the training loop uses it (its methods in the order it calls them).
+
+    One instance per rank; every rank calls the same methods at the same steps (a save of a sharded model is a
+    collective). The loop calls :meth:`setup` once, then :meth:`restore` once (a fresh run: None), then every step
+    :meth:`wait_staging` just before ``optimizer.step()`` and :meth:`maybe_save` after it; :meth:`wait` where it
+    needs a background save settled (before a rollback, after a preemption notice's save); and :meth:`close` at the
+    end, on a failure too. (:meth:`poll` is the backends' own: their :meth:`maybe_save` settles a finished save
+    with it.) A rollback calls :meth:`restore` with ``at_most`` and then
+    :meth:`discard_after`.
+
+    An implementation must:
+
+    - count a save only once every file of it is written (a commit marker last): a process killed at any moment
+      leaves either a complete checkpoint or one that :meth:`restore` skips;
+    - restore bitwise: the model, the optimizer and ``target.state`` exactly as they were saved, so that the
+      resumed run's steps equal the uninterrupted run's;
+    - not block the loop longer than it must in :meth:`maybe_save` (a background save copies what the next
+      ``optimizer.step()`` changes by :meth:`wait_staging`, and writes while the loop goes on);
+    - on a failed save, keep the older checkpoints intact, count the failure in :meth:`stats` and let the run go on
+      (``ckpt.on_error=raise``: raise :class:`~pitstop.errors.CheckpointError`); :meth:`close` raises when the
+      last save failed, so a run never reports success without its final checkpoint.
+
+    A new saving backend should subclass ``pitstop.ckpt.manager.CheckpointManager``, which implements this whole
+    lifecycle (schedule, retention, tiers, commit, failures) and asks a subclass only to write one save
+    (``_write``); ``pitstop.ckpt.none.NoCheckpoint`` is the smallest complete implementation.
+    """
 
     name: str = "base"
-    root: str | None = None  # where checkpoints go (None: nowhere)
-    last_started: int | None = None  # the step of the newest save started (in flight or done)
-    last_durable: int | None = None  # the step of the newest save to the durable tier (ckpt.dir) started
-    last_committed: int | None = None  # the step of the newest save to the durable tier that completed
+    """The option's name, as runs and summaries show it."""
+    root: str | None = None
+    """Where checkpoints go (a folder or a URL); None: nowhere (``ckpt=none``)."""
+    last_started: int | None = None
+    """The step of the newest save started (in flight or done)."""
+    last_durable: int | None = None
+    """The step of the newest save to the durable tier (``ckpt.dir``) started."""
+    last_committed: int | None = None
+    """The step of the newest save to the durable tier that completed."""
     load_callbacks: tuple[Callable[[str], None], ...] = ()
-    pinned: int | None = None  # retention keeps the newest checkpoint at or before this step (a rollback's target)
+    pinned: int | None = None
+    """Retention keeps the newest checkpoint at or before this step (a rollback's target)."""
 
     def on_load(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(path)`` as a restore starts reading a checkpoint it verified (fault injection)."""

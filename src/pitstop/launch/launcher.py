@@ -30,6 +30,16 @@ from pitstop.resilience.node_book import node_name
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
+    """Train the composed config ``cfg`` in ``run_dir`` and return its summary (``RUN_DIR/summary.json``'s content).
+
+    What ``python -m recipe.train`` calls once Hydra has composed the config and chosen the run dir. It plans how
+    the job runs from the config and the environment (``pitstop.launch.plan``): in this process, under a supervisor
+    that restarts attempts (``trainer.max_restarts``), one process per rank through torch's elastic agent, or
+    replica groups (``strategy=ft``); a job started by ``torchrun`` or SLURM is one rank of it. A config error
+    raises :class:`~pitstop.errors.ConfigError` before anything starts; a run that fails raises a
+    :class:`~pitstop.errors.PitstopError` naming what failed; a preempted one (saved, to be requeued) raises
+    ``pitstop.resilience.preempt.Preempted``. Calling it from Python (a notebook, a test) needs a config made by
+    :func:`pitstop.config.compose`."""
     from pitstop.data.loader.server import quiet_resource_tracker
 
     # Ranks and attempts use the resource tracker this process starts: their data workers' semaphores too.

@@ -15,13 +15,37 @@ from pitstop.errors import ConfigError
 
 
 class Task(Protocol):
-    """The contract of a ``task``: the training loss of a batch, and the metrics of an evaluation pass."""
+    """The contract of a ``task``: the training loss of a batch, and the metrics of an evaluation pass.
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+    Any object with these two methods is a task (a protocol: no base class to inherit); ``task._target_`` names
+    its class and the config's other ``task.*`` keys are its ``__init__`` arguments. :class:`Supervised` (inputs,
+    targets, a loss module, metric functions) is the one pitstop ships; write your own for another objective.
+    """
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The training loss of one micro-batch: a scalar tensor the loop calls ``backward()`` on.
+
+        Called once per micro-batch, on every rank, inside the precision context (autocast) and with ``batch``
+        already on the device (``batch`` is what the dataset's decode and collate made: e.g. ``(inputs,
+        targets)``). It must run ``model``'s forward exactly once (under DDP/FSDP the forward takes part in the
+        gradient reduction) and must not call ``backward()`` or step an optimizer: the loop does both. Return the
+        loss in fp32 (cast the model's output with ``.float()``: a low-precision loss overflows under fp16)."""
+        ...
 
     def evaluate(
         self, model: nn.Module, batches: Iterable[tuple[Any, bool]], all_reduce_sum: Callable, device: torch.device
-    ) -> dict[str, float]: ...
+    ) -> dict[str, float]:
+        """The metrics of one evaluation pass, the same on every rank: e.g. ``{"val_loss": ..., "val_accuracy":
+        ...}``: they go to ``metrics.jsonl``, the tracker and ``summary.json`` as they are named.
+
+        Called on every rank at each evaluation (every ``trainer.eval_every_steps`` steps, else at each epoch's end,
+        and after the last step). ``batches`` yields
+        ``(batch, counted)`` pairs, as many on every rank: run the forward on each (a collective under DDP/FSDP)
+        but score only the counted ones (the others pad a rank's share). Sum on this rank, then call
+        ``all_reduce_sum(tensor)`` once on the sums (on ``device``) and divide: the result must not depend on how
+        the samples were spread over the ranks. Put the model back in the mode it was in (``model.train()``), and
+        compute under ``torch.no_grad()``."""
+        ...
 
 
 class Supervised:

@@ -60,10 +60,22 @@ class FaultContext:
 
 
 class Fault(ABC):
-    """The contract of a ``fault`` option: checked and armed at setup, told after every step, closed at the end."""
+    """The contract of a ``fault`` option: a failure injected on purpose (a kill, a stall, a bad value), to see what a
+    configuration loses and that it recovers. Every rank builds one; the loop calls :meth:`bind` once at setup (after
+    the checkpointer is built, before the restore), :meth:`after_micro_batch`, :meth:`loss` and :meth:`after_step` in
+    and after each step, :meth:`during_eval` in evaluations, and :meth:`close` at the end, on a failure too.
+
+    An implementation refuses in :meth:`bind`, with a one-line :class:`~pitstop.errors.ConfigError`, settings that
+    would never fire (a step past the last, a rank the job lacks, a phase needing a checkpointer or replica groups it
+    has not): a test meant to kill a run must not pass because nothing happened. It fires only on its ``rank`` and, if
+    meant once, once per run dir (``pitstop.resilience.fault_record``: the restarted attempt gets past it); does
+    nothing beyond the failure it stands for (what recovers from it must recover from the real one); and stops its
+    threads and timers in :meth:`close`. Subclass :class:`NoFault` (every hook a no-op) and override what you need.
+    """
 
     name: str = "base"
-    rank: int = 0
+    """The option's name, as the run's log and ``faults.jsonl`` show it."""
+    rank: int = 0  # the rank it fires on
 
     @abstractmethod
     def bind(self, ctx: FaultContext) -> None:

@@ -39,19 +39,50 @@ class Collectives:
 
 
 class Strategy(ABC):
+    """The contract of a ``strategy`` option: where this process's model runs and how the ranks cooperate.
+
+    One instance per process (per rank). The loop calls, in this order: :meth:`share_cores` (before anything
+    else), :meth:`setup` (choose the device, join the process group; after it ``rank``, ``local_rank``,
+    ``world_size`` and ``device`` are this process's), :meth:`wrap` once on the model, then every step
+    :meth:`to_device` on each micro-batch, :meth:`no_sync` around every micro-batch's backward but the last, and
+    :meth:`all_reduce_sum` / :meth:`agree` / :meth:`any` where all ranks decide together; :meth:`sync_buffers`
+    before a save; :meth:`teardown` at the end, also after a failure.
+
+    An implementation must:
+
+    - run every collective on every rank, in the same order, from the main thread: the loop relies on it to
+      never deadlock (a checkpoint's background writer uses :meth:`ckpt_group`, a group of its own);
+    - leave the gradients reduced after the last micro-batch's backward, so that ``optimizer.step()`` on each rank
+      gives the same update (or the same shard of it);
+    - be idempotent in :meth:`teardown`, which runs on the way out of a failed run too;
+    - raise a :class:`~pitstop.errors.ConfigError` (one line: the key, the value, the fix) for settings it
+      cannot run with, from ``__init__`` or :meth:`setup`, before any step.
+
+    A single-process strategy answers the collectives itself (sum of one, its own object); subclass
+    ``pitstop.strategy.single.Single`` or ``pitstop.strategy.ddp.DDP`` rather than this class where you can.
+    """
+
     name: str = "base"
+    """The option's name, as runs and summaries show it."""
     rank: int = 0
+    """This process's rank in the training group (0 .. ``world_size`` - 1), set by :meth:`setup`."""
     local_rank: int = 0
+    """This process's rank on its node (its GPU index), set by :meth:`setup`."""
     world_size: int = 1
+    """Ranks in the training group, set by :meth:`setup`."""
     device: torch.device = torch.device("cpu")
-    compute_dtype: torch.dtype | None = None  # set when the strategy itself casts for compute (FSDP's policy)
-    channels_last_params: bool = True  # can hold 4-D parameters in channels_last (FSDP2 cannot shard them)
-    # every rank holds the whole model, bitwise equal to the others' after each step (DDP's replicas): what
-    # trainer.sdc compares
+    """Where the model and the batches go, set by :meth:`setup`."""
+    compute_dtype: torch.dtype | None = None
+    """Set when the strategy itself casts for compute (FSDP's mixed-precision policy); None otherwise."""
+    channels_last_params: bool = True
+    """Whether it can hold 4-D parameters in channels_last (FSDP2 cannot shard them)."""
     replicated: bool = False
+    """Every rank holds the whole model, bitwise equal to the others' after each step (DDP's replicas): what
+    ``trainer.sdc`` compares."""
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the one that logs, tracks and writes the run's files."""
         return self.rank == 0
 
     @cached_property
@@ -61,6 +92,7 @@ class Strategy(ABC):
 
     @property
     def pin_memory(self) -> bool:
+        """Whether the loader pins its batches (for non-blocking copies to the device): on CUDA."""
         return self.device.type == "cuda"
 
     @abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omegaconf import DictConfig
 
@@ -16,6 +16,32 @@ if TYPE_CHECKING:
     from pitstop.train.runner import Runner
 
 log = logging.getLogger("pitstop")
+
+
+class Callback(Protocol):
+    """The contract of a user callback: code of yours that reads the run as it goes (a progress note, a metric sent
+    elsewhere, an early look at a value), named in the config's ``callbacks`` (name -> ``{_target_: ...}``).
+
+    Any object with these three methods is a callback (a protocol: no base class to inherit), e.g.
+    ``python -m recipe.train +callbacks.note._target_=mypkg.Note``. Every rank builds its callbacks (use
+    ``run`` and the rank's own logic if only one should act) and each method is handed the same read-only
+    :class:`RunView`. A callback reads; it must not change the run (the view hands out copies and figures, never the
+    model, the optimizer or the loader), and it must be quick: :meth:`on_step_end` runs on the step's path, every
+    step. An exception raised in one fails the run like an error of the loop's own.
+    """
+
+    def on_train_start(self, run: RunView) -> None:
+        """Once per attempt, after the restore (``run.resumed_from`` says from which step) and before the first
+        step."""
+        ...
+
+    def on_step_end(self, run: RunView) -> None:
+        """After every step (its save started, if one was due): ``run.step`` is the step just done."""
+        ...
+
+    def on_train_end(self, run: RunView) -> None:
+        """Once, when the last step is done and before the summary is written (not when the run fails)."""
+        ...
 
 
 class RunView:

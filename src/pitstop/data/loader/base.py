@@ -86,12 +86,14 @@ class TrainBatches(ABC):
 
 
 class ShardLoader(TrainBatches):
-    """Trainer side: an endless iterator of batches across epochs with an exact, saveable position.
-
-    The contract of a ``loader`` option: ``iter(loader)`` (training batches, endless), ``iterate_once``
-    (an evaluation pass in lockstep across ranks), ``steps_per_epoch``, ``state_dict``/``load_state_dict``
-    (the data position), ``stats`` (cumulative counters); a subclass says where shard bytes come from
-    (:meth:`source`)."""
+    """The contract of a ``loader`` option, trainer side: batches across epochs, endless, with an exact position
+    (``iter``, ``iterate_once`` for an evaluation pass in lockstep across ranks, ``steps_per_epoch``, ``state_dict``,
+    ``load_state_dict``, ``stats``). It owns the order and the position; a ``loader`` option of your own subclasses it
+    and implements only :meth:`source` (as ``PlainLoader`` and ``CachedLoader`` do), taking its own keys in
+    ``__init__`` and passing the others on. What :meth:`source` returns is pickled to the reader processes and hands
+    back a shard's exact bytes or raises: a failed read is retried (``loader.retries``, for a URL), then fails the run
+    with a :class:`~pitstop.errors.DataError` naming the shard. The same data, seed and ranks give the same batches,
+    whatever the source."""
 
     kind = "base"
     epoch: int = 0  # (an attribute here: the readers advance it)
@@ -217,6 +219,7 @@ class ShardLoader(TrainBatches):
         return plan.read_order(self._items(self.epoch, g), self.window, self.seed, self.epoch, g)
 
     def state_dict(self) -> dict:
+        """The data position (JSON): epoch, batches handed out, each reader's place, what each partition gave."""
         ended = self.batches >= self.steps_per_epoch()
         offsets: plan.Consumed = {}
         if not ended:  # what is consumed of each partition, with this rank's reading (for a resume on other ranks)
@@ -275,7 +278,7 @@ class ShardLoader(TrainBatches):
     # ---- reading ----------------------------------------------------------------------------------
     @abstractmethod
     def source(self) -> ShardSource:
-        """Where this loader's readers get shard bytes (a fresh, picklable object per epoch)."""
+        """Where the readers get shard bytes: a fresh, picklable :class:`ShardSource` per epoch (``read(ref)``)."""
 
     def _reader(self, epoch: int, resume: bool = True) -> Iterator[dict | Failure]:
         """Readers for ``epoch``: from the saved position if it is the current epoch (and ``resume``), else from its
