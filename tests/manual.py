@@ -52,6 +52,8 @@ COMPOSED_ONLY = {
     "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
     "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",
     "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
+    "+callbacks.best._target_=my_callbacks.BestAccuracy": "needs the page's my_callbacks.py in the folder it runs "
+    "from: system/test_callbacks.py writes it there from the page and runs the command, checking its excerpt",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
     "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
 }
