@@ -9,7 +9,8 @@ excerpt must be a line the run printed (stdout or stderr), where
 
 - a log line's ``[time][logger][LEVEL] - `` prefix is left out on either side (pages show the message);
 - any number stands for any number (runs are shrunk: 25 steps where the page says 100);
-- ``…`` (or ``...``) stands for any text in a line, and a line of only ``…`` for lines left out.
+- ``…`` (or ``...``) stands for any text in a line, and a line of only ``…`` for lines left out;
+- a run of spaces stands for any run of spaces (aligned columns).
 """
 
 from __future__ import annotations
@@ -117,9 +118,15 @@ def page_output(key: str) -> str:
     return hits[0][1]
 
 
+def _text(part: str) -> str:
+    """Literal text, where a run of spaces matches any run of spaces (a column of numbers aligns differently as their
+    widths change: `  productive      1.13 s` against `  productive     14.43 s`)."""
+    return r"\s+".join(re.escape(word) for word in re.split(r"\s+", part))
+
+
 def _pattern(line: str) -> re.Pattern:
     parts = re.split(rf"(…|\.\.\.|{NUMBER})", LOG_PREFIX.sub("", line.strip()))
-    regex = "".join(".*" if p in ELLIPSIS else NUMBER if re.fullmatch(NUMBER, p) else re.escape(p) for p in parts if p)
+    regex = "".join(".*" if p in ELLIPSIS else NUMBER if re.fullmatch(NUMBER, p) else _text(p) for p in parts if p)
     return re.compile(regex)
 
 
