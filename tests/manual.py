@@ -9,7 +9,8 @@ excerpt must be a line the run printed (stdout or stderr), where
 
 - a log line's ``[time][logger][LEVEL] - `` prefix is left out on either side (pages show the message);
 - any number stands for any number (runs are shrunk: 25 steps where the page says 100);
-- ``…`` (or ``...``) stands for any text in a line, and a line of only ``…`` for lines left out.
+- ``…`` (or ``...``) stands for any text in a line, and a line of only ``…`` for lines left out;
+- a run of spaces stands for any run of spaces (aligned columns).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ COMPOSED_ONLY = {
     "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
     "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",
     "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
+    "+callbacks.best._target_=my_callbacks.BestAccuracy": "needs the page's my_callbacks.py in the folder it runs "
+    "from: system/test_callbacks.py writes it there from the page and runs the command, checking its excerpt",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
     "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
 }
@@ -115,9 +118,15 @@ def page_output(key: str) -> str:
     return hits[0][1]
 
 
+def _text(part: str) -> str:
+    """Literal text, where a run of spaces matches any run of spaces (a column of numbers aligns differently as their
+    widths change: `  productive      1.13 s` against `  productive     14.43 s`)."""
+    return r"\s+".join(re.escape(word) for word in re.split(r"\s+", part))
+
+
 def _pattern(line: str) -> re.Pattern:
     parts = re.split(rf"(…|\.\.\.|{NUMBER})", LOG_PREFIX.sub("", line.strip()))
-    regex = "".join(".*" if p in ELLIPSIS else NUMBER if re.fullmatch(NUMBER, p) else re.escape(p) for p in parts if p)
+    regex = "".join(".*" if p in ELLIPSIS else NUMBER if re.fullmatch(NUMBER, p) else _text(p) for p in parts if p)
     return re.compile(regex)
 
 

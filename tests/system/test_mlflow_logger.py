@@ -13,11 +13,16 @@ from conftest import check_run, train
 pytestmark = pytest.mark.slow
 
 
-def test_logger_mlflow_real_store(make_cfg, tmp_path):
+def test_logger_mlflow_real_store(make_cfg, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = make_cfg("logger=mlflow", f"logger.tracking_uri={uri}")
+    # the default store (sqlite:///${paths.output_dir}/mlflow.db), the run started from a folder of its own
+    cwd = tmp_path / "started_here"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    cfg = make_cfg("logger=mlflow")
+    uri = f"sqlite:///{tmp_path}/outputs/mlflow.db"
+    assert cfg.logger.tracking_uri == uri
     summary = train(cfg)
     check_run(cfg, summary)
     client = MlflowClient(tracking_uri=uri)
@@ -44,6 +49,11 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
         and (Path(cfg.run_dir) / "timeline.png").stat().st_size
     )
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["timeline.png"]
+    # ... kept under the output dir, beside the store, not in ./mlruns of the folder the run was started from
+    # (MLflow's default for a sqlite store)
+    assert not (cwd / "mlruns").exists() and not list(cwd.iterdir())
+    assert (tmp_path / "outputs" / "mlartifacts" / run.info.run_id / "artifacts" / "timeline.png").stat().st_size
+    assert "mlflow_warning" not in summary
     # a training experiment to MLflow's UI (opened on its runs, not on the GenAI overview)
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
@@ -51,12 +61,17 @@ def test_logger_mlflow_real_store(make_cfg, tmp_path):
 def test_an_experiment_made_before_without_a_kind_becomes_a_training_one(make_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = f"sqlite:///{tmp_path}/outputs/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("pitstop")  # (as an older pitstop, or a person, made it)
+    # (as an older pitstop, or a person, made it: its artifacts where MLflow's default put them, ./mlruns then)
+    elsewhere = tmp_path / "cwd_back_then" / "mlruns"
+    exp = client.create_experiment("pitstop", artifact_location=str(elsewhere))
     summary = train(make_cfg("logger=mlflow", f"logger.tracking_uri={uri}"))
     assert client.get_run(summary["mlflow_run_id"]).info.experiment_id == exp
     assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
+    # MLflow cannot move its artifact location: they stay where it says, and the run says so, with what to do
+    assert (elsewhere / summary["mlflow_run_id"] / "artifacts" / "timeline.png").is_file()
+    assert str(elsewhere) in summary["mlflow_warning"] and "logger.experiment=NAME" in summary["mlflow_warning"]
 
 
 RACE = """

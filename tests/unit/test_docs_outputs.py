@@ -17,6 +17,9 @@ def test_an_excerpt_matches_without_the_log_prefix_with_any_number_and_elided_te
     assert excerpt_missing("node vm is healthy (0.12 s): 1 dir(s) writable\nstep 100/100 loss 0.0871", RUN) == []
     assert excerpt_missing("[2026-01-01 00:00:00,000][pitstop.train][INFO] - step 1/2 loss 3", RUN) == []
     assert excerpt_missing("error: data dir not found: …/data/digits\n…\n", RUN) == []
+    # an aligned column: the spaces before a number change with its width
+    assert excerpt_missing("  productive          1.13 s   17.2%", "  productive         14.43 s    7.2%") == []
+    assert excerpt_missing("productive 1.13 s", "productive1.13 s") != []  # (a space is not nothing)
 
 
 def test_an_excerpt_line_the_run_did_not_print_is_named():

@@ -5,6 +5,11 @@ The training loop only writes one short JSON line per log step to the stdin of a
 SQLAlchemy or HTTP code, and no re-import of the training script).  That process creates (or, on
 resume, reopens) the run, logs the resolved config as params and sends metrics in batches with
 ``log_batch``.  The run id is kept in ``RUN_DIR/mlflow_run_id`` so a resumed job continues the same run.
+
+Artifacts (the run's ``timeline.png``) go beside a sqlite store, in ``<store's folder>/mlartifacts``: MLflow's own
+default for a sqlite store is ``./mlruns`` of the *current directory* at the time the experiment is made, so a run
+whose outputs went elsewhere scattered pictures into whatever folder it was started from. The experiment pitstop makes
+names that folder as an absolute path, so ``mlflow ui --backend-store-uri sqlite:///...`` finds them from anywhere.
 """
 
 from __future__ import annotations
@@ -120,6 +125,8 @@ class MLflowLogger(Logger):
         except (OSError, ValueError) as e:
             out = {"error": str(e)}
         self.proc = None
+        if out.get("mlflow_warning"):
+            log.warning("%s", out["mlflow_warning"])
         if out.get("error"):
             log.warning("MLflow logging failed: %s", out["error"])
         elif out.get("mlflow_run_id") and out.get("mlflow_experiment_id"):
@@ -226,6 +233,27 @@ def _client(uri: str):
     return client
 
 
+def artifact_home(uri: str) -> str | None:
+    """Where the experiments pitstop makes in the store at ``uri`` keep their artifacts: ``mlartifacts`` beside a
+    sqlite store's file, as an absolute path (None for any other store: its server or MLflow decides)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///") :])), "mlartifacts")
+
+
+def _under(location: str | None, folder: str) -> bool:
+    """Whether an experiment's artifact ``location`` (a path or a ``file:`` URI) lies under ``folder``."""
+    from urllib.parse import urlparse
+
+    if not location:
+        return False
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        return True  # (an object store or a server's: chosen on purpose, not the current directory)
+    path = os.path.abspath(parsed.path if parsed.scheme else location)
+    return os.path.commonpath([path, os.path.abspath(folder)]) == os.path.abspath(folder)
+
+
 def _attempts(run_dir: str) -> int:
     """The attempts of the run on record in its ``goodput.json`` (0 when there is none yet, or it is damaged: the
     trainer's ledger keeps that one aside; this reader, polled, says so once and never moves it)."""
@@ -294,12 +322,13 @@ def _find_or_make(opts: dict, run_dir: str, params: dict, tags: dict, state: dic
         except Exception:  # noqa: BLE001 - store moved or run deleted: start a new run
             pass
     exp = client.get_experiment_by_name(opts["experiment"])
+    home = artifact_home(opts["tracking_uri"])
     # (what kind of experiment it is, for whatever reads the tag: MLflow 3.17's UI picks its view from the link's
     # workflowType instead, whatever the tag says; close() logs a link that asks for the training view)
     kind = {EXPERIMENT_KIND: TRAINING}
     if exp is None:
         try:
-            exp_id = client.create_experiment(opts["experiment"], tags=kind)
+            exp_id = client.create_experiment(opts["experiment"], artifact_location=home, tags=kind)
         except Exception:  # noqa: BLE001 - another tracker (a replica group's) made it just now
             exp = client.get_experiment_by_name(opts["experiment"])
             if exp is None:
@@ -308,6 +337,14 @@ def _find_or_make(opts: dict, run_dir: str, params: dict, tags: dict, state: dic
         exp_id = exp.experiment_id
     if exp is not None and EXPERIMENT_KIND not in exp.tags:  # (one made before, by hand or by an older pitstop)
         client.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING)
+    if exp is not None and home and not _under(exp.artifact_location, os.path.dirname(home)):
+        # (MLflow cannot move an experiment's artifact location: one made before, by hand or by an older pitstop, keeps
+        # its own; the trainer says so at the run's end, with what to do)
+        state["mlflow_warning"] = (
+            f"MLflow experiment {opts['experiment']!r} keeps its artifacts in {exp.artifact_location}, not beside the "
+            f"store ({home}): it was made before, with MLflow's default; logger.experiment=NAME starts one whose "
+            "artifacts go beside the store"
+        )
     run = client.create_run(exp_id, run_name=opts["run_name"], tags={"run_dir": run_dir, **tags})
     state["mlflow_run_id"], state["mlflow_experiment_id"] = run.info.run_id, exp_id
     with open(id_file, "w") as f:
