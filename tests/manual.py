@@ -7,7 +7,8 @@ run of that command: ``tests/system/test_readme.py`` for the commands it runs, e
 and calls :func:`page_output` (``tests/unit/test_docs_outputs.py`` fails an excerpt no test checks). Each line of an
 excerpt must be a line the run printed (stdout or stderr), where
 
-- a log line's ``[time][logger][LEVEL] - `` prefix is left out on either side (pages show the message);
+- a log line's ``[time][logger][LEVEL] - `` prefix (``[time][rank0][logger][LEVEL] - `` on a rank) is left out on
+  either side (pages show the message);
 - any number stands for any number (runs are shrunk: 25 steps where the page says 100);
 - ``…`` (or ``...``) stands for any text in a line, and a line of only ``…`` for lines left out;
 - a run of spaces stands for any run of spaces (aligned columns).
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_MANUAL = re.compile(r"^(index\.md|architecture\.md|own-task\.md|reference/.*)$")
 FENCE = re.compile(r"^[ \t]*```([^\n]*)\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 OUTPUT = re.compile(r'^text\s+title="Output[^"]*"\s*$')
-LOG_PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
+LOG_PREFIX = re.compile(r"^(?:\[[^\]]*\]){2,3}\[[A-Z]+\] - ")  # [time][rank0][logger][LEVEL]: a rank's line
 NUMBER = r"\d+(?:\.\d+)?"
 ELLIPSIS = ("…", "...")
 
@@ -46,15 +47,20 @@ COMPOSED_ONLY = {
     "(test_compiled_run_resumes_an_eager_checkpoint_and_back)",
     "fault=bug fault.step=6": "exits 2 on purpose; the same command runs in "
     "system/test_crash_loop_launchers.py (two attempts, one line)",
-    "fault=nonfinite": "integration/test_instability_runs.py runs it (the step skipped, the run goes on)",
+    "fault=nonfinite": "system/test_instability.py runs it (ddp(2): the step skipped on both ranks, the quick start's "
+    "accuracy reached); integration/test_instability_runs.py in one process",
+    "pitstop.audit outputs/runs/nan": "system/test_instability.py audits that run (the skipped step's samples apart)",
     "fault=poison": "integration/test_instability_runs.py runs it (the sample quarantined, the audit clean over two "
     "epochs)",
+    "pitstop.audit outputs/runs/poison": "integration/test_instability_runs.py audits that run (pitstop.audit's main)",
     "optim.lr=1e6": "exits 2 on purpose; system/test_instability.py runs it (stops in one line, no restart)",
     "fault=bitflip": "system/test_sdc_ddp.py runs it (named, undone, the uninterrupted run's parameters); without a "
     "checkpoint it exits 2 on purpose (integration/test_rollback.py: nothing to roll back to)",
     "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
     "+callbacks.best._target_=my_callbacks.BestAccuracy": "needs the page's my_callbacks.py in the folder it runs "
     "from: system/test_callbacks.py writes it there from the page and runs the command, checking its excerpt",
+    "python -m pytest tests/unit/test_schedule.py": "runs in the checkout (a user's project dir has no tests): "
+    "unit/test_docs_outputs.py runs it there",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
     "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
 }

@@ -6,6 +6,7 @@ keys are one line before anything runs. The kill -9 and launcher versions are in
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from conftest import read_jsonl, refused, train
-from pitstop.audit import audit
+from manual import assert_shows, page_output
+from pitstop.audit import audit, main as audit_main
 from pitstop.ckpt.verify import main as verify_main
 from pitstop.train.instability import InstabilityStop
 
@@ -78,13 +80,18 @@ def test_a_skipped_last_step_ends_the_epochs_one_step_early_and_that_step_is_sav
     assert (epoch.once, epoch.skipped, epoch.repeated, epoch.missing) == (22 * 64, 1438 - 22 * 64, 0, 0)
 
 
-def test_a_poisoned_sample_is_quarantined_and_every_other_sample_is_taken_once_per_epoch(make_cfg, tmp_path):
+def test_a_poisoned_sample_is_quarantined_and_every_other_sample_is_taken_once_per_epoch(
+    make_cfg, tmp_path, caplog, capsys
+):
     first = make_cfg(*RUN, "trainer.max_steps=1", "trainer.batch_size=64", f"run_dir={tmp_path / 'peek'}")
     train(first)
     key = read_jsonl(Path(first.run_dir) / "samples.rank0.jsonl")[1]["keys"][7]  # a sample of the first batch
     cfg = make_cfg(*RUN, "trainer.max_steps=null", "trainer.epochs=2", "trainer.batch_size=64",
                    "trainer.eval_every_steps=null", "fault=poison", f"fault.sample={key}")  # fmt: skip
-    s = train(cfg)
+    with caplog.at_level(logging.INFO, logger="pitstop"):
+        s = train(cfg)
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert_shows(page_output("fault=poison"), said, "a bad record (wrong-without-crashing)")
     assert s["instability"] == {"skipped_steps": 1, "rollbacks": 0, "quarantined": [key]}
     assert s["goodput"]["restarts"] == 0 and s["epoch"] == 1 and _instability_seconds(cfg.run_dir) > 0
     assert json.loads((Path(cfg.run_dir) / "instability.json").read_text())["quarantined"] == [key]
@@ -93,6 +100,9 @@ def test_a_poisoned_sample_is_quarantined_and_every_other_sample_is_taken_once_p
     assert (e1.once, e1.skipped, e1.quarantined, e1.repeated, e1.missing) == (1437, 0, 1, 0, 0)
     fed = [k for r in read_jsonl(Path(cfg.run_dir) / "samples.rank0.jsonl") if "keys" in r for k in r["keys"]]
     assert fed.count(key) == 1  # seen once, in the batch whose step was skipped; never fed again
+    capsys.readouterr()
+    assert audit_main([str(cfg.run_dir)]) == 0
+    assert_shows(page_output("pitstop.audit outputs/runs/poison"), capsys.readouterr().out, "the audit of a quarantine")
     _no_checkpoint_holds_a_nan(cfg.run_dir)
 
 

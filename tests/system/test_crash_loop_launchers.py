@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import cli, cli_cmd, popen_cmd
+from manual import assert_shows, page_output
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,7 @@ def test_a_deterministic_bug_stops_after_two_attempts_under_the_supervisor(data_
     assert p.returncode == 2, p.stderr[-3000:]
     assert "the same failure happened twice at step 6 on rank 0" in last and "expected a batch of 64" in last
     assert f"{run_dir}/train.log" in last
+    assert_shows(page_output("fault=bug fault.step=6"), p.stdout + p.stderr, "a crash loop (wrong-without-crashing)")
     attempts = json.loads((run_dir / "goodput.json").read_text())["attempts"]
     assert len(attempts) == 2 and [f["attempt"] for f in failures(run_dir)] == [0, 1]
     assert not (run_dir / "summary.json").exists()

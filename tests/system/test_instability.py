@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PY, cli, cli_cmd, popen_cmd, read_jsonl, run_cmd, tiny_cfg, train
+from manual import assert_shows, page_output
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,9 @@ def test_a_nan_on_one_rank_of_ddp_is_skipped_on_every_rank_and_the_quick_start_r
         assert [r["skip"] for r in skips] == [100], rank
     out = _audit(run_dir)
     assert "every sample exactly once" in out and " skipped " in out.splitlines()[0]
+    # (the manual shows this run: its command is the page's, but for logger=none, restarts and the paths)
+    assert_shows(page_output("fault=nonfinite fault.step=100"), p.stdout + p.stderr, "a NaN once, ddp(2)")
+    assert_shows(page_output("pitstop.audit outputs/runs/nan"), out, "the audit of a run with a skipped step")
 
 
 def test_a_diverging_run_stops_in_one_line_with_exit_status_2_and_no_restart(data_root, tmp_path):
@@ -52,6 +56,7 @@ def test_a_diverging_run_stops_in_one_line_with_exit_status_2_and_no_restart(dat
     assert p.returncode == 2, p.stderr[-3000:]
     assert last.startswith("error: training is unstable: non-finite loss, gradient norm or buffer at step 4"), last
     assert "after 2 rollback(s) (max_rollbacks=2)" in last
+    assert_shows(page_output("optim.lr=1e6"), p.stdout + p.stderr, "a run that diverges")
     assert len(json.loads((run_dir / "goodput.json").read_text())["attempts"]) == 1  # (3 restarts left unused)
     assert run_cmd([PY, "-m", "pitstop.ckpt.verify", str(run_dir)]).returncode == 0
     assert not (run_dir / "summary.json").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, final_losses, read_jsonl
+from manual import assert_shows, page_output
 
 pytestmark = pytest.mark.slow  # real ranks in subprocesses
 
@@ -59,6 +60,7 @@ def test_a_flipped_bit_on_rank_1_is_named_undone_and_the_run_ends_as_the_uninter
     assert found["ranks"] == [1] and found["tensors"][0].endswith("weight")  # (two ranks: named by the replay)
     log = (run_dir / "train.log").read_text()
     assert "silent data corruption at step 8" in log and "was on rank(s) [1]" in log
+    assert_shows(page_output("run_dir=outputs/runs/sdc"), p.stdout + p.stderr, "a flipped bit (the page: 60 steps)")
     (suspect,) = json.loads((run_dir / "suspects.json").read_text())["suspects"]
     assert suspect["rank"] == 1 and suspect["step"] == 8 and suspect["host"]
     # Undone: the same parameters and the same losses as the uninterrupted run, bitwise; the flip happened once.

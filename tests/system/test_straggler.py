@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, cli_cmd, popen_cmd, read_jsonl
+from manual import assert_shows, page_output
 from pitstop.ckpt.layout import is_complete
 
 # real ranks in subprocesses; serial: what they assert is one rank's work against another's, which a neighbour test's
@@ -58,6 +59,7 @@ def test_a_rank_at_half_speed_is_named_within_two_windows_and_its_wait_booked(da
     assert named[0]["step"] <= FROM - 1 + 2 * W  # (within two windows of the slowdown)
     log = (run_dir / "train.log").read_text()
     assert log.count("straggler: rank 1 (node ") == 1 and f"since step {FROM}" in log
+    assert_shows(page_output("fault=slow_rank"), p.stdout + p.stderr, "a slow rank (slow-ranks-and-bad-nodes)")
     # Booked: at least half of what rank 1 slept (the others waited that long in the all-reduce), out of compute.
     slept = injected(run_dir)
     totals = json.loads((run_dir / "goodput.json").read_text())["totals"]

@@ -4,11 +4,16 @@ every excerpt is checked by a test that runs its command."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
-from manual import ROOT, excerpt_missing, not_run, page_outputs
+import pytest
+
+from manual import ROOT, assert_shows, excerpt_missing, not_run, page_output, page_outputs
 
 RUN = """[2026-12-05 06:55:22,901][pitstop.launch][INFO] - node vm is healthy (0.07 s): 1 dir(s) writable
 [2026-12-05 06:55:23,100][pitstop.train][INFO] - step 25/25 loss 0.4132
+[2026-12-05 06:55:23,200][rank0][pitstop][INFO] - done: step 25
 error: data dir not found: /tmp/x/data/digits
 """
 
@@ -20,6 +25,8 @@ def test_an_excerpt_matches_without_the_log_prefix_with_any_number_and_elided_te
     # an aligned column: the spaces before a number change with its width
     assert excerpt_missing("  productive          1.13 s   17.2%", "  productive         14.43 s    7.2%") == []
     assert excerpt_missing("productive 1.13 s", "productive1.13 s") != []  # (a space is not nothing)
+    assert excerpt_missing("done: step 25", RUN) == []  # (a rank's line: [time][rank0][logger][LEVEL] - )
+    assert excerpt_missing("step 25/25   loss 0.4132", RUN) == []  # (a column as wide as its number: any spaces)
 
 
 def test_an_excerpt_line_the_run_did_not_print_is_named():
@@ -41,3 +48,13 @@ def test_every_excerpt_follows_a_command_that_a_test_runs_and_checks_it_against(
                 f"{page.name}: the excerpt after {cmd!r} is checked by no test (test_readme does not run it: "
                 f"{not_run(cmd)[:60]}...); call manual.page_output with part of the command in the test that does"
             )
+
+
+@pytest.mark.slow  # (a pytest in a subprocess: seconds)
+def test_running_one_test_file_prints_what_the_testing_guide_shows():
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/unit/test_schedule.py", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert_shows(page_output("python -m pytest tests/unit/test_schedule.py"), p.stdout + p.stderr, "one test file")
