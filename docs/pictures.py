@@ -3,7 +3,7 @@
 (``pitstop.goodput.timeline``) or a sweep's ``report.png``.
 
 - ``timeline-killed-twice.png``: a run killed twice under the supervisor (``fault=random`` drawn in steps, seeded:
-  attempt 1 dies at step 25, attempt 2 at step 39), each time restarted and resumed from its newest checkpoint.
+  attempt 1 dies at step 77, attempt 2 at step 107), each time restarted and resumed from its newest checkpoint.
 - ``sweep-report.png``: a sweep's ``report.png`` (``-m ckpt=sync_save,async_dcp``).
 - ``straggler.png``: the time line of a ``strategy=ddp`` run of two processes where ``fault=slow_rank`` slows rank 1
   and ``trainer.straggler`` names it.
@@ -23,45 +23,49 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "pictures")
 WORK = os.path.join(ROOT, ".cache", "docs-pictures")
 MADE_BY = ("src", "recipe", "conf", "docs/pictures.py")
-TINY = ["debug=tiny", "trainer.batch_size=32"]  # (32: steps long enough to see, the whole build still short)
+TINY = ["debug=tiny"]
 
 # picture: the run's overrides (besides paths and run_dir) and what the run must show for the picture to say it
 RUNS: dict[str, list[str]] = {
-    # seed 61, a mean of 25 steps: attempt 1 fails after 25 steps (resumes from the save of step 20), attempt 2
-    # after 19 more (step 39: resumes from 30), attempt 3 would after 62: it finishes (pitstop.resilience.fault)
+    # seed 215, a mean of 80 steps: attempt 1 fails after 77 steps (resumes from the save of step 60), attempt 2
+    # after 47 more (step 107: resumes from 100), attempt 3 would after 129: it finishes (pitstop.resilience.fault)
     "timeline-killed-twice": [
         *TINY,
-        "trainer.max_steps=60",
-        "trainer.eval_every_steps=15",
+        "trainer.batch_size=32",  # (steps long enough to be seen beside the program's start)
+        "trainer.max_steps=200",
+        "trainer.eval_every_steps=50",
         "ckpt=sync_dcp",
-        "ckpt.interval_steps=10",
+        "ckpt.interval_steps=20",
         "fault=random",
-        "fault.mtbf_steps=25",
-        "fault.seed=61",
+        "fault.mtbf_steps=80",
+        "fault.seed=215",
         "trainer.max_restarts=2",
     ],
     "straggler": [
         *TINY,
         "strategy=ddp",
-        "trainer.max_steps=80",
-        "trainer.eval_every_steps=40",
+        "trainer.max_steps=60",
+        "trainer.eval_every_steps=30",
         "fault=slow_rank",
         "fault.rank=1",
         "fault.factor=3",
-        "fault.from_step=30",
+        "fault.from_step=20",
         "trainer.straggler.window=10",
     ],
-    "skipped-step": [*TINY, "trainer.max_steps=40", "trainer.eval_every_steps=20", "fault=nonfinite", "fault.step=20"],
+    "skipped-step": [*TINY, "trainer.max_steps=30", "trainer.eval_every_steps=15", "fault=nonfinite", "fault.step=15"],
 }
-SWEEP = ["-m", *TINY, "trainer.max_steps=40", "ckpt.interval_steps=10", "ckpt=sync_save,async_dcp"]
+SWEEP = ["-m", *TINY, "trainer.max_steps=20", "ckpt.interval_steps=5", "ckpt=sync_save,async_dcp"]
 NAMES = (*RUNS, "sweep-report")
+DRAWING = threading.Lock()
 
 
 class PictureFailed(RuntimeError):
@@ -95,7 +99,7 @@ def up_to_date(k: str) -> bool:
 def run(name: str, args: list[str], log_path: str) -> None:
     """``python -m`` ``args`` in the work folder, its output to ``log_path``; PictureFailed naming both if it fails."""
     path = [os.path.join(ROOT, "src"), ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}  # (two runs at a time)
     env.pop("MLFLOW_TRACKING_URI", None)
     with open(log_path, "w") as log:
         p = subprocess.run([sys.executable, "-m", *args], cwd=WORK, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -127,28 +131,41 @@ def build(force: bool = False) -> bool:
     k = key()
     if not force and up_to_date(k):
         return False
-    from pitstop.goodput.timeline import draw
-
     t0 = time.time()
     shutil.rmtree(WORK, ignore_errors=True)
     os.makedirs(WORK)
     os.makedirs(OUT, exist_ok=True)
     paths = [f"paths.root_dir={WORK}"]
     run("data", ["recipe.prepare", *paths], os.path.join(WORK, "prepare.log"))
-    for name, args in RUNS.items():
-        run_dir, log_path = os.path.join(WORK, name), os.path.join(WORK, f"{name}.log")
-        run(name, ["recipe.train", *args, *paths, f"run_dir={run_dir}"], log_path)
-        check(name, run_dir, log_path)
+    with ThreadPoolExecutor(2) as pool:  # (two at a time: most of a tiny run is its program's start)
+        for done in [pool.submit(picture, name, args, paths) for name, args in RUNS.items()] + [
+            pool.submit(sweep_report, paths)
+        ]:
+            done.result()
+    with open(os.path.join(OUT, ".key"), "w") as f:
+        f.write(k + "\n")
+    print(f"docs pictures: {len(NAMES)} drawn from real runs in {time.time() - t0:.0f} s ({OUT})", file=sys.stderr)
+    return True
+
+
+def picture(name: str, args: list[str], paths: list[str]) -> None:
+    """One run, checked, and its time line drawn."""
+    from pitstop.goodput.timeline import draw
+
+    run_dir, log_path = os.path.join(WORK, name), os.path.join(WORK, f"{name}.log")
+    run(name, ["recipe.train", *args, *paths, f"run_dir={run_dir}"], log_path)
+    check(name, run_dir, log_path)
+    with DRAWING:  # (pyplot is not thread-safe)
         draw(run_dir, os.path.join(OUT, f"{name}.png"))
+
+
+def sweep_report(paths: list[str]) -> None:
+    """The sweep, and its report.png."""
     sweep, log_path = os.path.join(WORK, "sweep"), os.path.join(WORK, "sweep-report.log")
     run("sweep-report", ["recipe.train", *SWEEP, *paths, f"hydra.sweep.dir={sweep}"], log_path)
     if not os.path.isfile(os.path.join(sweep, "report.png")):
         raise PictureFailed(f"docs picture sweep-report: the sweep wrote no {sweep}/report.png; its log: {log_path}")
     shutil.copyfile(os.path.join(sweep, "report.png"), os.path.join(OUT, "sweep-report.png"))
-    with open(os.path.join(OUT, ".key"), "w") as f:
-        f.write(k + "\n")
-    print(f"docs pictures: {len(NAMES)} drawn from real runs in {time.time() - t0:.0f} s ({OUT})", file=sys.stderr)
-    return True
 
 
 def on_pre_build(config) -> None:  # noqa: ANN001 - MkDocs' hook signature
