@@ -39,6 +39,7 @@ class Span:
     start: float  # seconds since the job's first attempt started
     end: float
     what: str
+    attempt: int = 0  # its attempt's number (a gap: the attempt after it)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Line:
     sdc: list[tuple[float, int]] = field(default_factory=list)  # a corruption detected (then undone): at its step
     # a rank named slow (trainer.straggler): (when, the step it was named at, since which step, the rank)
     stragglers: list[tuple[float, int, int, int]] = field(default_factory=list)
-    spans: list[Span] = field(default_factory=list)  # where the time went, in time order per attempt
+    spans: list[Span] = field(default_factory=list)  # where the time went, attempt by attempt, each in time order
 
     def present(self) -> list[str]:
         """The kinds of stretch this line has (what its legend lists), in the order an attempt meets them."""
@@ -131,7 +132,7 @@ def read(run_dir: str, name: str = "") -> Line:
     per_attempt: list[list[tuple[float, dict]]] = [[] for _ in attempts]
     for at, r in _records(run_dir, t0):
         step = int(r["step"])
-        k = max((i for i, a in enumerate(attempts) if a.start <= at + SLACK), default=0)
+        k = _attempt_of(attempts, at)
         per_attempt[k].append((at, r))
         if "loss" in r:
             line.steps.append((at, step))
@@ -154,9 +155,17 @@ def read(run_dir: str, name: str = "") -> Line:
         if recs:
             a.end = max(a.end, max(at for at, _ in recs))  # (a killed attempt ran until its last line at least)
         if i and a.start > attempts[i - 1].end:
-            line.spans.append(Span(attempts[i - 1].end, a.start, "recovery_gap"))
-        line.spans += _spans(a, recs)
+            line.spans.append(Span(attempts[i - 1].end, a.start, "recovery_gap", a.number))
+        line.spans += sorted(_spans(a, recs), key=lambda s: s.start)  # (a save's line may come after the next step's)
     return line
+
+
+def _attempt_of(attempts: list[Attempt], at: float) -> int:
+    """The attempt a line written at ``at`` belongs to: the first whose span holds it (in-process reruns of one
+    program overlap: each attempt's start is the program's), else the last one started before it (a killed
+    attempt's last lines come after its last heartbeat)."""
+    held = [i for i, a in enumerate(attempts) if a.start - SLACK <= at <= a.end + SLACK]
+    return held[0] if held else max((i for i, a in enumerate(attempts) if a.start <= at + SLACK), default=0)
 
 
 def _num(r: dict, key: str) -> float:
@@ -175,7 +184,7 @@ def _spans(a: Attempt, recs: list[tuple[float, dict]]) -> list[Span]:
     for b in STARTUP:  # (one after the other from the attempt's start, up to its first step)
         width = a.buckets.get(b, 0.0)
         if width > 0 and at < first:
-            out.append(Span(at, min(at + width, first), b))
+            out.append(Span(at, min(at + width, first), b, a.number))
         at += width
     step_end: dict[int, float] = {}  # (this attempt's steps and evaluations: where a save starts)
     eval_end: dict[int, float] = {}
@@ -185,20 +194,20 @@ def _spans(a: Attempt, recs: list[tuple[float, dict]]) -> list[Span]:
         if "loss" in r:
             compute, fetch = _num(r, "compute_seconds"), _num(r, "fetch_seconds")
             if fetch:
-                out.append(Span(at - compute - fetch, at - compute, "data_wait"))
-            out.append(Span(at - compute, at, "compute"))
+                out.append(Span(at - compute - fetch, at - compute, "data_wait", a.number))
+            out.append(Span(at - compute, at, "compute", a.number))
             step_end[step] = done = at
             a.last_step = max(a.last_step or 0, step)
         elif r.get("event") == "skip":  # (the step ran, then was not applied)
-            out.append(Span(min(done, at), at, "instability"))
+            out.append(Span(min(done, at), at, "instability", a.number))
             done = at
         elif any(k.startswith("val_") for k in r):
-            out.append(Span(min(step_end.get(step, at), at), at, "eval"))
+            out.append(Span(min(step_end.get(step, at), at), at, "eval", a.number))
             eval_end[step] = done = at
         elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
             block = _num(r, "ckpt_block_seconds") + _num(r, "ckpt_local_block_seconds")
             begin = max(step_end.get(step, at - block), eval_end.get(step, 0.0))
-            out.append(Span(begin, begin + block, "checkpoint"))
+            out.append(Span(begin, begin + block, "checkpoint", a.number))
             done = max(done, begin + block)
     return out
 
