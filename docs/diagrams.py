@@ -24,6 +24,7 @@ FONT, LINE, PAD_X, PAD_Y = 13, 17, 12, 8  # px: text size, line height, box padd
 GAP_IN, GAP_ACROSS, GAP_EDGES = 28, 22, 10  # px between layers, between the nodes of a layer, between edges
 SLACK = 1.12  # a browser's sans may be wider than the font measured
 LABEL = 11  # px: an edge label's text size
+SHRINK = 0.8  # the least a diagram is scaled to fit the page
 
 
 class DiagramError(ValueError):
@@ -172,7 +173,7 @@ def svg(source: str, title: str = "diagram") -> str:
     height = max(n.y + n.h / 2 for n in nodes.values()) + 2 * m
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="diagram" viewBox="0 0 {width:.0f} {height:.0f}" '
-        f'width="{width:.0f}" role="img" aria-label="{html.escape(title)}" style="max-width:100%;height:auto" '
+        f'width="{width:.0f}" role="img" aria-label="{html.escape(title)}" style="{_fit(width)}" '
         f'font-family="DejaVu Sans, Verdana, sans-serif" font-size="{FONT}">',
         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
@@ -209,10 +210,17 @@ def svg(source: str, title: str = "diagram") -> str:
     return "".join([*out, *labels, "</svg>"])
 
 
+def _fit(width: float) -> str:
+    """The drawing's size on the page: the page's width, never under SHRINK of its own (its text stays legible: a
+    wider one scrolls sideways), never over its own."""
+    return f"width:100%;min-width:{width * SHRINK:.0f}px;max-width:{width:.0f}px;height:auto"
+
+
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - MkDocs' hook signature
     def drawn(m: re.Match) -> str:
         try:
-            return f'<div class="diagram">{svg(m.group(1), page.title or page.file.src_uri)}</div>\n'
+            picture = svg(m.group(1), page.title or page.file.src_uri)
+            return f'<div class="diagram" style="overflow-x:auto">{picture}</div>\n'
         except DiagramError as e:
             line = markdown[: m.start()].count("\n") + 1
             raise DiagramError(f"{page.file.src_uri}:{line}: the mermaid diagram cannot be drawn: {e}") from None
