@@ -148,8 +148,9 @@ def _lane(lane: object, line: Line) -> list[tuple[float, float, object]]:
     for a in line.attempts:
         colour = ENDS.get(a.status, ENDS["running"])[0]
         lane.plot([a.end], [0], marker="|" if a.status == "finished" else "x", color=colour, markersize=14, mew=2)
-        labels.append((a.start, a.end, lane.text(a.start, BAR / 2 + 0.1, said(a), fontsize=7, color=colour,
-                                                 va="bottom")))  # fmt: skip
+        text = lane.text(a.start, BAR / 2 + 0.1, said(a), fontsize=7, color=colour, va="bottom", zorder=4,
+                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.9})  # fmt: skip
+        labels.append((a.start, a.end, text))  # (its white ground hides a higher label's leader behind it)
     lane.set_yticks([])
     lane.set_ylim(-BAR / 2 - 0.15, BAR / 2 + ROW)
     return labels
@@ -170,7 +171,8 @@ def _stack(lane: object, labels: list[tuple[float, float, object]]) -> None:
         ends[level : level + 1] = [x + width]
         text.set_position((x, BAR / 2 + 0.1 + level * ROW))
         if x != start:
-            lane.plot([start, start], [BAR / 2, BAR / 2 + 0.1 + level * ROW], color=text.get_color(), linewidth=0.6)
+            lane.plot([start, start], [BAR / 2, BAR / 2 + 0.1 + level * ROW], color=text.get_color(), linewidth=0.6,
+                      zorder=3)  # fmt: skip
     lane.set_ylim(-BAR / 2 - 0.15, BAR / 2 + max(1, len(ends)) * ROW + 0.1)
 
 
