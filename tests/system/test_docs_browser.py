@@ -149,8 +149,9 @@ def test_the_checks_find_a_missing_picture_a_diagram_left_as_source_and_a_reques
     text = page.read_text()
     # the page as it is built without docs/diagrams.py: superfences' mermaid block, which Material renders with
     # mermaid fetched from its CDN
-    text = re.sub(r'<div class="diagram">.*?</svg></div>', '<pre class="mermaid"><code>flowchart TD\n    A --> B\n'
+    text = re.sub(r'<div class="diagram"[^>]*>.*?</svg></div>', '<pre class="mermaid"><code>flowchart TD\n    A --> B\n'
                   '</code></pre>', text, count=1, flags=re.S)  # fmt: skip
+    assert "flowchart TD" in text  # (the diagram was replaced)
     page.write_text(text)
     said = [f for page in ("guides/goodput/", "architecture/") for f in faults(page, opened(broken, page)[0])]
     assert any("sweep-report.png did not load" in s for s in said), said
