@@ -32,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "pictures")
 WORK = os.path.join(ROOT, ".cache", "docs-pictures")
 MADE_BY = ("src", "recipe", "conf", "docs/pictures.py")
-TINY = ["debug=tiny"]
+TINY = ["debug=tiny", "trainer.batch_size=32"]  # (32: steps long enough to be seen beside the program's start)
 
 # picture: the run's overrides (besides paths and run_dir) and what the run must show for the picture to say it
 RUNS: dict[str, list[str]] = {
@@ -40,7 +40,6 @@ RUNS: dict[str, list[str]] = {
     # after 47 more (step 107: resumes from 100), attempt 3 would after 129: it finishes (pitstop.resilience.fault)
     "timeline-killed-twice": [
         *TINY,
-        "trainer.batch_size=32",  # (steps long enough to be seen beside the program's start)
         "trainer.max_steps=200",
         "trainer.eval_every_steps=50",
         "ckpt=sync_dcp",
@@ -61,9 +60,9 @@ RUNS: dict[str, list[str]] = {
         "fault.from_step=20",
         "trainer.straggler.window=10",
     ],
-    "skipped-step": [*TINY, "trainer.max_steps=30", "trainer.eval_every_steps=15", "fault=nonfinite", "fault.step=15"],
+    "skipped-step": [*TINY, "trainer.max_steps=80", "trainer.eval_every_steps=40", "fault=nonfinite", "fault.step=50"],
 }
-SWEEP = ["-m", *TINY, "trainer.max_steps=20", "ckpt.interval_steps=5", "ckpt=sync_save,async_dcp"]
+SWEEP = ["-m", "debug=tiny", "trainer.max_steps=20", "ckpt.interval_steps=5", "ckpt=sync_save,async_dcp"]
 NAMES = (*RUNS, "sweep-report")
 DRAWING = threading.Lock()
 

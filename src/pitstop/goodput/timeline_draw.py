@@ -115,9 +115,11 @@ def _steps(top: object, lane: object, line: Line) -> dict[str, object]:
             top.plot([t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5,
                      linestyle="none")  # fmt: skip
             used[label] = Line2D([], [], marker=marker, color=colour, linestyle="none", label=label)
-    for t, s in line.skips:
-        top.annotate(f"step {s} skipped", (t, s), xytext=(6, 8), textcoords="offset points", fontsize=7,
-                     color=COLOURS["instability"])  # fmt: skip
+    last = max((a.end for a in line.attempts), default=0.0)
+    for t, s in line.skips:  # (to the left of its mark in the right part of the picture: it stays inside)
+        right = t > 0.6 * last
+        top.annotate(f"step {s} skipped", (t, s), xytext=(-6 if right else 6, 8), textcoords="offset points",
+                     ha="right" if right else "left", fontsize=7, color=COLOURS["instability"])  # fmt: skip
     for t, s, since, rank in line.stragglers:  # (named at step `s`, slow since step `since`)
         began = next((u for u, k in line.steps if k >= since and u <= t), t)
         for ax in (top, lane):
