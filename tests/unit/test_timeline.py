@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -66,3 +67,87 @@ def test_a_skipped_step_and_a_rollback_are_marked(tmp_path):
     assert [(round(t, 3), s) for t, s in line.skips] == [(5.2, 5)] and line.rollbacks == [(5.5, 2)]
     assert [s for _, s in line.steps] == [1, 2, 3, 4]  # (neither is a step taken)
     assert draw(str(tmp_path)).endswith("timeline.png")
+
+
+def _attempt_since(run_dir, seconds, resumed_from=None):
+    """An attempt whose program started ``seconds`` ago, as the runner opens its goodput log; its start (the wall
+    clock) is the time line's zero when it is the first."""
+    log = GoodputLog(str(run_dir), Ledger(time.time() - seconds), heartbeat=0.0)
+    log.resumed(resumed_from)
+    return log, log.ledger.start_wall
+
+
+def _line(path, t0, record):
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**record, "time": round(t0 + record["time"], 3)}) + "\n")
+
+
+def test_each_stretch_is_drawn_where_it_happened_not_summed(tmp_path):
+    # the runner's order: a step's line as it ends (its data wait and compute before it), an evaluation's as it
+    # ends, then the save blocks; the start buckets one after the other from the attempt's start
+    log, t0 = _attempt_since(tmp_path, 2.0)
+    log.ledger.add("init", 0.5)
+    _line(tmp_path, t0, {"step": 1, "loss": 1.0, "fetch_seconds": 0.2, "compute_seconds": 0.3, "time": 3.0})
+    _line(tmp_path, t0, {"step": 2, "loss": 1.0, "fetch_seconds": 0.0, "compute_seconds": 0.4, "time": 3.5})
+    _line(tmp_path, t0, {"step": 2, "val_loss": 1.0, "time": 3.9})
+    _line(tmp_path, t0, {"step": 2, "ckpt_block_seconds": 0.25, "ckpt_total_seconds": 0.25, "time": 4.2})
+    _line(tmp_path, t0, {"step": 3, "loss": 1.0, "fetch_seconds": 1.0, "compute_seconds": 0.3, "time": 5.6})
+    log.write(3, status="finished")
+    line = read(str(tmp_path))
+    assert [(s.start, s.end, s.what) for s in line.spans] == [
+        (0.0, pytest.approx(2.0, abs=0.01), "program_start"),
+        (pytest.approx(2.0, abs=0.01), pytest.approx(2.5, abs=0.01), "init"),
+        (pytest.approx(2.5, abs=0.002), pytest.approx(2.7, abs=0.002), "data_wait"),  # step 1's, before its compute
+        (pytest.approx(2.7, abs=0.002), pytest.approx(3.0, abs=0.002), "compute"),
+        (pytest.approx(3.1, abs=0.002), pytest.approx(3.5, abs=0.002), "compute"),  # (no wait: none drawn)
+        (pytest.approx(3.5, abs=0.002), pytest.approx(3.9, abs=0.002), "eval"),  # after its step's line, to its own
+        (pytest.approx(3.9, abs=0.002), pytest.approx(4.15, abs=0.002), "checkpoint"),  # then the save blocks
+        (pytest.approx(4.3, abs=0.002), pytest.approx(5.3, abs=0.002), "data_wait"),  # step 3's: not summed with 1's
+        (pytest.approx(5.3, abs=0.002), pytest.approx(5.6, abs=0.002), "compute"),
+    ]
+    assert line.present() == ["program_start", "init", "data_wait", "compute", "eval", "checkpoint"]
+
+
+def _planted(run_dir, attempts):
+    """``goodput.json`` as the goodput log writes it: ``attempts`` = (start, end, status, resumed_from)."""
+    records = [
+        {"attempt": k + 1, "start": start, "end": end, "status": status, "step": 0, "resumed_from": resumed,
+         "buckets": {"program_start": 0.05, "compute": end - start - 0.05}}
+        for k, (start, end, status, resumed) in enumerate(attempts)
+    ]  # fmt: skip
+    (run_dir / "goodput.json").write_text(json.dumps({"attempts": records}))
+
+
+def test_a_killed_attempt_ends_at_its_last_line_and_the_gap_before_a_restart_is_drawn(tmp_path):
+    # attempt 1's last heartbeat at 0.5 s, then it took steps 1 and 2 and was killed; attempt 2 resumed at 3 s
+    _planted(tmp_path, [(100.0, 100.5, "running", None), (103.0, 104.0, "finished", 0)])
+    for step in (1, 2):
+        _line(tmp_path, 100.0, {"step": step, "loss": 1.0, "fetch_seconds": 0.1, "compute_seconds": 0.2, "time": step})
+    line = read(str(tmp_path))
+    first, second = line.attempts
+    assert (first.end, first.last_step, first.status) == (2.0, 2, "running")
+    assert [(s.start, s.end) for s in line.spans if s.what == "recovery_gap"] == [(2.0, 3.0)]
+    assert [s.what for s in line.spans if s.start >= 3.0] == ["program_start"]  # (attempt 2 took no step)
+
+
+def test_the_legend_lists_only_what_the_picture_shows_and_no_text_covers_another(tmp_path):
+    from matplotlib.text import Text
+
+    from pitstop.goodput.timeline_draw import _legend, figure
+
+    # four short attempts close together, then a long one: on one row their labels would cover one another
+    _planted(tmp_path, [(100.0, 100.2, "running", None), (100.25, 100.4, "running", 0), (100.45, 100.6, "running", 0),
+                        (100.65, 100.8, "running", 0), (100.85, 110.0, "finished", 0)])  # fmt: skip
+    for k, t in enumerate((100.1, 100.3, 100.5, 100.7, 101.0, 109.0)):
+        _line(tmp_path, 0.0, {"step": k + 1, "loss": 1.0, "compute_seconds": 0.05, "time": t})
+    found = lines(str(tmp_path))
+    labels = [h.get_label() for h in _legend(found, {})]
+    assert "quorum" not in labels and "data wait" not in labels and "compute" in labels  # (no replicas, no wait)
+    fig = figure(found)
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    assert sum(text.startswith("attempt ") for text, _ in boxes) == 5
+    for i, (a, box) in enumerate(boxes):
+        for b, other in boxes[i + 1 :]:
+            assert not box.overlaps(other), f"{a!r} covers {b!r}"

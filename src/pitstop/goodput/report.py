@@ -262,6 +262,9 @@ def write_report(sweep_dir: str) -> list[dict]:
     return rows
 
 
+SEEN = 0.002  # the least share of a bar the legend names (less is under a pixel wide)
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -269,10 +272,12 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [r["label"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(
-        1, 2, figsize=(12, 1.2 + 0.55 * len(rows)), sharey=True, gridspec_kw={"width_ratios": [3, 1.3]}
-    )
+    fig, (ax1, ax2) = plt.subplots(  # (constrained: the legend below the axes' labels, never over them)
+        1, 2, figsize=(12, 1.6 + 0.55 * len(rows)), sharey=True, gridspec_kw={"width_ratios": [3, 1.3]},
+        layout="constrained",
+    )  # fmt: skip
     y = list(range(len(rows)))
+    shown: set[str] = set()
     for i, r in enumerate(rows):
         t, total = r.get("totals") or {}, r.get("total_s") or 0.0
         if r["status"] != "ok" or not total:
@@ -287,7 +292,7 @@ def _plot(rows: list[dict], path: str) -> None:
                 frac,
                 left=left,
                 color=COLORS[b],
-                label=b if i == next(j for j, rr in enumerate(rows) if rr["status"] == "ok") else None,
+                label=b if frac >= SEEN and b not in shown and not shown.add(b) else None,  # (only what is seen)
             )
             left += frac
         ax1.text(0.01, i, f"{r['goodput'] * 100:.1f}%", va="center", color="white", fontweight="bold", fontsize=9)
@@ -300,10 +305,8 @@ def _plot(rows: list[dict], path: str) -> None:
     ax1.set_title("where the time went (goodput = productive)")
     ax2.set_xlabel("samples/s (wall clock)")
     ax2.set_title("throughput")
-    bottom = min(0.3, 0.5 / (1.2 + 0.55 * len(rows)))
-    if any(r["status"] == "ok" for r in rows):
-        fig.legend(ncol=5, fontsize=8, loc="lower center", frameon=False)
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    if shown:
+        fig.legend(ncol=6, fontsize=8, loc="outside lower center", frameon=False)
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)

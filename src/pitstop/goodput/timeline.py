@@ -1,9 +1,16 @@
-"""A run's time line: its attempts on one clock, coloured by the ledger's buckets, with its steps, saves,
-evaluations, failures, restarts and heals, the steps skipped and the rollbacks of ``trainer.instability``, the
-corruptions found by ``trainer.sdc`` and the slow ranks named by ``trainer.straggler``. Read from the run dir alone
-(``goodput.json``, ``metrics.jsonl``), so it draws any run, also one that was killed:
+"""A run's time line: its attempts on one wall clock, each stretch of time drawn where it happened: the start of each
+attempt (program start, health check, init, restore), every step's data wait and compute, every evaluation and
+save, the steps skipped by ``trainer.instability``, the gaps between attempts, how each attempt ended; with the steps
+reached, the rollbacks, the corruptions found by ``trainer.sdc``, the heals and the slow ranks named by
+``trainer.straggler``. Read from the run dir alone (``goodput.json``, ``metrics.jsonl``), so it draws any run, also
+one that was killed:
 
     python -m recipe.goodput --timeline RUN_DIR        # -> RUN_DIR/timeline.png
+
+Where each stretch lies comes from what the run writes anyway: a step's ``metrics.jsonl`` line is written as it ends
+(``time``) with its ``fetch_seconds`` (the data wait) and ``compute_seconds`` before it; an evaluation runs right
+after its step's line and its metrics are written as it ends; a save blocks right after them for its
+``ckpt_block_seconds``; an attempt's start buckets (``goodput.json``) run one after the other from its start.
 
 A job of replica groups (``strategy=ft``) draws one panel per group (``RUN_DIR/replica{K}/``). ``logger=mlflow``
 draws it at the end of each attempt, in the tracker's own process, and logs it as the run's artifact.
@@ -17,52 +24,34 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from pitstop.goodput.ledger import BUCKETS as LEDGER
+from pitstop.goodput.ledger import STARTUP
 from pitstop.statefile import GOODPUT, Damaged, parse
 
 log = logging.getLogger("pitstop.goodput")
 
-# The ledger's buckets, in the order an attempt meets them (its start, then the loop's); the colours are fixed so
-# that pictures compare.
-BUCKETS = (*LEDGER, "other")
-COLOURS = {
-    "other": "#e0e0e0",
-    "program_start": "#9e9e9e",
-    "health": "#80cbc4",
-    "init": "#bdbdbd",
-    "restore": "#ffb74d",
-    "compute": "#43a047",
-    "data_wait": "#e53935",
-    "compile": "#8e24aa",
-    "eval": "#1e88e5",
-    "checkpoint": "#fdd835",
-    "logging": "#6d4c41",
-    "quorum": "#00acc1",
-    "discarded": "#d81b60",
-    "instability": "#ff6f00",
-    "sdc": "#4a148c",
-    "straggler": "#f06292",
-    "recovery_gap": "#eeeeee",
-}
-ENDS = {
-    "finished": ("#2e7d32", "finished"),
-    "failed": ("#c62828", "failed"),
-    "hung": ("#ef6c00", "hung"),
-    "preempted": ("#6a1b9a", "preempted"),
-    "reformed": ("#6a1b9a", "re-formed without a slow node"),
-    "running": ("#c62828", "killed"),
-}
+SLACK = 0.002  # (seconds: ``time`` is written rounded to the millisecond)
+
+
+@dataclass
+class Span:
+    """A stretch of one attempt's wall clock spent on one thing (a ledger bucket, or ``recovery_gap``)."""
+
+    start: float  # seconds since the job's first attempt started
+    end: float
+    what: str
+    attempt: int = 0  # its attempt's number (a gap: the attempt after it)
 
 
 @dataclass
 class Attempt:
     number: int
     start: float  # seconds since the job's first attempt started
-    end: float
+    end: float  # its end, or (killed) the later of its last heartbeat and its last line in metrics.jsonl
     status: str
     buckets: dict[str, float]
     resumed_from: int | None
     heals: list[float] = field(default_factory=list)  # seconds since the job's start
+    last_step: int | None = None  # the last step it finished
 
 
 @dataclass
@@ -79,6 +68,36 @@ class Line:
     sdc: list[tuple[float, int]] = field(default_factory=list)  # a corruption detected (then undone): at its step
     # a rank named slow (trainer.straggler): (when, the step it was named at, since which step, the rank)
     stragglers: list[tuple[float, int, int, int]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # where the time went, attempt by attempt, each in time order
+
+    def present(self) -> list[str]:
+        """The kinds of stretch this line has (what its legend lists), in the order an attempt meets them."""
+        seen = {s.what for s in self.spans if s.end > s.start}
+        return [w for w in ORDER if w in seen]
+
+
+ORDER = (*STARTUP, "data_wait", "compute", "eval", "checkpoint", "instability", "recovery_gap")
+
+
+def _records(run_dir: str, t0: float) -> list[tuple[float, dict]]:
+    """``metrics.jsonl``'s timed lines, (seconds since the job's start, the record); a line cut by a kill or not
+    pitstop's is passed over."""
+    out = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for text in f:
+                try:
+                    r = json.loads(text)
+                    if not isinstance(r, dict) or "time" not in r or "step" not in r:
+                        continue
+                    at = float(r["time"]) - t0
+                    int(r["step"])
+                except (ValueError, TypeError):
+                    continue
+                out.append((at, r))
+    except FileNotFoundError:
+        pass
+    return out
 
 
 def read(run_dir: str, name: str = "") -> Line:
@@ -106,40 +125,91 @@ def read(run_dir: str, name: str = "") -> Line:
                 {k: float(v) for k, v in (a.get("buckets") or {}).items() if k != "total"},
                 a.get("resumed_from"),
                 heals,
+                a.get("step") if a.get("step") != a.get("resumed_from") else None,  # (its last heartbeat's step)
             )
         )
-    steps, saves, evals, skips, rollbacks, sdc, slow = [], [], [], [], [], [], []
+    line = Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, [], [], [])
+    per_attempt: list[list[tuple[float, dict]]] = [[] for _ in attempts]
+    for at, r in _records(run_dir, t0):
+        step = int(r["step"])
+        k = _attempt_of(attempts, at)
+        per_attempt[k].append((at, r))
+        if "loss" in r:
+            line.steps.append((at, step))
+        elif r.get("event") == "skip":
+            line.skips.append((at, step))
+        elif r.get("event") == "rollback":
+            line.rollbacks.append((at, step))
+        elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
+            line.saves.append((at, step))
+        elif any(k.startswith("val_") for k in r):
+            line.evals.append((at, step))
+        elif r.get("event") == "sdc":
+            line.sdc.append((at, step))
+        elif r.get("event") == "straggler" and "since" in r:
+            try:
+                line.stragglers.append((at, step, int(r["since"]), int(r["rank"])))
+            except (KeyError, ValueError, TypeError):
+                continue
+    for i, (a, recs) in enumerate(zip(attempts, per_attempt)):
+        if recs:
+            a.end = max(a.end, max(at for at, _ in recs))  # (a killed attempt ran until its last line at least)
+        if i and a.start > attempts[i - 1].end:
+            line.spans.append(Span(attempts[i - 1].end, a.start, "recovery_gap", a.number))
+        line.spans += sorted(_spans(a, recs), key=lambda s: s.start)  # (a save's line may come after the next step's)
+    return line
+
+
+def _attempt_of(attempts: list[Attempt], at: float) -> int:
+    """The attempt a line written at ``at`` belongs to: the first whose span holds it (in-process reruns of one
+    program overlap: each attempt's start is the program's), else the last one started before it (a killed
+    attempt's last lines come after its last heartbeat)."""
+    held = [i for i, a in enumerate(attempts) if a.start - SLACK <= at <= a.end + SLACK]
+    return held[0] if held else max((i for i, a in enumerate(attempts) if a.start <= at + SLACK), default=0)
+
+
+def _num(r: dict, key: str) -> float:
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                    if not isinstance(r, dict) or "time" not in r or "step" not in r:
-                        continue
-                    at, step = float(r["time"]) - t0, int(r["step"])
-                except (ValueError, TypeError):
-                    continue  # (a line cut by a kill, or not one pitstop wrote)
-                if "loss" in r:
-                    steps.append((at, step))
-                elif r.get("event") == "skip":
-                    skips.append((at, step))
-                elif r.get("event") == "rollback":
-                    rollbacks.append((at, step))
-                elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
-                    saves.append((at, step))
-                elif any(k.startswith("val_") for k in r):
-                    evals.append((at, step))
-                elif r.get("event") == "sdc":
-                    sdc.append((at, step))
-                elif r.get("event") == "straggler" and "since" in r:
-                    try:
-                        slow.append((at, step, int(r["since"]), int(r["rank"])))
-                    except (KeyError, ValueError, TypeError):
-                        continue
-    except FileNotFoundError:
-        pass
-    name = name or os.path.basename(os.path.normpath(run_dir))
-    return Line(name, attempts, steps, saves, evals, skips, rollbacks, sdc, slow)
+        return max(float(r.get(key) or 0.0), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _spans(a: Attempt, recs: list[tuple[float, dict]]) -> list[Span]:
+    """Where one attempt's time went, from its start buckets and its lines in ``metrics.jsonl``."""
+    out: list[Span] = []
+    first = min((at - _num(r, "compute_seconds") - _num(r, "fetch_seconds") for at, r in recs if "loss" in r),
+                default=a.end)  # fmt: skip
+    at = a.start
+    for b in STARTUP:  # (one after the other from the attempt's start, up to its first step)
+        width = a.buckets.get(b, 0.0)
+        if width > 0 and at < first:
+            out.append(Span(at, min(at + width, first), b, a.number))
+        at += width
+    step_end: dict[int, float] = {}  # (this attempt's steps and evaluations: where a save starts)
+    eval_end: dict[int, float] = {}
+    done = first  # where the loop's last stretch ended
+    for at, r in recs:
+        step = int(r["step"])
+        if "loss" in r:
+            compute, fetch = _num(r, "compute_seconds"), _num(r, "fetch_seconds")
+            if fetch:
+                out.append(Span(at - compute - fetch, at - compute, "data_wait", a.number))
+            out.append(Span(at - compute, at, "compute", a.number))
+            step_end[step] = done = at
+            a.last_step = max(a.last_step or 0, step)
+        elif r.get("event") == "skip":  # (the step ran, then was not applied)
+            out.append(Span(min(done, at), at, "instability", a.number))
+            done = at
+        elif any(k.startswith("val_") for k in r):
+            out.append(Span(min(step_end.get(step, at), at), at, "eval", a.number))
+            eval_end[step] = done = at
+        elif "ckpt_block_seconds" in r or "ckpt_local_block_seconds" in r:
+            block = _num(r, "ckpt_block_seconds") + _num(r, "ckpt_local_block_seconds")
+            begin = max(step_end.get(step, at - block), eval_end.get(step, 0.0))
+            out.append(Span(begin, begin + block, "checkpoint", a.number))
+            done = max(done, begin + block)
+    return out
 
 
 def lines(run_dir: str) -> list[Line]:
@@ -166,80 +236,9 @@ def lines(run_dir: str) -> list[Line]:
 
 def draw(run_dir: str, path: str | None = None) -> str:
     """Draw the run's time line to ``path`` (default ``RUN_DIR/timeline.png``); returns the path."""
-    import matplotlib
+    from pitstop.goodput.timeline_draw import draw as drawn
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    found = lines(run_dir)
-    fig, axes = plt.subplots(len(found), 1, figsize=(11, 1.2 + 2.0 * len(found)), squeeze=False)
-    used: set[str] = set()
-    for ax, line in zip(axes[:, 0], found):
-        used |= _panel(ax, line)
-    handles = [Patch(color=COLOURS[b], label=b.replace("_", " ")) for b in (*BUCKETS, "recovery_gap") if b in used]
-    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8, frameon=False)
-    axes[-1, 0].set_xlabel("seconds since the job started")
-    fig.tight_layout(rect=(0, 0.1 if len(handles) > 6 else 0.06, 1, 1))
-    path = path or os.path.join(run_dir, "timeline.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _panel(ax: object, line: Line) -> set[str]:
-    """One time line: a bar per attempt split into its buckets (in the order an attempt meets them), the gaps
-    between attempts, how each ended, and the steps (right axis), saves and evaluations on it."""
-    used: set[str] = set()
-    y = 0.0
-    for prev, a in zip([None, *line.attempts[:-1]], line.attempts):
-        if prev is not None and a.start > prev.end:
-            ax.barh(
-                y,
-                a.start - prev.end,
-                left=prev.end,
-                height=0.5,
-                color=COLOURS["recovery_gap"],
-                hatch="//",
-                edgecolor="#9e9e9e",
-            )
-            used.add("recovery_gap")
-        span, total = max(a.end - a.start, 0.0), sum(a.buckets.values())
-        left = a.start
-        for b in BUCKETS:
-            width = a.buckets.get(b, 0.0) * (span / total if total > span > 0 else 1.0)
-            if width > 1e-3:
-                ax.barh(y, width, left=left, height=0.5, color=COLOURS[b])
-                used.add(b)
-                left += width
-        colour, said = ENDS.get(a.status, ENDS["running"])
-        ax.plot([a.end], [y], marker="|" if a.status == "finished" else "x", color=colour, markersize=14, mew=2)
-        label = f"attempt {a.number}" + (f", from step {a.resumed_from}" if a.resumed_from is not None else "")
-        ax.annotate(f"{label}: {said}", (a.start, y + 0.32), fontsize=7, color=colour)
-        for h in a.heals:
-            ax.plot([h], [y], marker="*", color=COLOURS["quorum"], markersize=10)
-    ax.set_yticks([])
-    ax.set_ylim(-0.6, 1.0)
-    ax.set_title(line.name, fontsize=9, loc="left")
-    if line.steps:
-        steps = ax.twinx()
-        steps.plot([t for t, _ in line.steps], [s for _, s in line.steps], ".", color="#212121", markersize=2)
-        marks = [(line.saves, "v", "#f9a825"), (line.evals, "o", "#1565c0")]
-        marks += [(line.skips, "x", COLOURS["instability"]), (line.rollbacks, "<", "#000000")]
-        marks.append((line.sdc, "X", COLOURS["sdc"]))
-        for points, marker, colour in marks:
-            steps.plot(
-                [t for t, _ in points], [s for _, s in points], marker, color=colour, markersize=5, linestyle="none"
-            )
-        said = "saves: v, evals: o" + (", skipped: x, rolled back: <" if line.skips or line.rollbacks else "")
-        said += ", sdc: X" if line.sdc else ""
-        for at, step, since, rank in line.stragglers:  # (named at `step`, slow since `since`)
-            steps.plot([at], [step], "D", color=COLOURS["straggler"], markersize=5)
-            steps.annotate(f"rank {rank} slow since step {since}", (at, step), fontsize=6, color=COLOURS["straggler"])
-        said += ", slow rank named: D" if line.stragglers else ""
-        steps.set_ylabel(f"step ({said})", fontsize=7)
-        steps.tick_params(labelsize=7)
-    return used
+    return drawn(lines(run_dir), path or os.path.join(run_dir, "timeline.png"))
 
 
 if __name__ == "__main__":
