@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from manual import assert_shows, page_output
 from conftest import PY, ROOT, cli
 
 pytestmark = pytest.mark.slow
@@ -76,6 +77,7 @@ def test_the_pages_own_steps_run_as_written_and_train_a_regression(tmp_path):
     assert commands != blocks["commands"]  # (the page says where the checkout goes: this test puts this one there)
     ran = subprocess.run(["bash", "-ec", commands], cwd=user, env=env, capture_output=True, text=True, timeout=400)
     assert ran.returncode == 0, ran.stderr[-3000:]
+    assert_shows(page_output("model=mlp task=regression"), f"{ran.stdout}\n{ran.stderr}", "own-task's train command")
     index = json.loads((user / "rows" / "index.json").read_text())
     assert [sum(s["samples"] for s in index["splits"][k]) for k in ("train", "val")] == [512, 128]
     [summary] = list(user.glob("outputs/runs/**/summary.json"))
