@@ -151,3 +151,33 @@ def test_the_legend_lists_only_what_the_picture_shows_and_no_text_covers_another
     for i, (a, box) in enumerate(boxes):
         for b, other in boxes[i + 1 :]:
             assert not box.overlaps(other), f"{a!r} covers {b!r}"
+
+
+def test_a_metrics_file_that_is_a_fifo_or_nested_too_deep_is_passed_over_not_a_hang_or_a_crash(tmp_path, caplog):
+    fifo, deep = tmp_path / "fifo", tmp_path / "deep"
+    for d in (fifo, deep):
+        d.mkdir()
+        _attempt(d, 1000.0, [1, 2], status="finished")
+    os.unlink(fifo / "metrics.jsonl")
+    os.mkfifo(fifo / "metrics.jsonl")  # (opened without O_NONBLOCK, a reader would wait for a writer for ever)
+    assert read(str(fifo)).steps == [] and "left out of the time line" in caplog.text
+    with open(deep / "metrics.jsonl", "a") as f:
+        f.write("[" * 100_000 + "\n")  # (json.loads: RecursionError)
+    assert [s for _, s in read(str(deep)).steps] == [1, 2]
+
+
+def test_an_attempt_that_took_no_step_has_no_last_step(tmp_path):
+    log = GoodputLog(str(tmp_path), Ledger(1000.0), heartbeat=0.0)
+    log.resumed(None)
+    log.write(0, status="running")  # (killed in init: the ledger's start value, step 0)
+    assert read(str(tmp_path)).attempts[0].last_step is None
+
+
+def test_a_slow_rank_is_shaded_from_its_step_in_the_attempt_that_named_it():
+    from pitstop.goodput.timeline import Attempt, Line
+    from pitstop.goodput.timeline_draw import slow_since
+
+    attempts = [Attempt(1, 0.0, 100.0, "running", {}, None), Attempt(2, 200.0, 300.0, "finished", {}, 60)]
+    steps = [(float(s), s) for s in range(1, 101)] + [(200.0 + s - 60, s) for s in range(61, 101)]
+    line = Line("r", attempts, steps, [], [])
+    assert slow_since(line, 230.0, 70) == 210.0  # (not 70.0: step 70 of the attempt before, which was killed)

@@ -18,14 +18,13 @@ draws it at the end of each attempt, in the tracker's own process, and logs it a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
 from pitstop.goodput.ledger import STARTUP
-from pitstop.statefile import GOODPUT, Damaged, parse
+from pitstop.statefile import GOODPUT, Damaged, integer, number, parse, read_records, record
 
 log = logging.getLogger("pitstop.goodput")
 
@@ -80,24 +79,16 @@ ORDER = (*STARTUP, "data_wait", "compute", "eval", "checkpoint", "instability", 
 
 
 def _records(run_dir: str, t0: float) -> list[tuple[float, dict]]:
-    """``metrics.jsonl``'s timed lines, (seconds since the job's start, the record); a line cut by a kill or not
-    pitstop's is passed over."""
-    out = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for text in f:
-                try:
-                    r = json.loads(text)
-                    if not isinstance(r, dict) or "time" not in r or "step" not in r:
-                        continue
-                    at = float(r["time"]) - t0
-                    int(r["step"])
-                except (ValueError, TypeError):
-                    continue
-                out.append((at, r))
-    except FileNotFoundError:
-        pass
-    return out
+    """``metrics.jsonl``'s timed lines, (seconds since the job's start, the record), through the one checked reader
+    of JSON-lines files (a FIFO or a link in its place, a line cut by a kill or nested too deep: passed over and
+    said, never a crash or a hang)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.lexists(path):
+        return []
+    return [(float(r["time"]) - t0, r) for r in read_records(path, TIMED, then="left out of the time line")]
+
+
+TIMED = record({"time": number(), "step": integer()})
 
 
 def read(run_dir: str, name: str = "") -> Line:
@@ -125,7 +116,8 @@ def read(run_dir: str, name: str = "") -> Line:
                 {k: float(v) for k, v in (a.get("buckets") or {}).items() if k != "total"},
                 a.get("resumed_from"),
                 heals,
-                a.get("step") if a.get("step") != a.get("resumed_from") else None,  # (its last heartbeat's step)
+                # (its last heartbeat's step; step 0 is the ledger's start value: no step taken)
+                a.get("step") if a.get("step") not in (a.get("resumed_from"), 0, None) else None,
             )
         )
     line = Line(name or os.path.basename(os.path.normpath(run_dir)), attempts, [], [], [])

@@ -121,7 +121,7 @@ def _steps(top: object, lane: object, line: Line) -> dict[str, object]:
         top.annotate(f"step {s} skipped", (t, s), xytext=(-6 if right else 6, 8), textcoords="offset points",
                      ha="right" if right else "left", fontsize=7, color=COLOURS["instability"])  # fmt: skip
     for t, s, since, rank in line.stragglers:  # (named at step `s`, slow since step `since`)
-        began = next((u for u, k in line.steps if k >= since and u <= t), t)
+        began = slow_since(line, t, since)
         for ax in (top, lane):
             ax.axvline(t, color=COLOURS["straggler"], linestyle="--", linewidth=1.2)
             ax.axvspan(began, t, color=COLOURS["straggler"], alpha=0.12, linewidth=0)
@@ -197,3 +197,11 @@ def _legend(found: list[Line], markers: dict[str, object]) -> list[object]:
             handles.append(Line2D([], [], marker="|" if status == "finished" else "x", color=colour, linestyle="none",
                                   markersize=9, mew=2, label=f"an attempt {how}"))  # fmt: skip
     return handles
+
+
+def slow_since(line: Line, t: float, since: int) -> float:
+    """When the rank named at time ``t`` became slow: the time of its first step at or past ``since`` in the
+    attempt that named it (a resumed run has some steps twice, the earlier ones in an attempt before)."""
+    attempt = next((a for a in line.attempts if a.start <= t <= a.end), None)
+    first = attempt.start if attempt else float("-inf")
+    return next((u for u, k in line.steps if k >= since and first <= u <= t), t)
