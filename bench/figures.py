@@ -277,13 +277,14 @@ def freshness(root: str, commit: str | None, script: str, measures: tuple[str, .
         if _git(root, "cat-file", "-e", f"{base}^{{commit}}").returncode != 0:
             return Freshness("unknown", why=f"commit `{base}` is not in this clone's history (a shallow clone?)")
         paths = [script, *measures]
-        diff = _git(root, "diff", "--name-only", "--no-renames", base, "--", *paths)
+        diff = _git(root, "diff", "--name-only", "-z", "--no-renames", base, "--", *paths)
         if diff.returncode != 0:
             return Freshness("unknown", why=f"git diff failed: {diff.stderr.strip()[:200]}")
         top = _git(root, "rev-parse", "--show-toplevel").stdout.strip()
         # (relative to the repository's top)
-        changed = [name for name in diff.stdout.split() if _code_changed(top, base, name, name == script)]
-    except (OSError, subprocess.SubprocessError) as e:
+        names = [name for name in diff.stdout.split("\0") if name]  # (-z: a path with a space is one path)
+        changed = [name for name in names if _code_changed(top, base, name, name == script)]
+    except (OSError, ValueError, subprocess.SubprocessError) as e:  # (ValueError: a file that is not UTF-8)
         return Freshness("unknown", why=f"git could not say ({type(e).__name__})")
     if changed:
         return Freshness("stale", tuple(changed), f"the code it measures changed since `{base}`")

@@ -85,14 +85,10 @@ def result(root: str, name: str) -> dict:
 
 
 def figure(root: str, here: str, name: str, key: str, spec: str | None) -> str:
-    value: object = result(root, name)["figures"]
-    for part in key.split("."):  # (a number indexes a list: ``peers.uncapped.ratio.0``)
-        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        elif isinstance(value, dict) and part in value:
-            value = value[part]
-        else:
-            raise KeyError(f"bench/results/{name}.json has no figure {key!r}")
+    try:  # (a number indexes a list: ``peers.uncapped.ratio.0``)
+        value = bench_figures().lookup(result(root, name)["figures"], key)
+    except KeyError:
+        raise KeyError(f"bench/results/{name}.json has no figure {key!r}") from None
     text = format(value, spec) if spec else str(value)
     return f"{text}<sup>[{name}]({os.path.relpath(PAGE, here or '.')}#{name})</sup>"
 
@@ -109,7 +105,7 @@ def bench_figures():  # noqa: ANN201 - the module bench/figures.py (its declarat
 
 
 def summary_of(root: str, script: str | None) -> str:
-    """The first sentence of a benchmark script's docstring: what it measures."""
+    """The first paragraph of a benchmark script's docstring: what it measures."""
     import ast
 
     if script is None or not os.path.isfile(os.path.join(root, script)):

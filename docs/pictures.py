@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -100,9 +101,16 @@ def run(name: str, args: list[str], log_path: str) -> None:
     path = [os.path.join(ROOT, "src"), ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}  # (two runs at a time)
     env.pop("MLFLOW_TRACKING_URI", None)
-    with open(log_path, "w") as log:
-        p = subprocess.run([sys.executable, "-m", *args], cwd=WORK, stdout=log, stderr=subprocess.STDOUT, env=env,
-                           timeout=600)  # fmt: skip
+    with open(log_path, "w") as log:  # (its own session: a run that hangs is stopped with the processes it started)
+        p = subprocess.Popen([sys.executable, "-m", *args], cwd=WORK, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)  # fmt: skip
+        try:
+            p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise PictureFailed(f"docs picture {name}: `python -m {' '.join(args)}` did not end in 600 s; "
+                                f"its log: {log_path}") from None  # fmt: skip
     if p.returncode != 0:
         raise PictureFailed(f"docs picture {name}: `python -m {' '.join(args)}` failed (exit {p.returncode}); "
                             f"its log: {log_path}")  # fmt: skip

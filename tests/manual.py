@@ -112,7 +112,7 @@ def page_outputs(pages: list[Path] | None = None) -> list[tuple[Path, str | None
                 found.append((page, last, block))
                 last = None  # (one excerpt per command)
             elif info.strip() in ("", "bash", "sh"):
-                last = (_commands(block) or [last])[-1]
+                last = (_commands(block) or [None])[-1]  # (a block with no command: its excerpt has none)
     return found
 
 

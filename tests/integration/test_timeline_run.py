@@ -48,6 +48,7 @@ def test_a_real_runs_time_line_puts_each_stretch_where_it_happened(make_cfg):
         assert drawn == pytest.approx(sum(a["buckets"][bucket] for a in ledger), abs=0.01), bucket
     evals = [s for s in line.spans if s.what == "eval"]
     assert len(evals) == len(line.evals) >= 2  # (steps 6, 8 and 12, 16: each after its step's line)
+    assert all(e.end > e.start and any(abs(e.start - c.end) < 1e-6 for c in computes) for e in evals)
     assert [s.what for s in line.spans].count("instability") == 1 == len(line.skips)
     saves = [s for s in line.spans if s.what == "checkpoint"]
     assert len(saves) == len(line.saves) and all(s.end > s.start for s in saves)

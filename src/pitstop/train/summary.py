@@ -36,7 +36,8 @@ class Callback(Protocol):
         ...
 
     def on_step_end(self, run: RunView) -> None:
-        """After every step (its save started, if one was due): ``run.step`` is the step just done."""
+        """After every step applied (its save started, if one was due): ``run.step`` is the step just done. Not after
+        a step that was not applied: skipped as unstable, discarded by a replica group, or rolled back."""
         ...
 
     def on_train_end(self, run: RunView) -> None:
