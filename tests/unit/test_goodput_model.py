@@ -376,3 +376,34 @@ def test_an_agents_notice_that_lands_inside_a_log_write_still_stops_it(preempt_l
     finally:
         notice.close()
     assert notice.received == signal.SIGUSR1 and handler.deepest == 1
+
+
+def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_one(tmp_path, capsys):
+    import json
+
+    from pitstop.goodput.model import replicated_at_scale, two_tier_goodput
+
+    local, durable = (0.05, 0.5), (0.05, 30.0)
+    common = (4096, 5000 * 3600.0, 0.6, 300.0, 120.0)
+    alone = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=False)
+    copy = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=True)
+    m = 5000 * 3600.0 / 4096
+    tl, td = alone["local_interval"], alone["durable_interval"]
+    # without the copy a lost node (60% of failures) restores from the durable tier and redoes half a durable cycle
+    assert alone["restart"] == 120.0 + 0.6 * (300.0 + 200.0) and copy["restart"] == 120.0 + 0.6 * (300.0 + 20.0)
+    assert math.isclose(alone["goodput"], two_tier_goodput(tl, td, m, 0.05, 0.05, alone["restart"], 0.5, 30, 0.4))
+    assert copy["goodput"] - alone["goodput"] > 0.01
+    # a copy that makes every local save much slower to complete costs more than it buys at one node
+    one = (1, 5000 * 3600.0, 0.6, 300.0, 120.0)
+    assert (
+        replicated_at_scale(*one, (2.0, 0.5), durable, 20.0, 200.0, True)["goodput"]
+        < replicated_at_scale(*one, local, durable, 20.0, 200.0, False)["goodput"]
+    )
+    from recipe.goodput import main
+
+    fig = {"local_save": {"block": 0.05, "lag": 0.5}, "replicated_save": {"block": 0.05, "lag": 1.2},
+           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 20, "durable": 200}}  # fmt: skip
+    (tmp_path / "peer.json").write_text(json.dumps({"figures": fig}))
+    main(["--nodes", "1", "4096", "--peer", str(tmp_path / "peer.json"), "--restart-cost", "2min"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.endswith(("+0.0", "+2.5"))]
+    assert [r[0] for r in rows] == ["1", "4096"] and float(rows[1][-1]) > 1

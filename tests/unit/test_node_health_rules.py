@@ -228,3 +228,20 @@ def test_the_supervisor_does_not_start_an_excluded_node_again(tmp_path, monkeypa
     # and a node already excluded is not started at all
     with pytest.raises(NodeExcluded, match=r"^node n2 is not used: it was excluded from this run by straggler"):
         _supervise(tmp_path / "a", [0], nodes=(1, 2), restarts=5)
+
+
+def test_fault_lose_node_names_a_node_of_the_job_and_corrupts_every_file_of_the_copies_held_for_it(tmp_path):
+    from pitstop.resilience.node_loss import corrupt, held_for
+
+    lose = OmegaConf.create({"_target_": "pitstop.resilience.node_loss.NodeLoss", "node": "n3", "step": 5})
+    with pytest.raises(ConfigError, match=r"^fault.node=n3 is not a node of this SLURM job \(n1, n2\)"):
+        check_node(lose, 2, SYNC, {"SLURM_JOB_NODELIST": "n[1-2]"})
+    copy = tmp_path / "peer" / "n2" / "step_00000010"
+    copy.mkdir(parents=True)
+    (copy / "__0_0.distcp").write_bytes(bytes(range(10)))
+    (copy / ".metadata").write_bytes(b"meta")
+    (tmp_path / "peer" / "n1" / "step_00000010").mkdir(parents=True)  # (another node's copy: not the lost node's)
+    assert held_for(str(tmp_path), "n2") == [str(copy)] and held_for(str(tmp_path), "n9") == []
+    assert corrupt(str(copy)) == 2
+    assert (copy / "__0_0.distcp").read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
+    assert (copy / ".metadata").read_bytes() == b"me" + bytes([ord("t") ^ 0xFF]) + b"a"

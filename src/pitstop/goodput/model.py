@@ -195,3 +195,41 @@ def fmt_duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds / 60:.1f} min"
     return f"{seconds:.2f} s"
+
+
+def replicated_at_scale(
+    nodes: int,
+    node_mtbf: float,
+    node_share: float,
+    replace_cost: float,
+    restart_cost: float,
+    local: tuple[float, float],
+    durable: tuple[float, float],
+    peer_restore: float,
+    durable_restore: float,
+    replicas: bool,
+) -> dict:
+    """The job of :func:`at_scale` with a local tier (``ckpt.local``), with or without its copy on a partner node
+    (``ckpt.local.replicas=1``). ``local`` and ``durable``: each tier's (blocking cost C, save start -> complete
+    W) per save, as measured (the local one with its copy when ``replicas``). A share ``node_share`` of the failures
+    takes a node (a replacement joins after ``replace_cost``); the rest restart the processes (``restart_cost``,
+    the local restore included). A lost node's ranks come back empty: with the copy they restore from the
+    partner (``peer_restore`` more than a process restart) and lose half a local cycle; without it the job
+    restores from the durable tier (``durable_restore`` more) and loses half a durable cycle. A node and its
+    partner lost within one recovery is left out (its share is that recovery over the partner's MTBF: ~1e-6).
+    Each tier saves at its own Young–Daly interval for the job's MTBF (the durable one at least every local one);
+    :func:`two_tier_goodput` gives the goodput."""
+    mtbf = node_mtbf / nodes
+    (cl, wl), (cd, wd) = local, durable
+    q = min(max(float(node_share), 0.0), 1.0)
+    r = restart_cost + q * (replace_cost + (peer_restore if replicas else durable_restore))
+    tl = max(young_daly(cl, mtbf), wl, 1e-3)
+    td = max(young_daly(cd, mtbf), wd, tl)
+    return {
+        "nodes": nodes,
+        "mtbf": mtbf,
+        "restart": r,
+        "local_interval": tl,
+        "durable_interval": td,
+        "goodput": two_tier_goodput(tl, td, mtbf, cl, cd, r, wl, wd, 1.0 if replicas else 1.0 - q),
+    }

@@ -1,0 +1,117 @@
+"""``fault=lose_node``: a node is lost at a step, as when its GPU fails and it is drained and replaced: every process
+of node ``fault.node`` clears the node's local checkpoint tier (``ckpt.local``: its own checkpoints and the copies
+it holds for its partner, ``ckpt.local.replicas``) and kills itself (SIGKILL) at the end of step ``fault.step``, once
+per run dir. The restarted job finds that node empty: its ranks restore from the copy its partner holds, or, without
+one, from the durable tier (``ckpt.dir``).
+
+``fault.partner`` says what happens to the node that holds the lost node's copies (found by what it holds, so the
+fault needs no knowledge of how partners are chosen): ``keep`` (nothing: the lost node's ranks restore from it),
+``corrupt`` (the partner's processes flip a byte in every file of every copy they hold for the lost node, then go
+on: the restore finds the checksums wrong and falls back to the durable tier, said in one line), ``lost`` (the
+partner is lost too, as the node: then the durable tier). The durable tier is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from pitstop.errors import ConfigError
+from pitstop.resilience.fault import FaultContext, NoFault, _kill, check_step
+from pitstop.resilience.fault_record import fired_keys, note_fired
+from pitstop.resilience.node_book import node_name
+
+log = logging.getLogger("pitstop.resilience.fault")
+
+PARTNER = ("keep", "corrupt", "lost")
+
+
+def local_root(checkpointer: Any) -> str | None:
+    """The run's local tier dir on this node (``ckpt.local``), or None when the tier is off."""
+    tier = getattr(checkpointer, "local", None)
+    return getattr(tier, "root", None) if tier is not None else None
+
+
+def held_for(root: str, node: str) -> list[str]:
+    """The dirs of the copies this node's local tier holds for ``node`` (its partner's checkpoints): every step
+    dir under ``<root>/peer/<node>/`` (the layout of ``ckpt.local.replicas``)."""
+    from pitstop.ckpt.layout import is_step_dir
+
+    where = os.path.join(root, "peer", node)
+    found: list[str] = []
+    for dirpath, dirnames, _ in os.walk(where):
+        found += [os.path.join(dirpath, d) for d in sorted(dirnames) if is_step_dir(d)]
+    return found
+
+
+def corrupt(step_dir: str) -> int:
+    """Flip one byte in the middle of every non-empty regular file of ``step_dir`` (a copy's data, its marker and
+    checksums alike: whichever the restore reads first is wrong). The number of files changed."""
+    changed = 0
+    for dirpath, _, names in os.walk(step_dir):
+        for name in sorted(names):
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) == 0:
+                continue
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                f.flush()
+                os.fsync(f.fileno())
+            changed += 1
+    return changed
+
+
+class NodeLoss(NoFault):
+    name = "lose_node"
+
+    def __init__(self, node: str, step: int, partner: str = "keep", replica: int | str | None = None):
+        super().__init__(replica)
+        if partner not in PARTNER:
+            raise ConfigError(f"fault.partner={partner!r}: use one of {', '.join(PARTNER)}")
+        self.node, self.step, self.partner = str(node), int(step), partner
+        self.armed = False
+
+    def key(self) -> str:
+        return f"{self.name}@{self.step}/{self.node}"
+
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        check_step(self.step, ctx)
+        self.here = node_name()
+        # decided at start, by every process alone: all of a node's processes fire (each notes its own line)
+        self.armed = not any(k.startswith(self.key()) for k in fired_keys(ctx.run_dir))
+
+    def after_step(self, step: int) -> None:
+        if not self.armed or step != self.step:
+            return
+        self.armed = False
+        root = local_root(self.ctx.checkpointer)
+        if self.here == self.node:
+            self._lose(root, f"node {self.node} lost at step {step}")
+        elif root is not None and held_for(root, self.node):  # this node is the lost node's partner
+            if self.partner == "lost":
+                self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
+            elif self.partner == "corrupt":
+                copies = held_for(root, self.node)
+                files = sum(corrupt(c) for c in copies)
+                note_fired(self.ctx.run_dir, f"{self.key()}/corrupt/rank{self.ctx.rank}")
+                log.warning(
+                    "fault injection: node %s corrupted %d file(s) of the %d cop%s it holds for node %s",
+                    self.here,
+                    files,
+                    len(copies),
+                    "y" if len(copies) == 1 else "ies",
+                    self.node,
+                )
+
+    def _lose(self, root: str | None, why: str) -> None:
+        note_fired(self.ctx.run_dir, f"{self.key()}/rank{self.ctx.rank}")  # (before the kill: a launcher reads it)
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)  # (every process of the node: whichever comes first)
+            log.warning("fault injection: the local checkpoint tier of node %s is cleared (%s)", self.here, root)
+        _kill(why)
