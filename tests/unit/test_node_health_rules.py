@@ -236,12 +236,12 @@ def test_fault_lose_node_names_a_node_of_the_job_and_corrupts_every_file_of_the_
     lose = OmegaConf.create({"_target_": "pitstop.resilience.node_loss.NodeLoss", "node": "n3", "step": 5})
     with pytest.raises(ConfigError, match=r"^fault.node=n3 is not a node of this SLURM job \(n1, n2\)"):
         check_node(lose, 2, SYNC, {"SLURM_JOB_NODELIST": "n[1-2]"})
-    copy = tmp_path / "peer" / "n2" / "step_00000010"
+    copy = tmp_path / "peer" / "1" / "step_00000010"  # (node 1's copy, held by node 2 of the ring)
     copy.mkdir(parents=True)
     (copy / "__0_0.distcp").write_bytes(bytes(range(10)))
-    (copy / ".metadata").write_bytes(b"meta")
-    (tmp_path / "peer" / "n1" / "step_00000010").mkdir(parents=True)  # (another node's copy: not the lost node's)
-    assert held_for(str(tmp_path), "n2") == [str(copy)] and held_for(str(tmp_path), "n9") == []
-    assert corrupt(str(copy)) == 2
+    (copy / "CHECKSUMS").write_bytes(b"sums")
+    (tmp_path / "peer" / "0" / "step_00000010").mkdir(parents=True)  # (another node's copy: not the lost node's)
+    assert held_for(str(tmp_path), 1) == [str(copy)] and held_for(str(tmp_path), 9) == []
+    assert corrupt(str(copy)) == 1  # the data, not the manifest: only the checksums can tell
     assert (copy / "__0_0.distcp").read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
-    assert (copy / ".metadata").read_bytes() == b"me" + bytes([ord("t") ^ 0xFF]) + b"a"
+    assert (copy / "CHECKSUMS").read_bytes() == b"sums"

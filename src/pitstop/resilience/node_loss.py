@@ -4,10 +4,10 @@ it holds for its partner, ``ckpt.local.replicas``) and kills itself (SIGKILL) at
 per run dir. The restarted job finds that node empty: its ranks restore from the copy its partner holds, or, without
 one, from the durable tier (``ckpt.dir``).
 
-``fault.partner`` says what happens to the node that holds the lost node's copies (found by what it holds, so the
-fault needs no knowledge of how partners are chosen): ``keep`` (nothing: the lost node's ranks restore from it),
-``corrupt`` (the partner's processes flip a byte in every file of every copy they hold for the lost node, then go
-on: the restore finds the checksums wrong and falls back to the durable tier, said in one line), ``lost`` (the
+``fault.partner`` says what happens to the node that holds the lost node's copies (the next node in the ring of
+``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it),
+``corrupt`` (the partner's processes flip a byte in every data file of every copy they hold for the lost node,
+then go on: the restore finds the checksums wrong and falls back to the durable tier, said in one line), ``lost`` (the
 partner is lost too, as the node: then the durable tier). The durable tier is never touched.
 """
 
@@ -34,35 +34,42 @@ def local_root(checkpointer: Any) -> str | None:
     return getattr(tier, "root", None) if tier is not None else None
 
 
-def held_for(root: str, node: str) -> list[str]:
-    """The dirs of the copies this node's local tier holds for ``node`` (its partner's checkpoints): every step
-    dir under ``<root>/peer/<node>/`` (the layout of ``ckpt.local.replicas``)."""
+def ring_of(checkpointer: Any) -> Any:
+    """The ring of nodes of the local tier's copy (``pitstop.ckpt.peer.Ring``: who holds whose copy), or None when
+    the local tier is not copied (``ckpt.local.replicas=0``)."""
+    copier = getattr(checkpointer, "peers", None)
+    return getattr(copier, "ring", None)
+
+
+def held_for(root: str, owner: int) -> list[str]:
+    """The dirs of the copies this node's local tier holds for node ``owner`` (its index in the ring): every step
+    dir under ``<root>/peer/<owner>/`` (``pitstop.ckpt.peer``'s layout)."""
     from pitstop.ckpt.layout import is_step_dir
 
-    where = os.path.join(root, "peer", node)
-    found: list[str] = []
-    for dirpath, dirnames, _ in os.walk(where):
-        found += [os.path.join(dirpath, d) for d in sorted(dirnames) if is_step_dir(d)]
-    return found
+    where = os.path.join(root, "peer", str(owner))
+    names = sorted(os.listdir(where)) if os.path.isdir(where) and not os.path.islink(where) else []
+    return [os.path.join(where, n) for n in names if is_step_dir(n) and os.path.isdir(os.path.join(where, n))]
+
+
+MARKERS = (".metadata", "CHECKSUMS", "COPIED", "REPLICATED", "COMMITTED")
 
 
 def corrupt(step_dir: str) -> int:
-    """Flip one byte in the middle of every non-empty regular file of ``step_dir`` (a copy's data, its marker and
-    checksums alike: whichever the restore reads first is wrong). The number of files changed."""
+    """Flip one byte in the middle of every non-empty data file of ``step_dir`` (its markers and checksum manifest
+    stay as they were: the copy looks whole, and only its checksums can tell). The number of files changed."""
     changed = 0
-    for dirpath, _, names in os.walk(step_dir):
-        for name in sorted(names):
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) == 0:
-                continue
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) // 2)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0xFF]))
-                f.flush()
-                os.fsync(f.fileno())
-            changed += 1
+    for name in sorted(os.listdir(step_dir)):
+        path = os.path.join(step_dir, name)
+        if name in MARKERS or os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) == 0:
+            continue
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            f.flush()
+            os.fsync(f.fileno())
+        changed += 1
     return changed
 
 
@@ -90,14 +97,18 @@ class NodeLoss(NoFault):
         if not self.armed or step != self.step:
             return
         self.armed = False
-        root = local_root(self.ctx.checkpointer)
+        root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
         if self.here == self.node:
             self._lose(root, f"node {self.node} lost at step {step}")
-        elif root is not None and held_for(root, self.node):  # this node is the lost node's partner
+            return
+        if root is None or ring is None or self.node not in ring.nodes:
+            return  # (no copies: the partner is no one)
+        lost = ring.nodes.index(self.node)
+        if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
             if self.partner == "lost":
                 self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
             elif self.partner == "corrupt":
-                copies = held_for(root, self.node)
+                copies = held_for(root, lost)
                 files = sum(corrupt(c) for c in copies)
                 note_fired(self.ctx.run_dir, f"{self.key()}/corrupt/rank{self.ctx.rank}")
                 log.warning(
