@@ -4,7 +4,9 @@ a sweep whose job is sent SLURM's preemption notice (``scancel --signal=USR2``, 
 is requeued exactly once and resumes to the uninterrupted job's parameters while the sweep waits and writes its
 report; the README's two-node command trains one rank per node to the one-command ddp(2) and fsdp(2) digest; the
 plain sbatch script (deploy/slurm/train.sbatch) trains on two nodes, is requeued once after a notice, and, elastic
-under --no-kill, loses a node (its slurmd and processes killed) and finishes on the other.
+under --no-kill, loses a node (its slurmd and processes killed) and finishes on the other; with the local tier copied
+to a partner node (ckpt.local.replicas=1), a node lost at a step (fault=lose_node) restores its ranks from the copy,
+or, the copy corrupt, from the durable tier, to the uninterrupted run's parameters.
 
 The cluster needs root and Debian's slurm-wlm and munge (.ci/run installs them where they are missing); without
 them these tests skip, saying so.
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cli, cli_cmd, popen_cmd, read_jsonl
+from manual import assert_shows, page_output
 
 pytestmark = pytest.mark.slow
 
@@ -366,6 +369,53 @@ def test_an_elastic_sbatch_job_excludes_its_slow_node_and_re_forms_without_it(sl
         assert "ExcNodeList=n1" in shown and "Restarts=1" in shown, shown
         read = 16 * 2 * left
     assert [(e.once, e.repeated) for e in audit(str(run_dir))] == [(read, 0)]
+
+
+# A lost node's ranks restore from the copy its partner holds (ckpt.local.replicas=1): the guide's command
+# (docs/guides/checkpoints.md, "A copy on a partner node"), each node's local dir its own (one machine here).
+PEER = [
+    "ckpt=async_dcp",
+    "ckpt.interval_steps=50",
+    "ckpt.local.interval_steps=5",
+    "ckpt.local.replicas=1",
+    "trainer.max_restarts=1",
+    "fault.node=n2",
+    "fault.step=72",
+]
+
+
+@pytest.mark.parametrize("fault", ["lose_node", "corrupt_peer_copy"])
+def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_uninterrupted_parameters(
+    slurm, data_root, tmp_path, ddp2, fault
+):
+    # fault=lose_node on n2 at the end of step 72: n2's rank clears n2's local dir (its own checkpoints and the copies
+    # it holds for n1) and is killed; both agents restart their ranks (trainer.max_restarts=1). n2 comes back empty:
+    # its rank's files of the newest replicated step (70, or 65 if 70's copy was still in flight) come from the copy
+    # n1 holds, verified, and the run ends with the uninterrupted ddp(2) run's parameters. corrupt_peer_copy: n1
+    # flips a byte in each data file of the copies it holds for n2 as n2 is lost: the restore says so in one line and
+    # takes the durable tier's step 50, to the same parameters.
+    sweep = tmp_path / "sweep"
+    local = f"ckpt.local.dir={tmp_path}/shm_${{oc.env:SLURMD_NODENAME}}"
+    args = ["-m", *SMALL, "hydra.launcher.nodes=2", "strategy=ddp", "strategy.nnodes=2", "strategy.nproc_per_node=1",
+            "strategy.rdzv_endpoint=slurm", *TWO_RANKS, *PEER, f"fault={fault}", local,
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    p = cli(args, data_root, tmp_path, env=slurm, timeout=400)
+    out = p.stdout + p.stderr + job_logs(sweep)
+    assert p.returncode == 0, out[-3000:]
+    log = (sweep / "0" / "train.log").read_text()
+    s = summary(sweep / "0")
+    assert s["world_size"] == 2 and s["final_step"] == 120 and s["goodput"]["restarts"] == 1
+    assert s["params_sha256"] == ddp2
+    assert "fault injection: SIGKILL (node n2 lost at step 72)" in out + log
+    if fault == "lose_node":
+        step = int(log.split(", peer tier)")[0].rsplit("(step ", 1)[1])
+        assert step in (65, 70) and s["checkpoint"]["restored_from"] == "peer", log[-3000:]
+        assert_shows(page_output("fault=lose_node"), out + log, "a lost node (checkpoints guide)")
+    else:
+        said = [ln for ln in log.splitlines() if "cannot be made whole" in ln]
+        assert len(said) == 1 and "durable tier" in said[0], log[-3000:]
+        assert "(step 50, durable tier)" in log and s["checkpoint"]["restored_from"] == "durable"
+    assert "Traceback" not in job_logs(sweep)
 
 
 def scontrol_job(slurm: dict, job: str) -> str:

@@ -37,7 +37,7 @@ def local_root(checkpointer: Any) -> str | None:
 def ring_of(checkpointer: Any) -> Any:
     """The ring of nodes of the local tier's copy (``pitstop.ckpt.peer.Ring``: who holds whose copy), or None when
     the local tier is not copied (``ckpt.local.replicas=0``)."""
-    copier = getattr(checkpointer, "peers", None)
+    copier = getattr(checkpointer, "replicator", None)
     return getattr(copier, "ring", None)
 
 
