@@ -391,9 +391,9 @@ def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_
     # fault=lose_node on n2 at the end of step 72: n2's rank clears n2's local dir (its own checkpoints and the copies
     # it holds for n1) and is killed; both agents restart their ranks (trainer.max_restarts=1). n2 comes back empty:
     # its rank's files of the newest replicated step (70, or 65 if 70's copy was still in flight) come from the copy
-    # n1 holds, verified, and the run ends with the uninterrupted ddp(2) run's parameters. corrupt_peer_copy: n1
-    # flips a byte in each data file of the copies it holds for n2 as n2 is lost: the restore says so in one line and
-    # takes the durable tier's step 50, to the same parameters.
+    # n1 holds, verified, and the run ends with the uninterrupted ddp(2) run's parameters. corrupt_peer_copy: as
+    # the job restarts, n1 flips a byte in each data file of the copies it holds for n2: the restore says so in one
+    # line and takes the durable tier's step 50, to the same parameters.
     sweep = tmp_path / "sweep"
     local = f"ckpt.local.dir={tmp_path}/shm_${{oc.env:SLURMD_NODENAME}}"
     args = ["-m", *SMALL, "hydra.launcher.nodes=2", "strategy=ddp", "strategy.nnodes=2", "strategy.nproc_per_node=1",

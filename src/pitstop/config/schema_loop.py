@@ -170,7 +170,7 @@ class LoseNode(NoFault):
     partner: str = key(
         "keep",
         "the node holding its copies (ckpt.local.replicas): keep | corrupt (a byte flipped in each of their files: "
-        "the restore falls back to the durable tier) | lost (lost too: the durable tier)",
+        "the restart finds them wrong: the durable tier) | lost (lost too: the durable tier)",
         check=OneOf("keep", "corrupt", "lost"),
     )
 

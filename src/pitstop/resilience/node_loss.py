@@ -5,10 +5,10 @@ per run dir. The restarted job finds that node empty: its ranks restore from the
 one, from the durable tier (``ckpt.dir``).
 
 ``fault.partner`` says what happens to the node that holds the lost node's copies (the next node in the ring of
-``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it),
-``corrupt`` (the partner's processes flip a byte in every data file of every copy they hold for the lost node,
-then go on: the restore finds the checksums wrong and falls back to the durable tier, said in one line), ``lost`` (the
-partner is lost too, as the node: then the durable tier). The durable tier is never touched.
+``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it); ``corrupt`` (as the job restarts
+after the loss, before its restore, the partner's first process flips a byte in every data file of every copy the
+partner holds for the lost node: the restore finds the checksums wrong and falls back to the durable tier, said in
+one line); ``lost`` (the partner is lost too, as the node: then the durable tier). The durable tier is never touched.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from pitstop.errors import ConfigError
 from pitstop.resilience.fault import FaultContext, NoFault, _kill, check_step
-from pitstop.resilience.fault_record import fired_keys, note_fired
+from pitstop.resilience.fault_record import fired_keys, note_fired, note_injected
 from pitstop.resilience.node_book import node_name
 
 log = logging.getLogger("pitstop.resilience.fault")
@@ -90,8 +90,33 @@ class NodeLoss(NoFault):
         super().bind(ctx)
         check_step(self.step, ctx)
         self.here = node_name()
+        fired = fired_keys(ctx.run_dir)
         # decided at start, by every process alone: all of a node's processes fire (each notes its own line)
-        self.armed = not any(k.startswith(self.key()) for k in fired_keys(ctx.run_dir))
+        self.armed = not any(k.startswith(self.key() + "/rank") for k in fired)
+        if self.partner == "corrupt" and not self.armed and self.key() + "/corrupt" not in fired:
+            self._corrupt_held()  # (the restart after the loss, before its restore: no copy is in flight now)
+
+    def _corrupt_held(self) -> None:
+        """On the lost node's partner, by its first rank alone (a byte flipped twice would be whole again): every copy
+        it holds for the lost node, corrupted."""
+        root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
+        if root is None or ring is None or self.node not in ring.nodes:
+            return
+        lost = ring.nodes.index(self.node)
+        holder = (lost + 1) % len(ring.nodes)
+        if ring.nodes[holder] != self.here or ring.leader(holder) != self.ctx.rank:
+            return
+        copies = held_for(root, lost)
+        files = sum(corrupt(c) for c in copies)
+        note_injected(self.ctx.run_dir, self.key() + "/corrupt", files=files, copies=len(copies))
+        log.warning(
+            "fault injection: node %s corrupted %d file(s) of the %d cop%s it holds for lost node %s",
+            self.here,
+            files,
+            len(copies),
+            "y" if len(copies) == 1 else "ies",
+            self.node,
+        )
 
     def after_step(self, step: int) -> None:
         if not self.armed or step != self.step:
@@ -100,25 +125,10 @@ class NodeLoss(NoFault):
         root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
         if self.here == self.node:
             self._lose(root, f"node {self.node} lost at step {step}")
-            return
-        if root is None or ring is None or self.node not in ring.nodes:
-            return  # (no copies: the partner is no one)
-        lost = ring.nodes.index(self.node)
-        if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
-            if self.partner == "lost":
+        elif self.partner == "lost" and ring is not None and self.node in ring.nodes:
+            lost = ring.nodes.index(self.node)
+            if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
                 self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
-            elif self.partner == "corrupt":
-                copies = held_for(root, lost)
-                files = sum(corrupt(c) for c in copies)
-                note_fired(self.ctx.run_dir, f"{self.key()}/corrupt/rank{self.ctx.rank}")
-                log.warning(
-                    "fault injection: node %s corrupted %d file(s) of the %d cop%s it holds for node %s",
-                    self.here,
-                    files,
-                    len(copies),
-                    "y" if len(copies) == 1 else "ies",
-                    self.node,
-                )
 
     def _lose(self, root: str | None, why: str) -> None:
         note_fired(self.ctx.run_dir, f"{self.key()}/rank{self.ctx.rank}")  # (before the kill: a launcher reads it)
