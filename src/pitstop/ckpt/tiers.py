@@ -77,7 +77,13 @@ def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async:
             f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
             f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}"
         )
+    replicas = local.get("replicas", 0)
+    if replicas not in (0, 1) or isinstance(replicas, bool):
+        raise ConfigError(
+            f"ckpt.local.replicas={replicas!r}: use 1 (a copy of each local save on another node) or 0 (none)"
+        )
     return {
+        "replicas": int(replicas),
         "dir": where,
         "interval_steps": None if interval == "auto" else steps,
         "interval_seconds": None if interval == "auto" else seconds,
