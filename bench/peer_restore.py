@@ -2,7 +2,7 @@
 adds to each local save (``ckpt.local.replicas=1``, issue 50).
 
     python bench/peer_restore.py [--steps 400] [--lose-at 305] [--local-every 10] [--durable-every 200] \
-        [--throttle-mbps 20] [--repeats 1]
+        [--throttle-mbps 20]
 
 One job, two "nodes" on this machine (pitstop's launcher twice, ``strategy.nnodes=2``, one rank each, each node its
 own ``PITSTOP_NODE_NAME`` and its own local dir), ddp on the quick start's CNN, async DCP saves: the durable tier
@@ -21,7 +21,7 @@ steps done again (``lost``). Save cost, per local save, from the runs' summaries
 save's start -> complete (with the copy verified by its holder, when replicated). Both runs end with the same
 parameters as a third run without a loss (params_sha256): the figures are of runs that recovered exactly.
 Target: recovery from the peer >= 5x faster than from the durable tier; the loop's blocking time per local save
-unchanged within noise (<= 1.25x, or 5 ms).
+unchanged within noise (<= 1.25x).
 
 What it leaves out: reads of the durable tier are not throttled (only its writes are), so the durable recovery's
 extra cost is the older step and the steps done again, not a slow read; both "nodes" share one machine's memory,
@@ -53,14 +53,23 @@ FIGURES = {
     "recovery.durable": ("s", "the same without the copy: restored from the durable tier", None),
     "recovery.speedup": ("x", "recovery from the durable tier over recovery from the peer", ">= 5"),
     "restored_step.*": ("", "the step the job resumed from", None),
-    "parts.*.*": ("s", "the recovery's parts (the ledger's buckets): restart, restore, steps done again", None),
+    "parts.*.*": (
+        "s",
+        "the recovery's parts (the ledger's buckets of the attempt after the loss): restart (recovery gap, program "
+        "start, init), restore; redone: the work done again (the ledger's lost)",
+        None,
+    ),
     "local_save.block": ("s", "the loop's blocking time per local save, without the copy", None),
     "local_save.lag": ("s", "a local save's start to complete, without the copy", None),
     "replicated_save.block": ("s", "the same with the copy on the partner node", None),
-    "replicated_save.lag": ("s", "the same with the copy: complete once the partner verified it", None),
+    "replicated_save.lag": (
+        "s",
+        "the same with the copy: a save's start to its copy's end (what interval=auto uses)",
+        None,
+    ),
     "durable_save.block": ("s", "the loop's blocking time per durable save", None),
     "durable_save.lag": ("s", "a durable save's start to committed, through the throttle", None),
-    "block_ratio": ("x", "blocking time per local save, with the copy over without", "<= 1.25"),
+    "block_ratio": ("x", "blocking time per local save, with the copy over without (noise: ~10%)", "<= 1.25"),
     "same_params": ("", "both recovered runs end with the parameters of the run without a loss", "== true"),
 }
 MEASURES = ["src/pitstop/ckpt", "src/pitstop/resilience/node_loss.py", "src/pitstop/launch", "src/pitstop/train"]
@@ -138,14 +147,17 @@ def recovery(run_dir: str, lose_at: int) -> dict:
         raise SystemExit(f"{run_dir}: no step {lose_at + 1} after the loss in metrics.jsonl")
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    totals = summary["goodput"]["totals"]
+    with open(os.path.join(run_dir, "goodput.json")) as f:
+        ledger = json.load(f)
+    again = ledger["attempts"][-1]["buckets"]  # (the attempt after the loss)
     return {
         "seconds": first - lost,
         "resumed_from": summary.get("resumed_from"),
+        "tier": summary["checkpoint"].get("restored_from"),
         "parts": {
-            "restart": sum(totals.get(k, 0.0) for k in ("recovery_gap", "program_start", "health", "init")),
-            "restore": totals.get("restore", 0.0),
-            "lost": totals.get("lost", 0.0),
+            "restart": sum(again.get(k, 0.0) for k in ("recovery_gap", "program_start", "health", "init")),
+            "restore": again.get("restore", 0.0),
+            "redone": ledger["totals"].get("lost", 0.0),
         },
         "checkpoint": summary["checkpoint"],
         "params": summary["params_sha256"],
@@ -180,6 +192,8 @@ def main() -> None:
             if codes != [0, 0]:
                 raise SystemExit(f"{name}: the job did not recover: exit codes {codes} (logs in {tmp})")
             runs[name] = recovery(run_dir, a.lose_at)
+            if runs[name]["tier"] != name:
+                raise SystemExit(f"{name}: the job restored from the {runs[name]['tier']} tier (logs in {tmp})")
     finally:
         if not runs or len(runs) == 2:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -200,9 +214,9 @@ def main() -> None:
         "restored_step": {"peer": peer["resumed_from"], "durable": far["resumed_from"]},
         "parts": {k: {n: round(v, 3) for n, v in r["parts"].items()} for k, r in runs.items()},
         "local_save": {"block": block, "lag": ck_far["local_total_seconds_mean"]},
-        "replicated_save": {"block": block_rep, "lag": ck_peer["local_total_seconds_mean"]},
+        "replicated_save": {"block": block_rep, "lag": ck_peer["local_replicated_seconds_mean"]},
         "durable_save": {"block": ck_far["block_seconds_mean"], "lag": ck_far["total_seconds_mean"]},
-        "block_ratio": round(block_rep / max(block, 1e-9), 2) if block_rep - block > 0.005 else 1.0,
+        "block_ratio": round(block_rep / max(block, 1e-9), 2),
         "same_params": peer["params"] == reference and far["params"] == reference,
     }
     print(f"{'node n2 lost at step ' + str(a.lose_at):28} {'resumed from':>12} {'recovery s':>10} "
@@ -211,12 +225,12 @@ def main() -> None:
         parts = r["parts"]
         print(
             f"{'from the ' + name + (' copy' if name == 'peer' else ' tier'):28} {r['resumed_from']!s:>12} "
-            f"{r['seconds']:>10.2f} {parts['restart']:>9.2f} {parts['restore']:>9.2f} {parts['lost']:>8.2f}"
+            f"{r['seconds']:>10.2f} {parts['restart']:>9.2f} {parts['restore']:>9.2f} {parts['redone']:>8.2f}"
         )
     print(f"recovery from the durable tier / from the peer: {figures['recovery']['speedup']:.2f}x (target >= 5x)")
     print(
         f"a local save blocks the loop {block * 1000:.1f} ms without the copy, {block_rep * 1000:.1f} ms with it "
-        f"({figures['block_ratio']:.2f}x, target <= 1.25x or within 5 ms); complete after "
+        f"({figures['block_ratio']:.2f}x, target <= 1.25x); complete after "
         f"{figures['local_save']['lag']:.3f} s without, {figures['replicated_save']['lag']:.3f} s with the copy"
     )
     print(f"both recovered runs end with the parameters of the run without a loss: {figures['same_params']}")

@@ -407,3 +407,27 @@ def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_on
     main(["--nodes", "1", "4096", "--peer", str(tmp_path / "peer.json"), "--restart-cost", "2min"])
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.endswith(("+0.0", "+2.5"))]
     assert [r[0] for r in rows] == ["1", "4096"] and float(rows[1][-1]) > 1
+
+
+def test_interval_auto_of_a_replicated_local_tier_waits_for_the_copy_whatever_the_backend():
+    from pitstop.ckpt.contract import SaveRecord
+    from pitstop.ckpt.tiers import complete_seconds
+
+    def saved(step, total, copied=None, tier="local", error=None):
+        return SaveRecord(step, f"/l/step_{step}", tier=tier, started=100.0, total_seconds=total,
+                          copied=None if copied is None else 100.0 + copied, error=error)  # fmt: skip
+
+    records = [
+        saved(5, 0.2, 1.0),
+        saved(10, 0.2, 3.0),
+        saved(15, 0.2, 9.0, error="full"),
+        saved(20, 5.0, 7.0, "durable"),
+    ]
+    # with the copy: a local save is complete once its copy ended (its write alone took 0.2 s), sync or async
+    assert complete_seconds(records, "local", False, True) == complete_seconds(records, "local", True, True) == 2.0
+    assert complete_seconds(records, "local", True, False) == 0.2  # without: once written (async)
+    assert complete_seconds(records, "local", False, False) == 0.0  # a sync save without a copy: with the loop
+    # the newest five of 1, 3, 1, 3, 1, 3, 1, 3 s
+    assert math.isclose(complete_seconds(records[:2] * 4, "local", True, True, last=5), (3 + 1 + 3 + 1 + 3) / 5)
+    auto = AutoInterval(3600.0, "test")
+    assert auto.update(0.01, complete_seconds(records, "local", False, True)) == max(young_daly(0.01, 3600.0), 2.0)

@@ -201,6 +201,7 @@ class SaveRecord:
     block_seconds: float = 0.0
     total_seconds: float | None = None
     finished: float | None = None  # when the write became durable (set from the writer's thread)
+    copied: float | None = None  # ckpt.local.replicas: when its copy to the partner node ended (the copy's thread)
     bytes: int = 0
     error: str | None = None
 

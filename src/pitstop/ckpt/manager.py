@@ -37,7 +37,7 @@ from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.peer_copy import Replicator
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.ckpt.tiers import Tier, local_settings
+from pitstop.ckpt.tiers import Tier, complete_seconds, copied, local_settings
 from pitstop.errors import CheckpointError, ConfigError
 from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
@@ -300,10 +300,8 @@ class CheckpointManager(Checkpointer):
         """Young–Daly from this attempt's measured blocking cost per save of ``tier`` (staging waits included)
         and, for async saves, never before the last one became durable."""
         cost = tier.blocked_total / max(tier.schedule.saves, 1)
-        ok = [
-            r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name
-        ]
-        write = sum(ok[-5:]) / len(ok[-5:]) if ok and self.is_async else 0.0
+        replicated = tier is self.local and self.replicator is not None
+        write = complete_seconds(self.records[-10:], tier.name, self.is_async, replicated)
         moved = tier.schedule.measured(cost, write)
         if moved is not None:
             key = "ckpt_interval_seconds" if tier is self.durable else "ckpt_local_interval_seconds"
@@ -371,7 +369,10 @@ class CheckpointManager(Checkpointer):
                 if tier is self.durable and self.local is not None and self.replicator is None:
                     self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)  # (no more use)
         if self.replicator is not None:  # the copy, in its own thread; a durable save purges the older local ones
-            self.replicator.copy(record.step, True) if record.tier == "local" else self.replicator.purge(record.step)
+            if record.tier == "local":  # (a local save is complete once copied: what interval=auto measures)
+                self.replicator.copy(record.step, True).add_done_callback(lambda _: copied(record))
+            else:
+                self.replicator.purge(record.step)
         with self._lock:
             self._done.append(record)
 
@@ -480,6 +481,7 @@ class CheckpointManager(Checkpointer):
             out["local_dir"] = self.local.root
         if self.replicator is not None:
             out["local_replicas"] = 1
+            out["local_replicated_seconds_mean"] = round(complete_seconds(self.records, "local", True, True, None), 5)
             out["local_copies_off"] = self.replicator.broken
         out["restored_from"] = self.restored_from
         return out

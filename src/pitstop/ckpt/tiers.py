@@ -5,6 +5,7 @@ schedule and the loop time spent in its saves."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pitstop.ckpt.contract import SaveRecord
     from pitstop.ckpt.schedule import SaveSchedule
     from pitstop.goodput.interval import AutoInterval
 
@@ -39,6 +41,28 @@ class Tier:
         from pitstop.ckpt.schedule import SaveSchedule
 
         self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+
+
+def copied(record: SaveRecord) -> None:
+    """(the copy's thread) A local save's copy to the partner node ended (``ckpt.local.replicas``)."""
+    record.copied = time.perf_counter()
+
+
+def complete_seconds(
+    records: list[SaveRecord], tier: str, is_async: bool, replicated: bool, last: int | None = 5
+) -> float:
+    """A save of ``tier``'s start to complete, the mean over its newest ``last`` good saves (None: all), for
+    ``interval=auto`` (never a save before the previous one is complete) and the summary: an async save is complete
+    once written; a local save copied to a partner node (``replicated``), once its copy ended, with any backend (the
+    copy is off the loop); a synchronous save without a copy, when the loop goes on (0)."""
+    if replicated:
+        done = [r.copied - r.started for r in records if r.tier == tier and r.error is None and r.copied]
+    elif is_async:
+        done = [r.total_seconds for r in records if r.tier == tier and r.error is None and r.total_seconds]
+    else:
+        return 0.0
+    done = done[-last:] if last else done
+    return sum(done) / len(done) if done else 0.0
 
 
 LOCAL_AUTO_DIR = f"/dev/shm/pitstop-{os.getuid()}"  # (per user: the local tier's dir must be this user's alone)
