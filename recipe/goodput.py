@@ -11,7 +11,7 @@ A run's time line (its attempts on one clock, coloured by the ledger's buckets; 
 
 At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
-    python -m recipe.goodput --nodes --peer bench/results/peer_restore.json --restart-cost 10min  # the peer copy
+    python -m recipe.goodput --nodes --peer bench/results/peer_restore.json --interval 30min --local-interval 2min
     python -m recipe.goodput --nodes --ft --save-cost 60 --restart-cost 10min --step-time 2 --ft-pause 1
 
 The model (pitstop.goodput.model): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--peer", default=None, metavar="JSON",
                    help="with --nodes: what a local tier's copy on a partner node buys (ckpt.local.replicas), from "
-                   "bench/peer_restore.py's result (bench/results/peer_restore.json)")  # fmt: skip
+                   "bench/peer_restore.py's result (bench/results/peer_restore.json); the tiers save every "
+                   "--local-interval and --interval (else at their Young-Daly intervals)")  # fmt: skip
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
     p.add_argument("--ft", action="store_true", help="with --nodes: also the job as replica groups (strategy=ft)")
     p.add_argument("--nodes-per-group", type=int, default=1, help="--ft: nodes per replica group (default 1)")
@@ -290,8 +291,9 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: float, nodes, r: float, replace: float):
     """``--peer``: the job with a local tier, without and with its copy on a partner node, from the figures that
-    bench/peer_restore.py measured (a lost node's recovery from the peer and from the durable tier; each tier's
-    save cost, the local one with and without its copy)."""
+    bench/peer_restore.py measured (a lost node's recovery from the peer and from the durable tier, without the steps
+    done again; each tier's save cost, the local one with and without its copy); the tiers' intervals from
+    ``--local-interval`` and ``--interval`` (else Young–Daly at each N)."""
     import json
 
     from pitstop.goodput.model import replicated_at_scale
@@ -299,25 +301,32 @@ def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: floa
     try:
         with open(a.peer) as f:
             fig = json.load(f)["figures"]
-        local = (fig["local_save"]["block"], fig["local_save"]["lag"])
-        replicated = (fig["replicated_save"]["block"], fig["replicated_save"]["lag"])
-        durable = (fig["durable_save"]["block"], fig["durable_save"]["lag"])
-        peer, far = fig["recovery"]["peer"], fig["recovery"]["durable"]
+        recovery = {k: fig["recovery"][k] - fig["parts"][k]["redone"] for k in ("peer", "durable")}
+        tl = parse_duration(a.local_interval) if a.local_interval else None
+        td = parse_duration(a.interval[0]) if a.interval != p.get_default("interval") else None
+        local = (fig["local_save"]["block"], fig["local_save"]["lag"], tl)
+        replicated = (fig["replicated_save"]["block"], fig["replicated_save"]["lag"], tl)
+        durable = (fig["durable_save"]["block"], fig["durable_save"]["lag"], td)
     except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"--peer {a.peer}: {type(e).__name__}: {e}; give bench/results/peer_restore.json")
     q = a.replace_share or 0.587  # (Llama 3: 58.7% of the unexpected interruptions were GPU-related)
+    every = (
+        f"local saves every {fmt_duration(tl) if tl else 'Young-Daly'}, durable every "
+        f"{fmt_duration(td) if td else 'Young-Daly'}"
+    )
     print(
-        f"\na local tier's copy on a partner node (ckpt.local.replicas=1; {a.peer}): {q:.0%} of failures lose a "
-        f"node; its ranks recover from the peer in {fmt_duration(peer)} against {fmt_duration(far)} from the "
-        f"durable tier (to the first productive step); a local save blocks {fmt_duration(local[0])} "
+        f"\nwith a local tier ({every}) and its copy on a partner node (ckpt.local.replicas=1), measured in "
+        f"{a.peer}: {q:.1%} of failures lose a node; its ranks recover from the peer in "
+        f"{fmt_duration(recovery['peer'])}, from the durable tier in {fmt_duration(recovery['durable'])} (to the "
+        f"first step, then half a cycle of that tier done again); a local save blocks {fmt_duration(local[0])} "
         f"({fmt_duration(replicated[0])} with its copy) and is complete after {fmt_duration(local[1])} "
         f"({fmt_duration(replicated[1])})"
     )
     print(f"{'nodes':>6} {'job MTBF':>10} {'local only':>11} {'with copy':>10} {'gain':>7}")
     for n in nodes:
         common = (n, node_mtbf, q, replace, r)
-        alone = replicated_at_scale(*common, local, durable, peer, far, replicas=False)
-        copy = replicated_at_scale(*common, replicated, durable, peer, far, replicas=True)
+        alone = replicated_at_scale(*common, local, durable, recovery["peer"], recovery["durable"], replicas=False)
+        copy = replicated_at_scale(*common, replicated, durable, recovery["peer"], recovery["durable"], replicas=True)
         print(
             f"{n:>6} {fmt_duration(alone['mtbf']):>10} {alone['goodput'] * 100:>10.1f}% {copy['goodput'] * 100:>9.1f}% "
             f"{(copy['goodput'] - alone['goodput']) * 100:>+6.1f}"

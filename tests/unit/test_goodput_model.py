@@ -383,30 +383,37 @@ def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_on
 
     from pitstop.goodput.model import replicated_at_scale, two_tier_goodput
 
-    local, durable = (0.05, 0.5), (0.05, 30.0)
-    common = (4096, 5000 * 3600.0, 0.6, 300.0, 120.0)
+    local, durable = (0.05, 0.5, 120.0), (0.05, 30.0, 1800.0)  # (C, W, T) of each tier
+    common = (4096, 5000 * 3600.0, 0.6, 300.0, 60.0)
     alone = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=False)
     copy = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=True)
     m = 5000 * 3600.0 / 4096
-    tl, td = alone["local_interval"], alone["durable_interval"]
-    # without the copy a lost node (60% of failures) restores from the durable tier and redoes half a durable cycle
-    assert alone["restart"] == 120.0 + 0.6 * (300.0 + 200.0) and copy["restart"] == 120.0 + 0.6 * (300.0 + 20.0)
-    assert math.isclose(alone["goodput"], two_tier_goodput(tl, td, m, 0.05, 0.05, alone["restart"], 0.5, 30, 0.4))
-    assert copy["goodput"] - alone["goodput"] > 0.01
-    # a copy that makes every local save much slower to complete costs more than it buys at one node
-    one = (1, 5000 * 3600.0, 0.6, 300.0, 120.0)
-    assert (
-        replicated_at_scale(*one, (2.0, 0.5), durable, 20.0, 200.0, True)["goodput"]
-        < replicated_at_scale(*one, local, durable, 20.0, 200.0, False)["goodput"]
-    )
+    # a lost node (60% of failures): a replacement (300 s), then the recovery from the peer (20 s) and half a local
+    # cycle redone, or from the durable tier (200 s) and half a durable cycle; the rest restart in place (60 s)
+    assert math.isclose(alone["restart"], 0.4 * 60 + 0.6 * (300 + 200))
+    assert math.isclose(copy["restart"], 0.4 * 60 + 0.6 * (300 + 20))
+    assert math.isclose(alone["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, alone["restart"], 0.5, 30, 0.4))
+    assert math.isclose(copy["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, copy["restart"], 0.5, 30, 1.0))
+    assert copy["goodput"] - alone["goodput"] > 0.05
+    # no interval given: each tier at its Young-Daly interval for the job's MTBF (the durable one no shorter)
+    free = replicated_at_scale(*common, (0.05, 0.5, None), (2.0, 30.0, None), 20.0, 200.0, replicas=True)
+    assert math.isclose(free["local_interval"], young_daly(0.05, m)) and free["durable_interval"] == young_daly(2, m)
     from recipe.goodput import main
 
-    fig = {"local_save": {"block": 0.05, "lag": 0.5}, "replicated_save": {"block": 0.05, "lag": 1.2},
-           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 20, "durable": 200}}  # fmt: skip
+    fig = {"local_save": {"block": 0.05, "lag": 0.5}, "replicated_save": {"block": 0.05, "lag": 0.5},
+           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 21, "durable": 230},
+           "parts": {"peer": {"redone": 1}, "durable": {"redone": 30}}}  # fmt: skip
     (tmp_path / "peer.json").write_text(json.dumps({"figures": fig}))
-    main(["--nodes", "1", "4096", "--peer", str(tmp_path / "peer.json"), "--restart-cost", "2min"])
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.endswith(("+0.0", "+2.5"))]
-    assert [r[0] for r in rows] == ["1", "4096"] and float(rows[1][-1]) > 1
+    main(["--nodes", "1", "4096", "--node-mtbf", "5000h", "--peer", str(tmp_path / "peer.json"), "--interval",
+          "30min", "--local-interval", "2min", "--restart-cost", "1min", "--replace-cost", "5min", "--replace-share",
+          "0.6"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "recover from the peer in 20.00 s, from the durable tier in 3.3 min" in out
+    table = out.split("with copy")[1]  # (after the main table, the one with and without the copy)
+    rows = [ln.split() for ln in table.splitlines() if ln.lstrip().startswith(("1 ", "4096 "))]
+    assert [r[0] for r in rows] == ["1", "4096"] and math.isclose(
+        float(rows[1][-1]), (copy["goodput"] - alone["goodput"]) * 100, abs_tol=0.06
+    )
 
 
 def test_interval_auto_of_a_replicated_local_tier_waits_for_the_copy_whatever_the_backend():

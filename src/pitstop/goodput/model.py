@@ -203,28 +203,28 @@ def replicated_at_scale(
     node_share: float,
     replace_cost: float,
     restart_cost: float,
-    local: tuple[float, float],
-    durable: tuple[float, float],
-    peer_restore: float,
-    durable_restore: float,
+    local: tuple[float, float, float | None],
+    durable: tuple[float, float, float | None],
+    peer_recovery: float,
+    durable_recovery: float,
     replicas: bool,
 ) -> dict:
     """The job of :func:`at_scale` with a local tier (``ckpt.local``), with or without its copy on a partner node
-    (``ckpt.local.replicas=1``). ``local`` and ``durable``: each tier's (blocking cost C, save start -> complete
-    W) per save, as measured (the local one with its copy when ``replicas``). A share ``node_share`` of the failures
-    takes a node (a replacement joins after ``replace_cost``); the rest restart the processes (``restart_cost``,
-    the local restore included). A lost node's ranks come back empty: with the copy they restore from the
-    partner (``peer_restore`` more than a process restart) and lose half a local cycle; without it the job
-    restores from the durable tier (``durable_restore`` more) and loses half a durable cycle. A node and its
-    partner lost within one recovery is left out (its share is that recovery over the partner's MTBF: ~1e-6).
-    Each tier saves at its own Young–Daly interval for the job's MTBF (the durable one at least every local one);
-    :func:`two_tier_goodput` gives the goodput."""
+    (``ckpt.local.replicas=1``). ``local`` and ``durable``: each tier's (blocking cost C, save start -> complete W,
+    interval T or None for its Young–Daly interval at the job's MTBF) per save, as measured (the local one with its
+    copy when ``replicas``). A share ``node_share`` of the failures takes a node: a replacement joins after
+    ``replace_cost``, and the job recovers in ``peer_recovery`` (its ranks restore from the partner's copy, and half a
+    local cycle is done again) or, without the copy, ``durable_recovery`` (from the durable tier, and half a durable
+    cycle); both as measured from the loss to the first step, without the steps done again (the model adds them).
+    The other failures restart the processes (``restart_cost``, the local restore included) and redo half a local
+    cycle. A node and its partner lost within one recovery is left out (its share is that recovery over the
+    partner's MTBF: ~1e-6). :func:`two_tier_goodput` gives the goodput."""
     mtbf = node_mtbf / nodes
-    (cl, wl), (cd, wd) = local, durable
+    (cl, wl, tl), (cd, wd, td) = local, durable
     q = min(max(float(node_share), 0.0), 1.0)
-    r = restart_cost + q * (replace_cost + (peer_restore if replicas else durable_restore))
-    tl = max(young_daly(cl, mtbf), wl, 1e-3)
-    td = max(young_daly(cd, mtbf), wd, tl)
+    r = (1 - q) * restart_cost + q * (replace_cost + (peer_recovery if replicas else durable_recovery))
+    tl = tl or max(young_daly(cl, mtbf), wl, 1e-3)
+    td = td or max(young_daly(cd, mtbf), wd, tl)
     return {
         "nodes": nodes,
         "mtbf": mtbf,
