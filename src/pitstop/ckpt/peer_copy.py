@@ -27,6 +27,7 @@ from pitstop.ckpt.contract import StrategyLike, one_line
 from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
 
 log = logging.getLogger("pitstop.ckpt")
+FINDINGS = (CorruptCheckpoint, CheckpointError, OSError)  # what a copy can find wrong (gloo's own errors stop it)
 KEY = "ckpt.local.replicas"
 
 
@@ -132,8 +133,8 @@ class Replicator:
         problem = None
         try:
             self._exchange(own, files, [self.rank], to, there, of)
-        except CorruptCheckpoint as e:
-            problem = str(e)
+        except FINDINGS as e:
+            problem = one_line(e)
         if not self._agree(problem is None):
             log.warning("local checkpoint of step %d not copied to its peer: %s", step, problem or "see another rank")
             return
@@ -158,7 +159,11 @@ class Replicator:
         works, keep = [], []
         if to is not None:
             sent = [n for n in peer.files_of(names, ranks) if n != integrity.MANIFEST]
-            blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
+            try:
+                blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
+            except FINDINGS:
+                dist.send(torch.tensor([-1]), to, group=self.group)  # (the receiver expects nothing more)
+                raise
             head = [0, *(names.index(n) for n in sent), *(b.numel() for b in blobs)]
             keep = [torch.tensor([len(sent)]), torch.tensor(head)]
             works = [dist.isend(t, to, group=self.group) for t in keep]
@@ -168,6 +173,8 @@ class Replicator:
             count = torch.zeros(1, dtype=torch.int64)
             dist.recv(count, of, group=self.group)
             n = int(count)
+            if n == -1:
+                raise CheckpointError(f"the peer rank {of} could not read its files (its log says why)")
             if not 0 <= n <= len(names):
                 raise CheckpointError(f"the peer rank {of} announced {n} files of a checkpoint of {len(names)}")
             head = torch.zeros(1 + 2 * n, dtype=torch.int64)
@@ -208,12 +215,12 @@ class Replicator:
         or None when it could not be made (said in one line; the durable tier is next)."""
         target = layout.step_dir(self.root, step)
         problem = None
-        try:
-            for owner, frm, to, where in peer.plan(held_by, step):
-                if self.node not in (frm, to) or not self.leads:
-                    continue
-                src = target if where == "own" else peer.copy_dir(self.root, owner, step)
-                ranks = next(list(h.ranks) for h in held_by[frm] if h.step == step and h.owner == owner)
+        for owner, frm, to, where in peer.plan(held_by, step):  # (every transfer is made, even after a finding)
+            if self.node not in (frm, to) or not self.leads:
+                continue
+            src = target if where == "own" else peer.copy_dir(self.root, owner, step)
+            ranks = next(list(h.ranks) for h in held_by[frm] if h.step == step and h.owner == owner)
+            try:
                 if frm == to:
                     if where != "own":
                         _copy_local(src, target, ranks)
@@ -221,9 +228,12 @@ class Replicator:
                     self._send_step(src, ranks, self.ring.leader(to))
                 else:
                     self._recv_step(target, self.ring.leader(frm))
-            if self.leads:
+            except FINDINGS as e:
+                problem = problem or one_line(e)
+        try:
+            if self.leads and problem is None:
                 integrity.verify(target)
-        except (CorruptCheckpoint, CheckpointError, OSError) as e:
+        except FINDINGS as e:
             problem = one_line(e)
         if not self._agree(problem is None):
             log.warning(
@@ -237,26 +247,34 @@ class Replicator:
         return "local" if owners == set(range(held_by_nodes(held_by, step))) else "peer"
 
     def _send_step(self, src: str, ranks: list[int], to: int) -> None:
-        data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
-        size = torch.tensor([len(data)])
-        dist.send(size, to, group=self.group)
+        """The manifest of ``src`` and the files of ``ranks`` to rank ``to``; a manifest that cannot be read is
+        announced as 0 bytes (the receiver then expects nothing more) and raised here."""
+        try:
+            data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            files = integrity.read_manifest(src)
+        except FINDINGS:
+            dist.send(torch.tensor([0]), to, group=self.group)
+            raise
+        dist.send(torch.tensor([len(data)]), to, group=self.group)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self.group)
-        self._exchange(src, integrity.read_manifest(src), ranks, to, src, None)
+        self._exchange(src, files, ranks, to, src, None)
 
     def _recv_step(self, dst: str, of: int) -> None:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, of, group=self.group)
         if not 0 < int(size) <= integrity.MANIFEST_MAX:
-            raise CheckpointError(f"the peer rank {of} announced a manifest of {int(size)} bytes")
+            raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({int(size)} bytes)")
         buf = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(buf, of, group=self.group)
         os.makedirs(dst, mode=0o700, exist_ok=True)
         data = buf.numpy().tobytes()
         have = os.path.join(dst, integrity.MANIFEST)
-        if layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data:
-            raise CorruptCheckpoint(f"checkpoint {dst} is corrupt: its {integrity.MANIFEST} is not the peer's")
-        integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
-        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)
+        differs = layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data
+        if not differs:
+            integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
+        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)  # (checked against ours)
+        if differs:
+            raise CorruptCheckpoint(f"checkpoint {dst}: its {integrity.MANIFEST} is not the one rank {of} sent")
 
     def _broadcast(self, data: bytes, src: int = 0) -> bytes:
         size = torch.tensor([len(data)], dtype=torch.int64)
