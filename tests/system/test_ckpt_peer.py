@@ -100,10 +100,10 @@ def reference(data_root, tmp_path_factory) -> str:
     return json.loads((tmp / "run" / "summary.json").read_text())["params_sha256"]
 
 
-def lose_node_b(tmp_path, data_root, run_dir, after: int) -> int:
+def lose_node_b(tmp_path, data_root, run_dir, after: int, extra: list[str]) -> int:
     """Run until node b's local save of a step past ``after`` (and newer than the durable tier's) is copied, then
     lose the job and node b's local dir; the newest step b's copy holds."""
-    first = agents(tmp_path, data_root, run_dir, [], "first")
+    first = agents(tmp_path, data_root, run_dir, extra, "first")
     try:
         wait_for(lambda: replicated(tmp_path / "shm_b", after), 180)
     finally:
@@ -112,11 +112,12 @@ def lose_node_b(tmp_path, data_root, run_dir, after: int) -> int:
     return max(int(p.parent.name[5:]) for p in (tmp_path / "shm_a").glob("*/peer/1/step_*/COPIED"))
 
 
-def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(data_root, tmp_path, reference):
+@pytest.mark.parametrize("backend", ["sync_dcp", "async_dcp"])
+def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    newest = lose_node_b(tmp_path, data_root, run_dir, after=8)
+    newest = lose_node_b(tmp_path, data_root, run_dir, 8, [f"ckpt={backend}"])
     assert newest % 6, "the newest copied step is a durable one: nothing to show"
-    again = agents(tmp_path, data_root, run_dir, [], "again")
+    again = agents(tmp_path, data_root, run_dir, [f"ckpt={backend}"], "again")
     finish(again, tmp_path, "again")
     log = (run_dir / "train.log").read_text()
     m = re.search(r"\(step (\d+), peer tier\)", log)
@@ -128,7 +129,7 @@ def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(data_root
 
 def test_a_corrupt_copy_falls_back_to_the_durable_tier_in_one_line(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    newest = lose_node_b(tmp_path, data_root, run_dir, after=8)
+    newest = lose_node_b(tmp_path, data_root, run_dir, 8, [])
     copy = next((tmp_path / "shm_a").glob(f"*/peer/1/step_{newest:08d}"))
     shard = next(copy.glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
