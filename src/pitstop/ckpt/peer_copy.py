@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,19 @@ class Replicator:
         self.broken: str | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
         self._handshake()
+
+    @classmethod
+    def start(
+        cls, strategy: StrategyLike, local: Any, node: str | None, timeout: float, backend: str, full_state: bool
+    ) -> Replicator:
+        """The replicator of local tier ``local`` (a :class:`~pitstop.ckpt.tiers.Tier`); ConfigError for a backend
+        that writes no per-rank files, one node, or a partner that cannot be reached."""
+        if full_state:
+            raise ConfigError(
+                f"{KEY}=1 copies each rank's DCP files; ckpt={backend} writes one file from rank 0: use "
+                f"ckpt=sync_dcp or ckpt=async_dcp, or set {KEY}=0"
+            )
+        return cls(strategy, local.root, node or socket.gethostname(), local.keep_last_k, timeout)
 
     def _handshake(self) -> None:
         """Every rank greets its partner on both sides: one that cannot be reached stops the run here."""

@@ -13,6 +13,7 @@ from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pitstop.ckpt.contract import SaveRecord
     from pitstop.ckpt.schedule import SaveSchedule
     from pitstop.goodput.interval import AutoInterval
 
@@ -39,6 +40,21 @@ class Tier:
         from pitstop.ckpt.schedule import SaveSchedule
 
         self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+
+
+def figures(records: list[SaveRecord], tier: str) -> dict:
+    """A tier's figures for ``summary.json``: its saves, failures and their costs."""
+    mine = [r for r in records if r.tier == tier]
+    ok = [r for r in mine if r.error is None]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "saves": len(ok),
+        "failures": sum(1 for r in mine if r.error is not None),
+        "block_seconds_total": round(sum(r.block_seconds for r in mine), 4),
+        "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+        "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+        "bytes_last": ok[-1].bytes if ok else 0,
+    }
 
 
 LOCAL_AUTO_DIR = f"/dev/shm/pitstop-{os.getuid()}"  # (per user: the local tier's dir must be this user's alone)
