@@ -36,7 +36,7 @@ JOB = [
 ]
 
 
-def agents(tmp_path, data_root, run_dir, extra: list[str], log: str) -> dict[str, subprocess.Popen]:
+def agents(tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str = "2") -> dict[str, subprocess.Popen]:
     """Node a's agent (it hosts the rendezvous), then node b's: their own names (PITSTOP_NODE_NAME), local dirs and
     caches."""
     port = free_port()
@@ -46,7 +46,7 @@ def agents(tmp_path, data_root, run_dir, extra: list[str], log: str) -> dict[str
             *JOB,
             *extra,
             "strategy.nproc_per_node=1",
-            "strategy.nnodes=2",
+            f"strategy.nnodes={nnodes}",
             f"strategy.rdzv_endpoint=127.0.0.1:{port}",
             f"run_dir={run_dir}",
             f"ckpt.local.dir={tmp_path / ('shm_' + name)}",
@@ -143,3 +143,23 @@ def test_a_corrupt_copy_falls_back_to_the_durable_tier_in_one_line(data_root, tm
     assert re.search(r"\(step \d+, durable tier\)", log), log[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["checkpoint"]["restored_from"] == "durable" and s["params_sha256"] == reference
+
+
+def test_a_job_that_re_forms_without_the_lost_node_restores_its_files_from_the_copy_resharded(data_root, tmp_path):
+    # Elastic (1 to 2 nodes): node b is lost (its agent and rank killed, its local dir cleared); node a's agent
+    # re-forms the job at world size 1, which takes b's files from the copy a holds and reshards 2 ranks' state to 1.
+    run_dir = tmp_path / "run"
+    elastic = ["trainer.max_restarts=2", "strategy.last_call_seconds=8"]
+    procs = agents(tmp_path, data_root, run_dir, elastic, "elastic", nnodes="1:2")
+    try:
+        wait_for(lambda: replicated(tmp_path / "shm_b", 8), 180)
+        signal_all([procs["b"].pid, *descendants(procs["b"].pid)], signal.SIGKILL)
+        shutil.rmtree(tmp_path / "shm_b")
+        assert procs["a"].wait(240) == 0, (tmp_path / "elastic_a.log").read_text()[-3000:]
+    finally:
+        kill(procs)
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"\(step \d+, peer tier\)", log) and "resuming on 1" in log, log[-3000:]
+    assert "no other node to hold a copy" in log
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["checkpoint"]["restored_from"] == "peer" and s["final_step"] == STEPS and s["world_size"] == 1

@@ -38,13 +38,24 @@ class Replicator:
 
     def __init__(self, strategy: StrategyLike, root: str, node: str, keep: int, timeout: float):
         self.strategy, self.root, self.keep, self.rank = strategy, root, keep, strategy.rank
-        self.ring = peer.ring([str(n) for n in strategy.all_gather_object(node)])
+        names = [str(n) for n in strategy.all_gather_object(node)]
+        # One node left of a job that had several (an elastic job re-formed without the others): no copies now, but
+        # what this node holds (its own files and its copies) is restored from.
+        alone = len(set(names)) == 1 and strategy.any(os.path.isdir(os.path.join(root, peer.PEER_DIR)))
+        self.ring = peer.ring(names, alone_ok=alone)
         self.node = self.ring.node_of[self.rank]
         self.leads = self.ring.leader(self.node) == self.rank
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        grouped = dist.is_available() and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if grouped else None
         self.broken: str | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
-        self._handshake()
+        if alone:
+            self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
+            log.warning(
+                "local checkpoints are not copied to a peer node: %s; the local tier goes on without", self.broken
+            )
+        else:
+            self._handshake()
 
     @classmethod
     def start(
@@ -109,10 +120,13 @@ class Replicator:
         return self._pool.submit(self._guarded, self._copy, step, ok)
 
     def purge(self, up_to: int | None = None) -> Future:
-        return self._pool.submit(self._guarded, self._purge, up_to)
+        """A node's retention (its leader's; every ``keep_last_k`` copied saves and copies, or, with copies off,
+        every save), and with ``up_to`` what a durable save of that step made of no more use."""
+        return self._pool.submit(self._purge, up_to)
 
     def _guarded(self, work: Any, *args: Any) -> None:
         if self.broken is not None:
+            self._purge(None)  # (copies off: the node's own retention goes on)
             return
         try:
             work(*args)
@@ -123,10 +137,14 @@ class Replicator:
                 "copies, the durable tier is unaffected",
                 self.broken,
             )
+            self._purge(None)
 
     def _purge(self, up_to: int | None) -> None:
         if self.leads:
-            peer.purge(self.root, self.keep, up_to)
+            try:
+                peer.purge(self.root, self.keep, up_to, marked=self.broken is None)
+            except OSError as e:
+                log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
 
     def _copy(self, step: int, ok: bool) -> None:
         if not self._agree(ok):
@@ -302,6 +320,8 @@ class Replicator:
         return buf.numpy().tobytes()
 
     def _agree(self, ok: bool) -> bool:
+        if self.group is None:
+            return ok
         t = torch.tensor([int(bool(ok))], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(t))
