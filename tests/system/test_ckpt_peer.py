@@ -36,7 +36,7 @@ JOB = [
 ]
 
 
-def agents(tmp_path, data_root, run_dir, extra: list[str], log: str) -> dict[str, subprocess.Popen]:
+def agents(tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str = "2") -> dict[str, subprocess.Popen]:
     """Node a's agent (it hosts the rendezvous), then node b's: their own names (PITSTOP_NODE_NAME), local dirs and
     caches."""
     port = free_port()
@@ -46,7 +46,7 @@ def agents(tmp_path, data_root, run_dir, extra: list[str], log: str) -> dict[str
             *JOB,
             *extra,
             "strategy.nproc_per_node=1",
-            "strategy.nnodes=2",
+            f"strategy.nnodes={nnodes}",
             f"strategy.rdzv_endpoint=127.0.0.1:{port}",
             f"run_dir={run_dir}",
             f"ckpt.local.dir={tmp_path / ('shm_' + name)}",
@@ -100,10 +100,10 @@ def reference(data_root, tmp_path_factory) -> str:
     return json.loads((tmp / "run" / "summary.json").read_text())["params_sha256"]
 
 
-def lose_node_b(tmp_path, data_root, run_dir, after: int) -> int:
+def lose_node_b(tmp_path, data_root, run_dir, after: int, extra: list[str]) -> int:
     """Run until node b's local save of a step past ``after`` (and newer than the durable tier's) is copied, then
     lose the job and node b's local dir; the newest step b's copy holds."""
-    first = agents(tmp_path, data_root, run_dir, [], "first")
+    first = agents(tmp_path, data_root, run_dir, extra, "first")
     try:
         wait_for(lambda: replicated(tmp_path / "shm_b", after), 180)
     finally:
@@ -112,11 +112,12 @@ def lose_node_b(tmp_path, data_root, run_dir, after: int) -> int:
     return max(int(p.parent.name[5:]) for p in (tmp_path / "shm_a").glob("*/peer/1/step_*/COPIED"))
 
 
-def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(data_root, tmp_path, reference):
+@pytest.mark.parametrize("backend", ["sync_dcp", "async_dcp"])
+def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(backend, data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    newest = lose_node_b(tmp_path, data_root, run_dir, after=8)
+    newest = lose_node_b(tmp_path, data_root, run_dir, 8, [f"ckpt={backend}"])
     assert newest % 6, "the newest copied step is a durable one: nothing to show"
-    again = agents(tmp_path, data_root, run_dir, [], "again")
+    again = agents(tmp_path, data_root, run_dir, [f"ckpt={backend}"], "again")
     finish(again, tmp_path, "again")
     log = (run_dir / "train.log").read_text()
     m = re.search(r"\(step (\d+), peer tier\)", log)
@@ -128,7 +129,7 @@ def test_a_lost_node_restores_its_ranks_from_the_partners_copy_exactly(data_root
 
 def test_a_corrupt_copy_falls_back_to_the_durable_tier_in_one_line(data_root, tmp_path, reference):
     run_dir = tmp_path / "run"
-    newest = lose_node_b(tmp_path, data_root, run_dir, after=8)
+    newest = lose_node_b(tmp_path, data_root, run_dir, 8, [])
     copy = next((tmp_path / "shm_a").glob(f"*/peer/1/step_{newest:08d}"))
     shard = next(copy.glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -142,3 +143,23 @@ def test_a_corrupt_copy_falls_back_to_the_durable_tier_in_one_line(data_root, tm
     assert re.search(r"\(step \d+, durable tier\)", log), log[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["checkpoint"]["restored_from"] == "durable" and s["params_sha256"] == reference
+
+
+def test_a_job_that_re_forms_without_the_lost_node_restores_its_files_from_the_copy_resharded(data_root, tmp_path):
+    # Elastic (1 to 2 nodes): node b is lost (its agent and rank killed, its local dir cleared); node a's agent
+    # re-forms the job at world size 1, which takes b's files from the copy a holds and reshards 2 ranks' state to 1.
+    run_dir = tmp_path / "run"
+    elastic = ["trainer.max_restarts=2", "strategy.last_call_seconds=8"]
+    procs = agents(tmp_path, data_root, run_dir, elastic, "elastic", nnodes="1:2")
+    try:
+        wait_for(lambda: replicated(tmp_path / "shm_b", 8), 180)
+        signal_all([procs["b"].pid, *descendants(procs["b"].pid)], signal.SIGKILL)
+        shutil.rmtree(tmp_path / "shm_b")
+        assert procs["a"].wait(240) == 0, (tmp_path / "elastic_a.log").read_text()[-3000:]
+    finally:
+        kill(procs)
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"\(step \d+, peer tier\)", log) and "resuming on 1" in log, log[-3000:]
+    assert "no other node to hold a copy" in log
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["checkpoint"]["restored_from"] == "peer" and s["final_step"] == STEPS and s["world_size"] == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from abc import abstractmethod
@@ -37,7 +36,7 @@ from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.peer_copy import Replicator
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.ckpt.tiers import Tier, complete_seconds, copied, local_settings
+from pitstop.ckpt.tiers import Tier, complete_seconds, copied, figures, local_settings
 from pitstop.errors import CheckpointError, ConfigError
 from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
@@ -133,14 +132,7 @@ class CheckpointManager(Checkpointer):
         self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
         timeout = getattr(getattr(strategy, "inner", strategy), "timeout", None) or 3 * orphans.ORPHAN_WAIT
         if self.local is not None and self._local_cfg["replicas"]:
-            if self.full_state:
-                raise ConfigError(
-                    f"ckpt.local.replicas=1 copies each rank's DCP files; ckpt={self.name} writes one file from "
-                    f"rank 0: use ckpt=sync_dcp or ckpt=async_dcp, or set ckpt.local.replicas=0"
-                )
-            self.replicator = Replicator(
-                strategy, self.local.root, node or socket.gethostname(), self.local.keep_last_k, timeout
-            )
+            self.replicator = Replicator.start(strategy, self.local, node, timeout, self.name, self.full_state)
         # (before anything is restored or saved: see pitstop.ckpt.orphans; ranks of other machines wait meanwhile in
         # the next collective, within the group's timeout)
         orphans.end_orphans(self.root, min(orphans.ORPHAN_WAIT, timeout / 3))
@@ -461,29 +453,15 @@ class CheckpointManager(Checkpointer):
 
     def stats(self) -> dict:
         """The durable tier's figures (``local_*``: the local tier's, when it is on)."""
-        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-
-        def figures(tier: str) -> dict:
-            records = [r for r in self.records if r.tier == tier]
-            ok = [r for r in records if r.error is None]
-            return {
-                "saves": len(ok),
-                "failures": sum(1 for r in records if r.error is not None),
-                "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
-                "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
-                "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
-                "bytes_last": ok[-1].bytes if ok else 0,
-            }
-
-        out = {"backend": self.name, **figures("durable"), "purge_failures": self.purge_failures}
+        out = {"backend": self.name, **figures(self.records, "durable"), "purge_failures": self.purge_failures}
         if self.local is not None:
-            out.update({f"local_{k}": v for k, v in figures("local").items()})
+            out.update({f"local_{k}": v for k, v in figures(self.records, "local").items()})
             out["local_dir"] = self.local.root
         if self.replicator is not None:
             out["local_replicas"] = 1
             out["local_replicated_seconds_mean"] = round(complete_seconds(self.records, "local", True, True, None), 5)
             out["local_copies_off"] = self.replicator.broken
-        out["restored_from"] = self.restored_from
+        out["restored_from"] = self.restored_from  # (local, peer or durable; None: started afresh)
         return out
 
     # ---- backend hook ---------------------------------------------------------------------------------

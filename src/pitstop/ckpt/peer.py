@@ -58,14 +58,15 @@ class Ring:
         return self.ranks_on(node)[0]
 
 
-def ring(names: list[str], key: str = "ckpt.local.replicas") -> Ring:
+def ring(names: list[str], key: str = "ckpt.local.replicas", alone_ok: bool = False) -> Ring:
     """The ring of the job whose rank ``r`` runs on node ``names[r]``; ConfigError when it cannot hold a copy on
-    another node (one node, or nodes with different numbers of ranks)."""
+    another node (one node, unless ``alone_ok``: a job re-formed on one node; nodes with different numbers of
+    ranks)."""
     order: list[str] = []
     for n in names:
         if n not in order:
             order.append(n)
-    if len(order) < 2:
+    if len(order) < 2 and not alone_ok:
         raise ConfigError(
             f"{key}=1 keeps a copy on another node, and the job runs on one node ({order[0] if order else '?'}): "
             f"set {key}=0, or run on several nodes"
@@ -187,9 +188,10 @@ def plan(held_by: list[list[Held]], step: int) -> list[tuple[int, int, int, str]
     return out
 
 
-def purge(root: str, keep: int, up_to: int | None = None) -> None:
-    """A node's retention: its own checkpoints and its copies beyond the newest ``keep`` replicated (or copied) ones,
-    and, with ``up_to`` (a durable save of that step is committed), every one not newer than it."""
+def purge(root: str, keep: int, up_to: int | None = None, marked: bool = True) -> None:
+    """A node's retention: its own checkpoints and its copies beyond the newest ``keep`` replicated (or copied) ones
+    (``marked`` False, copies off: beyond the newest ``keep`` of its own), and, with ``up_to`` (a durable save of
+    that step is committed), every one not newer than it."""
     dirs = [root] + [
         os.path.join(root, PEER_DIR, o)
         for o in (os.listdir(os.path.join(root, PEER_DIR)) if os.path.isdir(os.path.join(root, PEER_DIR)) else [])
@@ -198,7 +200,7 @@ def purge(root: str, keep: int, up_to: int | None = None) -> None:
     for where in dirs:
         name = REPLICATED if where == root else COPIED
         found = layout.list_checkpoints(where)
-        done = [s for s, p, _ in found if read_marker(p, name, s) is not None]
+        done = [s for s, p, _ in found if read_marker(p, name, s) is not None or (where == root and not marked)]
         floor = done[-keep] if len(done) >= keep else None
         for s, path, _ in found:
             if (up_to is not None and s <= up_to) or (floor is not None and s < floor):

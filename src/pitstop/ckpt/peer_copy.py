@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from pitstop.ckpt.contract import StrategyLike, one_line
 from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
 
 log = logging.getLogger("pitstop.ckpt")
+FINDINGS = (CorruptCheckpoint, CheckpointError, OSError)  # what a copy can find wrong (gloo's own errors stop it)
 KEY = "ckpt.local.replicas"
 
 
@@ -36,13 +38,37 @@ class Replicator:
 
     def __init__(self, strategy: StrategyLike, root: str, node: str, keep: int, timeout: float):
         self.strategy, self.root, self.keep, self.rank = strategy, root, keep, strategy.rank
-        self.ring = peer.ring([str(n) for n in strategy.all_gather_object(node)])
+        names = [str(n) for n in strategy.all_gather_object(node)]
+        # One node left of a job that had several (an elastic job re-formed without the others): no copies now, but
+        # what this node holds (its own files and its copies) is restored from.
+        alone = len(set(names)) == 1 and strategy.any(os.path.isdir(os.path.join(root, peer.PEER_DIR)))
+        self.ring = peer.ring(names, alone_ok=alone)
         self.node = self.ring.node_of[self.rank]
         self.leads = self.ring.leader(self.node) == self.rank
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        grouped = dist.is_available() and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if grouped else None
         self.broken: str | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
-        self._handshake()
+        if alone:
+            self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
+            log.warning(
+                "local checkpoints are not copied to a peer node: %s; the local tier goes on without", self.broken
+            )
+        else:
+            self._handshake()
+
+    @classmethod
+    def start(
+        cls, strategy: StrategyLike, local: Any, node: str | None, timeout: float, backend: str, full_state: bool
+    ) -> Replicator:
+        """The replicator of local tier ``local`` (a :class:`~pitstop.ckpt.tiers.Tier`); ConfigError for a backend
+        that writes no per-rank files, one node, or a partner that cannot be reached."""
+        if full_state:
+            raise ConfigError(
+                f"{KEY}=1 copies each rank's DCP files; ckpt={backend} writes one file from rank 0: use "
+                f"ckpt=sync_dcp or ckpt=async_dcp, or set {KEY}=0"
+            )
+        return cls(strategy, local.root, node or socket.gethostname(), local.keep_last_k, timeout)
 
     def _handshake(self) -> None:
         """Every rank greets its partner on both sides: one that cannot be reached stops the run here."""
@@ -94,10 +120,13 @@ class Replicator:
         return self._pool.submit(self._guarded, self._copy, step, ok)
 
     def purge(self, up_to: int | None = None) -> Future:
-        return self._pool.submit(self._guarded, self._purge, up_to)
+        """A node's retention (its leader's; every ``keep_last_k`` copied saves and copies, or, with copies off,
+        every save), and with ``up_to`` what a durable save of that step made of no more use."""
+        return self._pool.submit(self._purge, up_to)
 
     def _guarded(self, work: Any, *args: Any) -> None:
         if self.broken is not None:
+            self._purge(None)  # (copies off: the node's own retention goes on)
             return
         try:
             work(*args)
@@ -108,10 +137,14 @@ class Replicator:
                 "copies, the durable tier is unaffected",
                 self.broken,
             )
+            self._purge(None)
 
     def _purge(self, up_to: int | None) -> None:
         if self.leads:
-            peer.purge(self.root, self.keep, up_to)
+            try:
+                peer.purge(self.root, self.keep, up_to, marked=self.broken is None)
+            except OSError as e:
+                log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
 
     def _copy(self, step: int, ok: bool) -> None:
         if not self._agree(ok):
@@ -132,8 +165,8 @@ class Replicator:
         problem = None
         try:
             self._exchange(own, files, [self.rank], to, there, of)
-        except CorruptCheckpoint as e:
-            problem = str(e)
+        except FINDINGS as e:
+            problem = one_line(e)
         if not self._agree(problem is None):
             log.warning("local checkpoint of step %d not copied to its peer: %s", step, problem or "see another rank")
             return
@@ -158,7 +191,11 @@ class Replicator:
         works, keep = [], []
         if to is not None:
             sent = [n for n in peer.files_of(names, ranks) if n != integrity.MANIFEST]
-            blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
+            try:
+                blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
+            except FINDINGS:
+                dist.send(torch.tensor([-1]), to, group=self.group)  # (the receiver expects nothing more)
+                raise
             head = [0, *(names.index(n) for n in sent), *(b.numel() for b in blobs)]
             keep = [torch.tensor([len(sent)]), torch.tensor(head)]
             works = [dist.isend(t, to, group=self.group) for t in keep]
@@ -168,6 +205,8 @@ class Replicator:
             count = torch.zeros(1, dtype=torch.int64)
             dist.recv(count, of, group=self.group)
             n = int(count)
+            if n == -1:
+                raise CheckpointError(f"the peer rank {of} could not read its files (its log says why)")
             if not 0 <= n <= len(names):
                 raise CheckpointError(f"the peer rank {of} announced {n} files of a checkpoint of {len(names)}")
             head = torch.zeros(1 + 2 * n, dtype=torch.int64)
@@ -208,12 +247,12 @@ class Replicator:
         or None when it could not be made (said in one line; the durable tier is next)."""
         target = layout.step_dir(self.root, step)
         problem = None
-        try:
-            for owner, frm, to, where in peer.plan(held_by, step):
-                if self.node not in (frm, to) or not self.leads:
-                    continue
-                src = target if where == "own" else peer.copy_dir(self.root, owner, step)
-                ranks = next(list(h.ranks) for h in held_by[frm] if h.step == step and h.owner == owner)
+        for owner, frm, to, where in peer.plan(held_by, step):  # (every transfer is made, even after a finding)
+            if self.node not in (frm, to) or not self.leads:
+                continue
+            src = target if where == "own" else peer.copy_dir(self.root, owner, step)
+            ranks = next(list(h.ranks) for h in held_by[frm] if h.step == step and h.owner == owner)
+            try:
                 if frm == to:
                     if where != "own":
                         _copy_local(src, target, ranks)
@@ -221,9 +260,12 @@ class Replicator:
                     self._send_step(src, ranks, self.ring.leader(to))
                 else:
                     self._recv_step(target, self.ring.leader(frm))
-            if self.leads:
+            except FINDINGS as e:
+                problem = problem or one_line(e)
+        try:
+            if self.leads and problem is None:
                 integrity.verify(target)
-        except (CorruptCheckpoint, CheckpointError, OSError) as e:
+        except FINDINGS as e:
             problem = one_line(e)
         if not self._agree(problem is None):
             log.warning(
@@ -237,26 +279,34 @@ class Replicator:
         return "local" if owners == set(range(held_by_nodes(held_by, step))) else "peer"
 
     def _send_step(self, src: str, ranks: list[int], to: int) -> None:
-        data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
-        size = torch.tensor([len(data)])
-        dist.send(size, to, group=self.group)
+        """The manifest of ``src`` and the files of ``ranks`` to rank ``to``; a manifest that cannot be read is
+        announced as 0 bytes (the receiver then expects nothing more) and raised here."""
+        try:
+            data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            files = integrity.read_manifest(src)
+        except FINDINGS:
+            dist.send(torch.tensor([0]), to, group=self.group)
+            raise
+        dist.send(torch.tensor([len(data)]), to, group=self.group)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self.group)
-        self._exchange(src, integrity.read_manifest(src), ranks, to, src, None)
+        self._exchange(src, files, ranks, to, src, None)
 
     def _recv_step(self, dst: str, of: int) -> None:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, of, group=self.group)
         if not 0 < int(size) <= integrity.MANIFEST_MAX:
-            raise CheckpointError(f"the peer rank {of} announced a manifest of {int(size)} bytes")
+            raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({int(size)} bytes)")
         buf = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(buf, of, group=self.group)
         os.makedirs(dst, mode=0o700, exist_ok=True)
         data = buf.numpy().tobytes()
         have = os.path.join(dst, integrity.MANIFEST)
-        if layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data:
-            raise CorruptCheckpoint(f"checkpoint {dst} is corrupt: its {integrity.MANIFEST} is not the peer's")
-        integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
-        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)
+        differs = layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data
+        if not differs:
+            integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
+        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)  # (checked against ours)
+        if differs:
+            raise CorruptCheckpoint(f"checkpoint {dst}: its {integrity.MANIFEST} is not the one rank {of} sent")
 
     def _broadcast(self, data: bytes, src: int = 0) -> bytes:
         size = torch.tensor([len(data)], dtype=torch.int64)
@@ -270,6 +320,8 @@ class Replicator:
         return buf.numpy().tobytes()
 
     def _agree(self, ok: bool) -> bool:
+        if self.group is None:
+            return ok
         t = torch.tensor([int(bool(ok))], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(t))

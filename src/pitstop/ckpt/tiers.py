@@ -65,6 +65,21 @@ def complete_seconds(
     return sum(done) / len(done) if done else 0.0
 
 
+def figures(records: list[SaveRecord], tier: str) -> dict:
+    """A tier's figures for ``summary.json``: its saves, failures and their costs."""
+    mine = [r for r in records if r.tier == tier]
+    ok = [r for r in mine if r.error is None]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "saves": len(ok),
+        "failures": sum(1 for r in mine if r.error is not None),
+        "block_seconds_total": round(sum(r.block_seconds for r in mine), 4),
+        "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+        "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+        "bytes_last": ok[-1].bytes if ok else 0,
+    }
+
+
 LOCAL_AUTO_DIR = f"/dev/shm/pitstop-{os.getuid()}"  # (per user: the local tier's dir must be this user's alone)
 
 
