@@ -438,3 +438,16 @@ def test_interval_auto_of_a_replicated_local_tier_waits_for_the_copy_whatever_th
     assert math.isclose(complete_seconds(records[:2] * 4, "local", True, True, last=5), (3 + 1 + 3 + 1 + 3) / 5)
     auto = AutoInterval(3600.0, "test")
     assert auto.update(0.01, complete_seconds(records, "local", False, True)) == max(young_daly(0.01, 3600.0), 2.0)
+
+
+def test_the_projection_with_the_copy_prints_what_the_checkpoints_guide_shows(capsys):
+    import shlex
+
+    from manual import ROOT, assert_shows, page_output, page_outputs
+    from recipe.goodput import main
+
+    key = "--peer bench/results/peer_restore.json"
+    cmd = next(c for _, c, _ in page_outputs() if c and key in c)  # (the page's command, run in the checkout)
+    main([str(ROOT / a) if a.endswith(".json") else a for a in shlex.split(cmd)[3:]])
+    shown = page_output("--peer bench/results/peer_restore.json")
+    assert_shows(shown, capsys.readouterr().out, "the projection with a copy on a partner (checkpoints guide)")
