@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -406,16 +407,19 @@ def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_
     s = summary(sweep / "0")
     assert s["world_size"] == 2 and s["final_step"] == 120 and s["goodput"]["restarts"] == 1
     assert s["params_sha256"] == ddp2
-    assert "fault injection: SIGKILL (node n2 lost at step 72)" in out + log
+    ranks = "".join(p.read_text() for p in sorted((sweep / "0").glob("rank*.log")))  # (ranks but 0: rank*.log)
+    assert "fault injection: SIGKILL (node n2 lost at step 72)" in log + ranks
     if fault == "lose_node":
         step = int(log.split(", peer tier)")[0].rsplit("(step ", 1)[1])
         assert step in (65, 70) and s["checkpoint"]["restored_from"] == "peer", log[-3000:]
-        assert_shows(page_output("fault=lose_node"), out + log, "a lost node (checkpoints guide)")
+        assert_shows(page_output("fault=lose_node"), out + log + ranks, "a lost node (checkpoints guide)")
     else:
+        corrupted = r"fault injection: node n1 corrupted [1-9]\d* file\(s\) of the \d+ cop(y|ies) it holds for lost n"
+        assert re.search(corrupted, log + ranks), (log + ranks)[-3000:]
         said = [ln for ln in log.splitlines() if "cannot be made whole" in ln]
         assert len(said) == 1 and "durable tier" in said[0], log[-3000:]
         assert "(step 50, durable tier)" in log and s["checkpoint"]["restored_from"] == "durable"
-    assert "Traceback" not in job_logs(sweep)
+    assert "Traceback" not in log + ranks  # (the elastic agent reports the killed rank's exit with one, as it must)
 
 
 def scontrol_job(slurm: dict, job: str) -> str:
