@@ -248,9 +248,12 @@ class CheckpointManager(Checkpointer):
             throttle_mbps=self.throttle_mbps if tier is self.durable else None,
         )
         leftover: str | None = None
-        if self.rank == 0:
+        per_node = tier is self.local and self.replicator is not None  # (each node's leader cleans its own)
+        if self.rank == 0 or (per_node and self.replicator.leads):
             try:
                 layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
+                if per_node:
+                    self.replicator.forget(step)  # (and the copies of an earlier save of that step)
             except OSError as e:
                 leftover = one_line(e)
         try:
@@ -457,8 +460,7 @@ class CheckpointManager(Checkpointer):
             out.update({f"local_{k}": v for k, v in figures(self.records, "local").items()})
             out["local_dir"] = self.local.root
         if self.replicator is not None:
-            out["local_replicas"] = 1
-            out["local_copies_off"] = self.replicator.broken
+            out.update(self.replicator.stats())
         out["restored_from"] = self.restored_from  # (local, peer or durable; None: started afresh)
         return out
 

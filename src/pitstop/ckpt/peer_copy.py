@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -48,6 +49,7 @@ class Replicator:
         grouped = dist.is_available() and dist.is_initialized()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if grouped else None
         self.broken: str | None = None
+        self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
         if alone:
             self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
@@ -146,13 +148,23 @@ class Replicator:
             except OSError as e:
                 log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
 
+    def forget(self, step: int) -> None:
+        """Remove this node's copies of ``step`` (a new save of that step begins: an earlier one's copy, from before a
+        restart, must not count for it)."""
+        for owner in _owners(self.root):
+            layout.remove(peer.copy_dir(self.root, owner, step))
+
     def _copy(self, step: int, ok: bool) -> None:
+        t0 = time.perf_counter()
         if not self._agree(ok):
             return
         own = layout.step_dir(self.root, step)
-        sealed = (
-            integrity.read_file(os.path.join(own, integrity.MANIFEST), integrity.MANIFEST_MAX) if not self.rank else b""
-        )
+        sealed = b""
+        if self.rank == 0:
+            try:
+                sealed = integrity.read_file(os.path.join(own, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            except FINDINGS as e:  # (announced as 0 bytes: every rank stops copying, said once)
+                log.warning("local checkpoint of step %d: its manifest cannot be read: %s", step, one_line(e))
         manifest = self._broadcast(sealed)
         to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
         src_node = self.ring.node_of[of]
@@ -178,6 +190,8 @@ class Replicator:
                 integrity.write_durable(own, integrity.MANIFEST, manifest, sync_dir=False)
             integrity.write_durable(own, peer.REPLICATED, peer.marker(step, self.node, nodes, mine))
             peer.purge(self.root, self.keep)
+        sent = sum(files[n]["bytes"] for n in peer.files_of(sorted(files), [self.rank]) if n in files)
+        self.copies.append((step, time.perf_counter() - t0, sent))
         log.debug("local checkpoint of step %d copied to rank %d, rank %d's held", step, to, of)
 
     # ---- the wire -----------------------------------------------------------------------------------
@@ -326,6 +340,19 @@ class Replicator:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(t))
 
+    def stats(self) -> dict:
+        """For ``summary.json``'s checkpoint section: the copies made, their mean time (from the local save's end to
+        every holder's acknowledgement, in this thread: off the loop), and why copies stopped, if they did."""
+        done = self.copies
+        mean = sum(c[1] for c in done) / len(done) if done else 0.0
+        return {
+            "local_replicas": 1,
+            "local_copies": len(done),
+            "local_copy_seconds_mean": round(mean, 5),
+            "local_copy_bytes_last": done[-1][2] if done else 0,
+            "local_copies_off": self.broken,
+        }
+
     def close(self, remove: bool) -> None:
         """Wait for the copy in flight; ``remove``: the run is complete, the node's local dir is freed."""
         self._pool.shutdown(wait=True)
@@ -376,3 +403,8 @@ def _copy_local(src: str, dst: str, ranks: list[int]) -> None:
         integrity.write_durable(dst, name, data, sync_dir=False)
         if name != integrity.MANIFEST:
             integrity.check_file(dst, name, files[name])
+
+
+def _owners(root: str) -> list[int]:
+    where = os.path.join(root, peer.PEER_DIR)
+    return sorted(int(o) for o in os.listdir(where) if o.isdigit()) if os.path.isdir(where) else []
