@@ -46,8 +46,15 @@ class Replicator:
         self.ring = peer.ring(names, alone_ok=alone)
         self.node = self.ring.node_of[self.rank]
         self.leads = self.ring.leader(self.node) == self.rank
-        grouped = dist.is_available() and dist.is_initialized()
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if grouped else None
+        self.group = None
+        if dist.is_available() and dist.is_initialized():
+            try:  # (gloo connects every pair of ranks here: a node that cannot be reached fails it)
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"{KEY}=1: the nodes ({', '.join(self.ring.nodes)}) cannot reach each other over the job's process "
+                    f"group for the copies ({one_line(e)}): check the nodes' network, or set {KEY}=0"
+                ) from None
         self.broken: str | None = None
         self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
@@ -398,11 +405,18 @@ def _copy_local(src: str, dst: str, ranks: list[int]) -> None:
     files = integrity.read_manifest(src)
     os.makedirs(dst, mode=0o700, exist_ok=True)
     for name in peer.files_of(sorted(files), ranks):
-        small = integrity.MANIFEST_MAX if name == integrity.MANIFEST else None
-        data = integrity.read_file(os.path.join(src, name), small)
-        integrity.write_durable(dst, name, data, sync_dir=False)
-        if name != integrity.MANIFEST:
-            integrity.check_file(dst, name, files[name])
+        if name == integrity.MANIFEST:
+            data = integrity.read_file(os.path.join(src, name), integrity.MANIFEST_MAX)
+            integrity.write_durable(dst, name, data, sync_dir=False)
+            continue
+        there = os.path.join(dst, name)
+        if os.path.lexists(there):
+            os.remove(there)
+        try:  # (a second name for the same bytes: the node's memory holds them once; files are never changed in place)
+            os.link(os.path.join(src, name), there, follow_symlinks=False)
+        except OSError:
+            integrity.write_durable(dst, name, integrity.read_file(os.path.join(src, name)), sync_dir=False)
+        integrity.check_file(dst, name, files[name])
 
 
 def _owners(root: str) -> list[int]:
