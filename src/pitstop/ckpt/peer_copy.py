@@ -61,7 +61,8 @@ class Replicator:
         if alone:
             self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
             log.warning(
-                "local checkpoints are not copied to a peer node: %s; the local tier goes on without", self.broken
+                "local checkpoints are not copied to a peer node: %s; the local tier goes on without copies",
+                self.broken,
             )
         else:
             self._handshake()
