@@ -56,6 +56,7 @@ class Replicator:
                     f"group for the copies ({one_line(e)}): check the nodes' network, or set {KEY}=0"
                 ) from None
         self.broken: str | None = None
+        self._newest = -1  # the newest step handed to copy()
         self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
         if alone:
@@ -126,7 +127,10 @@ class Replicator:
 
     # ---- after each local save --------------------------------------------------------------------------
     def copy(self, step: int, ok: bool) -> Future:
-        """Copy local save ``step`` (``ok``: it completed on this rank) to the partner, in this module's thread."""
+        """Copy local save ``step`` (``ok``: it completed on this rank) to the partner, in this module's thread.  A copy
+        that a newer save overtook before it began is skipped (on every rank: they agree), so copies never queue up
+        behind saves that come faster than they travel."""
+        self._newest = step
         return self._pool.submit(self._guarded, self._copy, step, ok)
 
     def purge(self, up_to: int | None = None) -> Future:
@@ -164,7 +168,7 @@ class Replicator:
 
     def _copy(self, step: int, ok: bool) -> None:
         t0 = time.perf_counter()
-        if not self._agree(ok):
+        if not self._agree(ok and step == self._newest):
             return
         own = layout.step_dir(self.root, step)
         sealed = b""
