@@ -57,6 +57,7 @@ class Replicator:
                 ) from None
         self.broken: str | None = None
         self._newest = -1  # the newest step handed to copy()
+        self.held_by: list[list[peer.Held]] = []  # what each node held at the restore
         self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
         if alone:
@@ -106,9 +107,8 @@ class Replicator:
     def check_space(self, state_bytes: int, replicated: bool) -> None:
         """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
         ``state_bytes`` is this rank's state; with replicated state (DDP) a checkpoint holds it once."""
-        total = state_bytes if replicated else int(self._sum(state_bytes))
-        share = total * len(self.ring.ranks_on(self.node)) // max(1, len(self.ring.node_of))
-        need = 2 * (share if not replicated else total)
+        total = state_bytes if replicated or self.group is None else int(self._sum(state_bytes))
+        need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
         usage = shutil.disk_usage(self.root)
         problem = None
         if self.leads and usage.free + _bytes_in(self.root) < need:
@@ -265,6 +265,7 @@ class Replicator:
         every = self.strategy.all_gather_object(mine)
         held_by = [_held(every[self.ring.leader(n)]) for n in range(len(self.ring.nodes))]
         step = peer.restorable(held_by)
+        self.held_by = held_by
         return None if step is None else (step, held_by)
 
     def assemble(self, step: int, held_by: list[list[peer.Held]]) -> str | None:
