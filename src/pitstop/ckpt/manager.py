@@ -210,6 +210,8 @@ class CheckpointManager(Checkpointer):
 
     def discard_after(self, step: int) -> None:
         local_root = self.local.root if self.local is not None else None
+        if self.replicator is not None:  # (each node's own saves and copies: the copy in flight first)
+            self.replicator.discard_after(step)
         fallback.discard_after(self.strategy, self.root, local_root, step)
 
     def _load(self, path: str, target: Target) -> None:

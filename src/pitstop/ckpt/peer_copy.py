@@ -166,6 +166,22 @@ class Replicator:
         for owner in _owners(self.root):
             layout.remove(peer.copy_dir(self.root, owner, step))
 
+    def discard_after(self, step: int) -> None:
+        """Remove this node's saves and copies newer than ``step`` (a rollback abandoned their steps; a restart must
+        never resume from them), after the copy in flight."""
+        self._pool.submit(self._discard, step).result()
+
+    def _discard(self, step: int) -> None:
+        if not self.leads:
+            return
+        for where in [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]:
+            for s, path, _ in layout.list_checkpoints(where):
+                if s > step:
+                    try:
+                        layout.remove(path)
+                    except OSError as e:
+                        log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
+
     def _copy(self, step: int, ok: bool) -> None:
         t0 = time.perf_counter()
         if not self._agree(ok and step == self._newest):
