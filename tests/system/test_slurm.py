@@ -519,3 +519,56 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
     )
     for e in audit(str(run_dir)):
         assert e.repeated == 0 and e.missing == 0 and e.once == 1438, e
+
+
+def test_an_elastic_sbatch_job_that_loses_a_node_restores_its_ranks_from_the_partners_copy(slurm, data_root, tmp_path):
+    # ckpt.local.replicas=1 on the real cluster: each node's local dir (named by its SLURMD_NODENAME) holds its own
+    # files and a verified copy of the other's. n2 is lost (its slurmd and processes killed) and its local dir cleared;
+    # n1's agent re-forms the job at world size 1, which takes n2's files from the copy n1 holds (the durable tier
+    # has nothing that new) and reshards them. Last in this module with the other lost-node test: n2 comes back.
+    import re
+
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = [
+        "strategy=ddp",
+        "strategy.nproc_per_node=1",
+        "strategy.nnodes=1:2",
+        "strategy.last_call_seconds=15",
+        "trainer.max_restarts=3",
+        "strategy.cpu_threads=1",
+        "debug=tiny",
+        "trainer.max_steps=200",
+        "trainer.batch_size=32",
+        "logger=none",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=100",
+        f"ckpt.local.dir={shm}_${{oc.env:SLURMD_NODENAME}}",
+        "ckpt.local.interval_steps=2",
+        "ckpt.local.replicas=1",
+    ]
+    job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    n2 = Path(f"{shm}_n2")
+    try:
+        deadline = time.monotonic() + 120
+        while not any(int(p.parent.name[5:]) >= 8 for p in n2.glob("*/step_*/REPLICATED")):  # (copied: acknowledged)
+            said = out.read_text() if out.exists() else "no output"
+            assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
+            time.sleep(0.05)
+        assert len(_lose_node(slurm, job, "n2")) >= 4
+        shutil.rmtree(n2)  # (a replacement node would come back with nothing of its own)
+        deadline = time.monotonic() + 180
+        while job_state(slurm, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PENDING"):
+            assert time.monotonic() < deadline, job_state(slurm, job)
+            time.sleep(0.5)
+        assert job_state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+        up = subprocess.run(["bash", str(CLUSTER), "up", str(Path(slurm["SLURM_CONF"]).parent)], capture_output=True)
+        assert up.returncode == 0, up.stderr[-2000:]
+    log = (run_dir / "train.log").read_text()
+    m = re.search(r"\(step (\d+), peer tier\)", log)
+    assert m and 8 <= int(m.group(1)) < 100 and "resuming on 1" in log, log[-3000:]
+    s = summary(run_dir)
+    assert s["checkpoint"]["restored_from"] == "peer" and s["world_size"] == 1 and s["final_step"] == 200

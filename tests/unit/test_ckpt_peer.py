@@ -79,3 +79,29 @@ def test_a_nodes_retention_keeps_its_newest_replicated_saves_and_copies(tmp_path
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000008", "step_00000010"]
     peer.purge(str(tmp_path), keep=2, up_to=8)  # (a durable save of step 8)
     assert sorted(p.name for p in tmp_path.glob("**/step_*")) == ["step_00000010", "step_00000010"]
+
+
+def test_a_step_whose_node_and_partner_are_both_gone_is_named_with_the_nodes_lost():
+    three = [[held(10, 0, "own", 3), held(10, 2, "peer", 3), held(8, 0, "own", 3)], [], []]  # (1 and its holder 2 gone)
+    three[0] += [held(8, 1, "peer", 3), held(8, 2, "peer", 3)]
+    assert peer.restorable(three) == 8 and peer.lost(three, 8) == (10, [1])
+    assert peer.lost(three, 10) is None  # (not newer than what is restored: nothing lost)
+
+
+def test_a_node_needs_room_for_its_ranks_share_twice_or_the_whole_checkpoint_twice_when_replicated():
+    assert peer.need_bytes(800, node_ranks=2, world=8, replicated=False) == 400
+    assert peer.need_bytes(800, node_ranks=2, world=8, replicated=True) == 1600
+
+
+def test_a_rollback_removes_a_nodes_newer_saves_and_copies_so_no_restart_resumes_from_them(tmp_path):
+    from pitstop.ckpt.peer_copy import Replicator
+
+    for step in (4, 8):
+        for where, name, owner in ((tmp_path, peer.REPLICATED, 0), (tmp_path / "peer" / "1", peer.COPIED, 1)):
+            (where / f"step_{step:08d}").mkdir(parents=True)
+            (where / f"step_{step:08d}" / name).write_bytes(peer.marker(step, owner, 2, [owner]))
+    assert [h.step for h in peer.holdings(str(tmp_path))] == [4, 8, 4, 8]
+    node = Replicator.__new__(Replicator)  # (the removal alone: no process group)
+    node.root, node.leads = str(tmp_path), True
+    node._discard(5)
+    assert [h.step for h in peer.holdings(str(tmp_path))] == [4, 4]

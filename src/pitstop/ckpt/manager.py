@@ -210,6 +210,8 @@ class CheckpointManager(Checkpointer):
 
     def discard_after(self, step: int) -> None:
         local_root = self.local.root if self.local is not None else None
+        if self.replicator is not None:  # (each node's own saves and copies: the copy in flight first)
+            self.replicator.discard_after(step)
         fallback.discard_after(self.strategy, self.root, local_root, step)
 
     def _load(self, path: str, target: Target) -> None:
@@ -248,9 +250,12 @@ class CheckpointManager(Checkpointer):
             throttle_mbps=self.throttle_mbps if tier is self.durable else None,
         )
         leftover: str | None = None
-        if self.rank == 0:
+        per_node = tier is self.local and self.replicator is not None  # (each node's leader cleans its own)
+        if self.rank == 0 or (per_node and self.replicator.leads):
             try:
                 layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
+                if per_node:
+                    self.replicator.forget(step)  # (and the copies of an earlier save of that step)
             except OSError as e:
                 leftover = one_line(e)
         try:
@@ -458,9 +463,9 @@ class CheckpointManager(Checkpointer):
             out.update({f"local_{k}": v for k, v in figures(self.records, "local").items()})
             out["local_dir"] = self.local.root
         if self.replicator is not None:
-            out["local_replicas"] = 1
+            out.update(self.replicator.stats())
+            # (a local save's start to its copy's end: what ckpt.local.interval=auto waits for)
             out["local_replicated_seconds_mean"] = round(complete_seconds(self.records, "local", True, True, None), 5)
-            out["local_copies_off"] = self.replicator.broken
         out["restored_from"] = self.restored_from  # (local, peer or durable; None: started afresh)
         return out
 

@@ -153,6 +153,13 @@ def holdings(root: str) -> list[Held]:
     return out
 
 
+def need_bytes(total: int, node_ranks: int, world: int, replicated: bool) -> int:
+    """What a node's local dir must hold for its own and its partner's files of one checkpoint of ``total`` bytes: its
+    ranks' share twice, or, with replicated state (DDP: the lowest rank writes what every rank holds), the whole
+    checkpoint twice (the node of rank 0 holds nearly all of it)."""
+    return 2 * (total if replicated else total * node_ranks // max(1, world))
+
+
 def restorable(held_by: list[list[Held]]) -> int | None:
     """The newest step of which every saving node's files are held by some node now (``held_by[n]``: what node
     ``n`` holds), the saving nodes agreeing on how many they were; None if there is none."""
@@ -164,6 +171,18 @@ def restorable(held_by: list[list[Held]]) -> int | None:
         hs = steps[step]
         if len({h.nodes for h in hs}) == 1 and {h.owner for h in hs} == set(range(hs[0].nodes)):
             return step
+    return None
+
+
+def lost(held_by: list[list[Held]], newer_than: int) -> tuple[int, list[int]] | None:
+    """The newest step newer than ``newer_than`` that the nodes hold only part of, and the saving nodes whose files
+    no node holds any more (a node and its partner both lost); None if there is none."""
+    steps = sorted({h.step for held in held_by for h in held if h.step > newer_than}, reverse=True)
+    for step in steps:
+        hs = [h for held in held_by for h in held if h.step == step]
+        gone = sorted(set(range(max(h.nodes for h in hs))) - {h.owner for h in hs})
+        if gone:
+            return step, gone
     return None
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -45,14 +46,25 @@ class Replicator:
         self.ring = peer.ring(names, alone_ok=alone)
         self.node = self.ring.node_of[self.rank]
         self.leads = self.ring.leader(self.node) == self.rank
-        grouped = dist.is_available() and dist.is_initialized()
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if grouped else None
+        self.group = None
+        if dist.is_available() and dist.is_initialized():
+            try:  # (gloo connects every pair of ranks here: a node that cannot be reached fails it)
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"{KEY}=1: the nodes ({', '.join(self.ring.nodes)}) cannot reach each other over the job's process "
+                    f"group for the copies ({one_line(e)}): check the nodes' network, or set {KEY}=0"
+                ) from None
         self.broken: str | None = None
+        self._newest = -1  # the newest step handed to copy()
+        self.held_by: list[list[peer.Held]] = []  # what each node held at the restore
+        self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
         if alone:
             self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
             log.warning(
-                "local checkpoints are not copied to a peer node: %s; the local tier goes on without", self.broken
+                "local checkpoints are not copied to a peer node: %s; the local tier goes on without copies",
+                self.broken,
             )
         else:
             self._handshake()
@@ -95,9 +107,8 @@ class Replicator:
     def check_space(self, state_bytes: int, replicated: bool) -> None:
         """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
         ``state_bytes`` is this rank's state; with replicated state (DDP) a checkpoint holds it once."""
-        total = state_bytes if replicated else int(self._sum(state_bytes))
-        share = total * len(self.ring.ranks_on(self.node)) // max(1, len(self.ring.node_of))
-        need = 2 * (share if not replicated else total)
+        total = state_bytes if replicated or self.group is None else int(self._sum(state_bytes))
+        need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
         usage = shutil.disk_usage(self.root)
         problem = None
         if self.leads and usage.free + _bytes_in(self.root) < need:
@@ -116,7 +127,10 @@ class Replicator:
 
     # ---- after each local save --------------------------------------------------------------------------
     def copy(self, step: int, ok: bool) -> Future:
-        """Copy local save ``step`` (``ok``: it completed on this rank) to the partner, in this module's thread."""
+        """Copy local save ``step`` (``ok``: it completed on this rank) to the partner, in this module's thread.  A copy
+        that a newer save overtook before it began is skipped (on every rank: they agree), so copies never queue up
+        behind saves that come faster than they travel."""
+        self._newest = step
         return self._pool.submit(self._guarded, self._copy, step, ok)
 
     def purge(self, up_to: int | None = None) -> Future:
@@ -146,13 +160,39 @@ class Replicator:
             except OSError as e:
                 log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
 
+    def forget(self, step: int) -> None:
+        """Remove this node's copies of ``step`` (a new save of that step begins: an earlier one's copy, from before a
+        restart, must not count for it)."""
+        for owner in _owners(self.root):
+            layout.remove(peer.copy_dir(self.root, owner, step))
+
+    def discard_after(self, step: int) -> None:
+        """Remove this node's saves and copies newer than ``step`` (a rollback abandoned their steps; a restart must
+        never resume from them), after the copy in flight."""
+        self._pool.submit(self._discard, step).result()
+
+    def _discard(self, step: int) -> None:
+        if not self.leads:
+            return
+        for where in [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]:
+            for s, path, _ in layout.list_checkpoints(where):
+                if s > step:
+                    try:
+                        layout.remove(path)
+                    except OSError as e:
+                        log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
+
     def _copy(self, step: int, ok: bool) -> None:
-        if not self._agree(ok):
+        t0 = time.perf_counter()
+        if not self._agree(ok and step == self._newest):
             return
         own = layout.step_dir(self.root, step)
-        sealed = (
-            integrity.read_file(os.path.join(own, integrity.MANIFEST), integrity.MANIFEST_MAX) if not self.rank else b""
-        )
+        sealed = b""
+        if self.rank == 0:
+            try:
+                sealed = integrity.read_file(os.path.join(own, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            except FINDINGS as e:  # (announced as 0 bytes: every rank stops copying, said once)
+                log.warning("local checkpoint of step %d: its manifest cannot be read: %s", step, one_line(e))
         manifest = self._broadcast(sealed)
         to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
         src_node = self.ring.node_of[of]
@@ -178,6 +218,8 @@ class Replicator:
                 integrity.write_durable(own, integrity.MANIFEST, manifest, sync_dir=False)
             integrity.write_durable(own, peer.REPLICATED, peer.marker(step, self.node, nodes, mine))
             peer.purge(self.root, self.keep)
+        sent = sum(files[n]["bytes"] for n in peer.files_of(sorted(files), [self.rank]) if n in files)
+        self.copies.append((step, time.perf_counter() - t0, sent))
         log.debug("local checkpoint of step %d copied to rank %d, rank %d's held", step, to, of)
 
     # ---- the wire -----------------------------------------------------------------------------------
@@ -239,6 +281,7 @@ class Replicator:
         every = self.strategy.all_gather_object(mine)
         held_by = [_held(every[self.ring.leader(n)]) for n in range(len(self.ring.nodes))]
         step = peer.restorable(held_by)
+        self.held_by = held_by
         return None if step is None else (step, held_by)
 
     def assemble(self, step: int, held_by: list[list[peer.Held]]) -> str | None:
@@ -326,6 +369,19 @@ class Replicator:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(t))
 
+    def stats(self) -> dict:
+        """For ``summary.json``'s checkpoint section: the copies made, their mean time (from the local save's end to
+        every holder's acknowledgement, in this thread: off the loop), and why copies stopped, if they did."""
+        done = self.copies
+        mean = sum(c[1] for c in done) / len(done) if done else 0.0
+        return {
+            "local_replicas": 1,
+            "local_copies": len(done),
+            "local_copy_seconds_mean": round(mean, 5),
+            "local_copy_bytes_last": done[-1][2] if done else 0,
+            "local_copies_off": self.broken,
+        }
+
     def close(self, remove: bool) -> None:
         """Wait for the copy in flight; ``remove``: the run is complete, the node's local dir is freed."""
         self._pool.shutdown(wait=True)
@@ -371,8 +427,20 @@ def _copy_local(src: str, dst: str, ranks: list[int]) -> None:
     files = integrity.read_manifest(src)
     os.makedirs(dst, mode=0o700, exist_ok=True)
     for name in peer.files_of(sorted(files), ranks):
-        small = integrity.MANIFEST_MAX if name == integrity.MANIFEST else None
-        data = integrity.read_file(os.path.join(src, name), small)
-        integrity.write_durable(dst, name, data, sync_dir=False)
-        if name != integrity.MANIFEST:
-            integrity.check_file(dst, name, files[name])
+        if name == integrity.MANIFEST:
+            data = integrity.read_file(os.path.join(src, name), integrity.MANIFEST_MAX)
+            integrity.write_durable(dst, name, data, sync_dir=False)
+            continue
+        there = os.path.join(dst, name)
+        if os.path.lexists(there):
+            os.remove(there)
+        try:  # (a second name for the same bytes: the node's memory holds them once; files are never changed in place)
+            os.link(os.path.join(src, name), there, follow_symlinks=False)
+        except OSError:
+            integrity.write_durable(dst, name, integrity.read_file(os.path.join(src, name)), sync_dir=False)
+        integrity.check_file(dst, name, files[name])
+
+
+def _owners(root: str) -> list[int]:
+    where = os.path.join(root, peer.PEER_DIR)
+    return sorted(int(o) for o in os.listdir(where) if o.isdigit()) if os.path.isdir(where) else []

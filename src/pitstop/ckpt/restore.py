@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Callable
 
-from pitstop.ckpt import dcp, integrity, layout
+from pitstop.ckpt import dcp, integrity, layout, peer
 from pitstop.ckpt.contract import StrategyLike, Target, interrupt_in, one_line
 from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
@@ -208,6 +208,16 @@ def with_peers(replicator: Any, durable: list[str]) -> tuple[list[str], dict[str
     durable ones); ``tiers``: that path's tier (``local``, or ``peer`` when a lost node's files came from a copy)."""
     found = replicator.newest()
     newest = layout.step_of(durable[0]) if durable and layout.is_step_dir(durable[0]) else -1
+    gone = peer.lost(replicator.held_by, max(newest, found[0] if found else -1))
+    if gone is not None and replicator.rank == 0:
+        nodes = ", ".join(str(n) for n in gone[1])
+        log.warning(
+            "the local checkpoint of step %d is lost: no node holds the files of the saving job's node(s) %s (the node "
+            "and its partner, both gone); restoring from %s",
+            gone[0],
+            nodes,
+            f"step {found[0]}, held by the nodes" if found and found[0] >= newest else "the durable tier",
+        )
     if found is None or found[0] < newest:
         return durable, {}
     step, held_by = found
