@@ -309,7 +309,7 @@ def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: floa
         durable = (fig["durable_save"]["block"], fig["durable_save"]["lag"], td)
     except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"--peer {a.peer}: {type(e).__name__}: {e}; give bench/results/peer_restore.json")
-    q = a.replace_share or 0.587  # (Llama 3: 58.7% of the unexpected interruptions were GPU-related)
+    q = a.replace_share  # (Llama 3: 58.7% of the unexpected interruptions were GPU-related, so lost a node)
     every = (
         f"local saves every {fmt_duration(tl) if tl else 'Young-Daly'}, durable every "
         f"{fmt_duration(td) if td else 'Young-Daly'}"
