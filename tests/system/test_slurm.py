@@ -385,7 +385,7 @@ PEER = [
 ]
 
 
-@pytest.mark.parametrize("fault", ["lose_node", "corrupt_peer_copy"])
+@pytest.mark.parametrize("fault", ["lose_node", "corrupt_peer_copy", "lose_node_and_partner"])
 def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_uninterrupted_parameters(
     slurm, data_root, tmp_path, ddp2, fault
 ):
@@ -394,7 +394,8 @@ def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_
     # its rank's files of the newest replicated step (70, or 65 if 70's copy was still in flight) come from the copy
     # n1 holds, verified, and the run ends with the uninterrupted ddp(2) run's parameters. corrupt_peer_copy: as
     # the job restarts, n1 flips a byte in each data file of the copies it holds for n2: the restore says so in one
-    # line and takes the durable tier's step 50, to the same parameters.
+    # line and takes the durable tier's step 50, to the same parameters. lose_node_and_partner: n1 is lost too (its
+    # local dir cleared, its rank killed): the durable tier's step 50.
     sweep = tmp_path / "sweep"
     local = f"ckpt.local.dir={tmp_path}/shm_${{oc.env:SLURMD_NODENAME}}"
     args = ["-m", *SMALL, "hydra.launcher.nodes=2", "strategy=ddp", "strategy.nnodes=2", "strategy.nproc_per_node=1",
@@ -413,6 +414,9 @@ def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_
         step = int(log.split(", peer tier)")[0].rsplit("(step ", 1)[1])
         assert step in (65, 70) and s["checkpoint"]["restored_from"] == "peer", log[-3000:]
         assert_shows(page_output("fault=lose_node"), out + log + ranks, "a lost node (checkpoints guide)")
+    elif fault == "lose_node_and_partner":  # (n1, n2's partner, lost too: no copy is left)
+        assert "fault injection: SIGKILL (node n1, the partner of lost node n2, lost too at step 72)" in log + ranks
+        assert "(step 50, durable tier)" in log and s["checkpoint"]["restored_from"] == "durable", log[-3000:]
     else:
         corrupted = r"fault injection: node n1 corrupted [1-9]\d* file\(s\) of the \d+ cop(y|ies) it holds for lost n"
         assert re.search(corrupted, log + ranks), (log + ranks)[-3000:]
