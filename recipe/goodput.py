@@ -11,6 +11,7 @@ A run's time line (its attempts on one clock, coloured by the ledger's buckets; 
 
 At scale (N nodes, each failing every --node-mtbf; inputs C, W and R from a real run's summary.json):
     python -m recipe.goodput --nodes --from outputs/runs/RUN --node-mtbf 240d --replace-cost 5min --plot scale.png
+    python -m recipe.goodput --nodes --peer bench/results/peer_restore.json --interval 30min --local-interval 2min
     python -m recipe.goodput --nodes --ft --save-cost 60 --restart-cost 10min --step-time 2 --ft-pause 1
 
 The model (pitstop.goodput.model): goodput(T) = T/(T+C) * (1 - (R + (T+C)/2 + W)/MTBF), best near sqrt(2 C MTBF);
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         help="with --nodes: share of the time spent waiting for slow ranks (default: the --from run's straggler "
         "bucket over its total, else 0)",
     )
+    p.add_argument("--peer", default=None, metavar="JSON",
+                   help="with --nodes: what a local tier's copy on a partner node buys (ckpt.local.replicas), from "
+                   "bench/peer_restore.py's result (bench/results/peer_restore.json); the tiers save every "
+                   "--local-interval and --interval (else at their Young-Daly intervals)")  # fmt: skip
     p.add_argument("--plot", default=None, help="also draw goodput against N into this PNG")
     p.add_argument("--ft", action="store_true", help="with --nodes: also the job as replica groups (strategy=ft)")
     p.add_argument("--nodes-per-group", type=int, default=1, help="--ft: nodes per replica group (default 1)")
@@ -259,6 +264,8 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             f"{fmt_duration(row['young_daly']):>11} {fmt_duration(row['best']):>10} {row['goodput'] * 100:>17.1f}% "
             f"{row['exact'] * 100:>6.1f}%{tail}"
         )
+    if a.peer:
+        peer_rows(p, a, node_mtbf, nodes, r, replace)
     if a.plot:
         import matplotlib
 
@@ -280,6 +287,50 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         fig.tight_layout()
         fig.savefig(a.plot)
         print(f"plot: {a.plot}")
+
+
+def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: float, nodes, r: float, replace: float):
+    """``--peer``: the job with a local tier, without and with its copy on a partner node, from the figures that
+    bench/peer_restore.py measured (a lost node's recovery from the peer and from the durable tier, without the steps
+    done again; each tier's save cost, the local one with and without its copy); the tiers' intervals from
+    ``--local-interval`` and ``--interval`` (else Young–Daly at each N)."""
+    import json
+
+    from pitstop.goodput.model import replicated_at_scale
+
+    try:
+        with open(a.peer) as f:
+            fig = json.load(f)["figures"]
+        recovery = {k: fig["recovery"][k] - fig["parts"][k]["redone"] for k in ("peer", "durable")}
+        tl = parse_duration(a.local_interval) if a.local_interval else None
+        td = parse_duration(a.interval[0]) if a.interval != p.get_default("interval") else None
+        local = (fig["local_save"]["block"], fig["local_save"]["lag"], tl)
+        replicated = (fig["replicated_save"]["block"], fig["replicated_save"]["lag"], tl)
+        durable = (fig["durable_save"]["block"], fig["durable_save"]["lag"], td)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"--peer {a.peer}: {type(e).__name__}: {e}; give bench/results/peer_restore.json")
+    q = a.replace_share  # (Llama 3: 58.7% of the unexpected interruptions were GPU-related, so lost a node)
+    every = (
+        f"local saves every {fmt_duration(tl) if tl else 'Young-Daly'}, durable every "
+        f"{fmt_duration(td) if td else 'Young-Daly'}"
+    )
+    print(
+        f"\nwith a local tier ({every}) and its copy on a partner node (ckpt.local.replicas=1), measured in "
+        f"{a.peer}: {q:.1%} of failures lose a node; its ranks recover from the peer in "
+        f"{fmt_duration(recovery['peer'])}, from the durable tier in {fmt_duration(recovery['durable'])} (to the "
+        f"first step, then half a cycle of that tier done again); a local save blocks {fmt_duration(local[0])} "
+        f"({fmt_duration(replicated[0])} with its copy) and is complete after {fmt_duration(local[1])} "
+        f"({fmt_duration(replicated[1])})"
+    )
+    print(f"{'nodes':>6} {'job MTBF':>10} {'local only':>11} {'with copy':>10} {'gain':>7}")
+    for n in nodes:
+        common = (n, node_mtbf, q, replace, r)
+        alone = replicated_at_scale(*common, local, durable, recovery["peer"], recovery["durable"], replicas=False)
+        copy = replicated_at_scale(*common, replicated, durable, recovery["peer"], recovery["durable"], replicas=True)
+        print(
+            f"{n:>6} {fmt_duration(alone['mtbf']):>10} {alone['goodput'] * 100:>10.1f}% {copy['goodput'] * 100:>9.1f}% "
+            f"{(copy['goodput'] - alone['goodput']) * 100:>+6.1f}"
+        )
 
 
 if __name__ == "__main__":

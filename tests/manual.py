@@ -59,6 +59,8 @@ COMPOSED_ONLY = {
     "fault=slow_rank": "system/test_straggler.py runs it (rank 1 named within two windows, its wait booked)",
     "+callbacks.best._target_=my_callbacks.BestAccuracy": "needs the page's my_callbacks.py in the folder it runs "
     "from: system/test_callbacks.py writes it there from the page and runs the command, checking its excerpt",
+    "--peer bench/results/peer_restore.json": "reads the checkout's benchmark result (a user's project dir has none): "
+    "unit/test_goodput_model.py runs it in the checkout and checks its excerpt",
     "python -m pytest tests/unit/test_schedule.py": "runs in the checkout (a user's project dir has no tests): "
     "unit/test_docs_outputs.py runs it there",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "

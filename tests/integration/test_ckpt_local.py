@@ -61,3 +61,19 @@ def test_bad_local_tier_settings_are_one_line_errors(make_cfg, overrides, expect
     with pytest.raises(ConfigError, match=expected) as err:
         train(make_cfg("ckpt=sync_save", *overrides))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "backend,expected",
+    [
+        ("sync_save", "ckpt.local.replicas=1 copies each rank's DCP files; ckpt=sync_save writes one file from rank 0"),
+        ("sync_dcp", "ckpt.local.replicas=1 keeps a copy on another node, and the job runs on one node"),
+    ],
+)
+def test_replicas_without_a_second_node_or_dcp_files_are_one_line_errors(make_cfg, tmp_path, backend, expected):
+    cfg = make_cfg(f"ckpt={backend}", *local_args(tmp_path / "shm", 2), "ckpt.local.replicas=1")
+    with pytest.raises(ConfigError, match=expected) as err:
+        train(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="ckpt.local.replicas"):
+        train(make_cfg(f"ckpt={backend}", *local_args(tmp_path / "shm", 2), "ckpt.local.replicas=2"))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_resumed, cli
+from pitstop.resilience.node_book import node_name
 
 RUN = [
     "debug=tiny",
@@ -104,12 +105,15 @@ def test_a_local_tier_that_is_gone_or_corrupt_falls_back(data_root, tmp_path, re
     newest = next(shm.glob("*/step_00000033"))
     for f in newest.glob("*.distcp"):
         f.write_bytes(b"garbage")  # corrupt: the older local one (30) is used
-    p = cli([*args[:-2], "fault=crash_at_step", "fault.step=36"], data_root, tmp_path)
-    assert p.returncode != 0  # (killed again, once per run dir and step)
+    # then the node is lost at step 36 (fault=lose_node: its local tier cleared, its process killed): no local tier
+    lose = ["fault=lose_node", f"fault.node={node_name()}", "fault.step=36"]
+    p = cli([*args[:-2], *lose], data_root, tmp_path)
+    assert p.returncode != 0
     log = (run_dir / "train.log").read_text()
     assert "step_00000033 is corrupt, not loaded" in log and "is truncated" in log and "(step 30, local tier)" in log
-    subprocess.run(["rm", "-rf", str(shm)], check=True)  # another machine: no local tier at all
-    p = cli(args, data_root, tmp_path)
+    assert "the local checkpoint tier of node" in log and f"node {node_name()} lost at step 36" in log
+    assert not list(shm.glob("*/step_*"))
+    p = cli([*args[:-2], *lose], data_root, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(step 20, durable tier)" in (run_dir / "train.log").read_text()
     assert summary(run_dir)["params_sha256"] == reference

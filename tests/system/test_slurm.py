@@ -4,7 +4,9 @@ a sweep whose job is sent SLURM's preemption notice (``scancel --signal=USR2``, 
 is requeued exactly once and resumes to the uninterrupted job's parameters while the sweep waits and writes its
 report; the README's two-node command trains one rank per node to the one-command ddp(2) and fsdp(2) digest; the
 plain sbatch script (deploy/slurm/train.sbatch) trains on two nodes, is requeued once after a notice, and, elastic
-under --no-kill, loses a node (its slurmd and processes killed) and finishes on the other.
+under --no-kill, loses a node (its slurmd and processes killed) and finishes on the other; with the local tier copied
+to a partner node (ckpt.local.replicas=1), a node lost at a step (fault=lose_node) restores its ranks from the copy,
+or, the copy corrupt, from the durable tier, to the uninterrupted run's parameters.
 
 The cluster needs root and Debian's slurm-wlm and munge (.ci/run installs them where they are missing); without
 them these tests skip, saying so.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cli, cli_cmd, popen_cmd, read_jsonl
+from manual import assert_shows, page_output
 
 pytestmark = pytest.mark.slow
 
@@ -368,6 +372,60 @@ def test_an_elastic_sbatch_job_excludes_its_slow_node_and_re_forms_without_it(sl
     assert [(e.once, e.repeated) for e in audit(str(run_dir))] == [(read, 0)]
 
 
+# A lost node's ranks restore from the copy its partner holds (ckpt.local.replicas=1): the guide's command
+# (docs/guides/checkpoints.md, "A copy on a partner node"), each node's local dir its own (one machine here).
+PEER = [
+    "ckpt=async_dcp",
+    "ckpt.interval_steps=50",
+    "ckpt.local.interval_steps=5",
+    "ckpt.local.replicas=1",
+    "trainer.max_restarts=1",
+    "fault.node=n2",
+    "fault.step=72",
+]
+
+
+@pytest.mark.parametrize("fault", ["lose_node", "corrupt_peer_copy", "lose_node_and_partner"])
+def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_uninterrupted_parameters(
+    slurm, data_root, tmp_path, ddp2, fault
+):
+    # fault=lose_node on n2 at the end of step 72: n2's rank clears n2's local dir (its own checkpoints and the copies
+    # it holds for n1) and is killed; both agents restart their ranks (trainer.max_restarts=1). n2 comes back empty:
+    # its rank's files of the newest replicated step (70, or 65 if 70's copy was still in flight) come from the copy
+    # n1 holds, verified, and the run ends with the uninterrupted ddp(2) run's parameters. corrupt_peer_copy: as
+    # the job restarts, n1 flips a byte in each data file of the copies it holds for n2: the restore says so in one
+    # line and takes the durable tier's step 50, to the same parameters. lose_node_and_partner: n1 is lost too (its
+    # local dir cleared, its rank killed): the durable tier's step 50.
+    sweep = tmp_path / "sweep"
+    local = f"ckpt.local.dir={tmp_path}/shm_${{oc.env:SLURMD_NODENAME}}"
+    args = ["-m", *SMALL, "hydra.launcher.nodes=2", "strategy=ddp", "strategy.nnodes=2", "strategy.nproc_per_node=1",
+            "strategy.rdzv_endpoint=slurm", *TWO_RANKS, *PEER, f"fault={fault}", local,
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    p = cli(args, data_root, tmp_path, env=slurm, timeout=400)
+    out = p.stdout + p.stderr + job_logs(sweep)
+    assert p.returncode == 0, out[-3000:]
+    log = (sweep / "0" / "train.log").read_text()
+    s = summary(sweep / "0")
+    assert s["world_size"] == 2 and s["final_step"] == 120 and s["goodput"]["restarts"] == 1
+    assert s["params_sha256"] == ddp2
+    ranks = "".join(p.read_text() for p in sorted((sweep / "0").glob("rank*.log")))  # (ranks but 0: rank*.log)
+    assert "fault injection: SIGKILL (node n2 lost at step 72)" in log + ranks
+    if fault == "lose_node":
+        step = int(log.split(", peer tier)")[0].rsplit("(step ", 1)[1])
+        assert step in (65, 70) and s["checkpoint"]["restored_from"] == "peer", log[-3000:]
+        assert_shows(page_output("fault=lose_node"), out + log + ranks, "a lost node (checkpoints guide)")
+    elif fault == "lose_node_and_partner":  # (n1, n2's partner, lost too: no copy is left)
+        assert "fault injection: SIGKILL (node n1, the partner of lost node n2, lost too at step 72)" in log + ranks
+        assert "(step 50, durable tier)" in log and s["checkpoint"]["restored_from"] == "durable", log[-3000:]
+    else:
+        corrupted = r"fault injection: node n1 corrupted [1-9]\d* file\(s\) of the \d+ cop(y|ies) it holds for lost n"
+        assert re.search(corrupted, log + ranks), (log + ranks)[-3000:]
+        said = [ln for ln in log.splitlines() if "cannot be made whole" in ln]
+        assert len(said) == 1 and "durable tier" in said[0], log[-3000:]
+        assert "(step 50, durable tier)" in log and s["checkpoint"]["restored_from"] == "durable"
+    assert "Traceback" not in log + ranks  # (the elastic agent reports the killed rank's exit with one, as it must)
+
+
 def scontrol_job(slurm: dict, job: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=slurm).stdout
 
@@ -465,3 +523,56 @@ def test_an_elastic_sbatch_job_that_loses_a_node_goes_on_with_the_other_and_read
     )
     for e in audit(str(run_dir)):
         assert e.repeated == 0 and e.missing == 0 and e.once == 1438, e
+
+
+def test_an_elastic_sbatch_job_that_loses_a_node_restores_its_ranks_from_the_partners_copy(slurm, data_root, tmp_path):
+    # ckpt.local.replicas=1 on the real cluster: each node's local dir (named by its SLURMD_NODENAME) holds its own
+    # files and a verified copy of the other's. n2 is lost (its slurmd and processes killed) and its local dir cleared;
+    # n1's agent re-forms the job at world size 1, which takes n2's files from the copy n1 holds (the durable tier
+    # has nothing that new) and reshards them. Last in this module with the other lost-node test: n2 comes back.
+    import re
+
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    env = dict(slurm, PITSTOP_PYTHON=sys.executable, PITSTOP_RUN_DIR=str(run_dir))
+    overrides = [
+        "strategy=ddp",
+        "strategy.nproc_per_node=1",
+        "strategy.nnodes=1:2",
+        "strategy.last_call_seconds=15",
+        "trainer.max_restarts=3",
+        "strategy.cpu_threads=1",
+        "debug=tiny",
+        "trainer.max_steps=200",
+        "trainer.batch_size=32",
+        "logger=none",
+        "ckpt=sync_dcp",
+        "ckpt.interval_steps=100",
+        f"ckpt.local.dir={shm}_${{oc.env:SLURMD_NODENAME}}",
+        "ckpt.local.interval_steps=2",
+        "ckpt.local.replicas=1",
+    ]
+    job = sbatch(env, tmp_path, ["--no-kill"], overrides, data_root)
+    out = tmp_path / f"slurm-{job}.out"
+    n2 = Path(f"{shm}_n2")
+    try:
+        deadline = time.monotonic() + 120
+        while not any(int(p.parent.name[5:]) >= 8 for p in n2.glob("*/step_*/REPLICATED")):  # (copied: acknowledged)
+            said = out.read_text() if out.exists() else "no output"
+            assert time.monotonic() < deadline and "agents exited" not in said, said[-3000:]
+            time.sleep(0.05)
+        assert len(_lose_node(slurm, job, "n2")) >= 4
+        shutil.rmtree(n2)  # (a replacement node would come back with nothing of its own)
+        deadline = time.monotonic() + 180
+        while job_state(slurm, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PENDING"):
+            assert time.monotonic() < deadline, job_state(slurm, job)
+            time.sleep(0.5)
+        assert job_state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+        up = subprocess.run(["bash", str(CLUSTER), "up", str(Path(slurm["SLURM_CONF"]).parent)], capture_output=True)
+        assert up.returncode == 0, up.stderr[-2000:]
+    log = (run_dir / "train.log").read_text()
+    m = re.search(r"\(step (\d+), peer tier\)", log)
+    assert m and 8 <= int(m.group(1)) < 100 and "resuming on 1" in log, log[-3000:]
+    s = summary(run_dir)
+    assert s["checkpoint"]["restored_from"] == "peer" and s["world_size"] == 1 and s["final_step"] == 200

@@ -16,8 +16,9 @@ def test_every_group_has_its_documented_options():
     assert config_options("optim") == ["adamw", "sgd"]
     assert {"plain"} <= set(config_options("loader")) and config_options("strategy") == ["ddp", "fsdp", "ft", "single"]
     assert config_options("ckpt") == ["async_dcp", "async_dcp_pinned", "none", "sync_dcp", "sync_save"]
-    faults = ["bad_node", "bitflip", "bug", "crash_at_step", "during_heal", "during_save", "none", "nonfinite"]
-    faults += ["poison", "preempt", "random", "slow_rank", "stall"]
+    faults = ["bad_node", "bitflip", "bug", "corrupt_peer_copy", "crash_at_step", "during_heal", "during_save"]
+    faults += ["lose_node", "lose_node_and_partner", "none", "nonfinite", "poison", "preempt", "random", "slow_rank"]
+    faults += ["stall"]
     assert config_options("fault") == faults
     assert config_options("logger") == ["mlflow", "none"] and config_options("loader") == ["cached", "plain"]
     for group in ("data", "model", "optim", "loader", "strategy", "ckpt", "fault", "logger", "trainer", "debug"):

@@ -376,3 +376,78 @@ def test_an_agents_notice_that_lands_inside_a_log_write_still_stops_it(preempt_l
     finally:
         notice.close()
     assert notice.received == signal.SIGUSR1 and handler.deepest == 1
+
+
+def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_one(tmp_path, capsys):
+    import json
+
+    from pitstop.goodput.model import replicated_at_scale, two_tier_goodput
+
+    local, durable = (0.05, 0.5, 120.0), (0.05, 30.0, 1800.0)  # (C, W, T) of each tier
+    common = (4096, 5000 * 3600.0, 0.6, 300.0, 60.0)
+    alone = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=False)
+    copy = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=True)
+    m = 5000 * 3600.0 / 4096
+    # a lost node (60% of failures): a replacement (300 s), then the recovery from the peer (20 s) and half a local
+    # cycle redone, or from the durable tier (200 s) and half a durable cycle; the rest restart in place (60 s)
+    assert math.isclose(alone["restart"], 0.4 * 60 + 0.6 * (300 + 200))
+    assert math.isclose(copy["restart"], 0.4 * 60 + 0.6 * (300 + 20))
+    assert math.isclose(alone["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, alone["restart"], 0.5, 30, 0.4))
+    assert math.isclose(copy["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, copy["restart"], 0.5, 30, 1.0))
+    assert copy["goodput"] - alone["goodput"] > 0.05
+    # no interval given: each tier at its Young-Daly interval for the job's MTBF (the durable one no shorter)
+    free = replicated_at_scale(*common, (0.05, 0.5, None), (2.0, 30.0, None), 20.0, 200.0, replicas=True)
+    assert math.isclose(free["local_interval"], young_daly(0.05, m)) and free["durable_interval"] == young_daly(2, m)
+    from recipe.goodput import main
+
+    fig = {"local_save": {"block": 0.05, "lag": 0.5}, "replicated_save": {"block": 0.05, "lag": 0.5},
+           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 21, "durable": 230},
+           "parts": {"peer": {"redone": 1}, "durable": {"redone": 30}}}  # fmt: skip
+    (tmp_path / "peer.json").write_text(json.dumps({"figures": fig}))
+    main(["--nodes", "1", "4096", "--node-mtbf", "5000h", "--peer", str(tmp_path / "peer.json"), "--interval",
+          "30min", "--local-interval", "2min", "--restart-cost", "1min", "--replace-cost", "5min", "--replace-share",
+          "0.6"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "recover from the peer in 20.00 s, from the durable tier in 3.3 min" in out
+    table = out.split("with copy")[1]  # (after the main table, the one with and without the copy)
+    rows = [ln.split() for ln in table.splitlines() if ln.lstrip().startswith(("1 ", "4096 "))]
+    assert [r[0] for r in rows] == ["1", "4096"] and math.isclose(
+        float(rows[1][-1]), (copy["goodput"] - alone["goodput"]) * 100, abs_tol=0.06
+    )
+
+
+def test_interval_auto_of_a_replicated_local_tier_waits_for_the_copy_whatever_the_backend():
+    from pitstop.ckpt.contract import SaveRecord
+    from pitstop.ckpt.tiers import complete_seconds
+
+    def saved(step, total, copied=None, tier="local", error=None):
+        return SaveRecord(step, f"/l/step_{step}", tier=tier, started=100.0, total_seconds=total,
+                          copied=None if copied is None else 100.0 + copied, error=error)  # fmt: skip
+
+    records = [
+        saved(5, 0.2, 1.0),
+        saved(10, 0.2, 3.0),
+        saved(15, 0.2, 9.0, error="full"),
+        saved(20, 5.0, 7.0, "durable"),
+    ]
+    # with the copy: a local save is complete once its copy ended (its write alone took 0.2 s), sync or async
+    assert complete_seconds(records, "local", False, True) == complete_seconds(records, "local", True, True) == 2.0
+    assert complete_seconds(records, "local", True, False) == 0.2  # without: once written (async)
+    assert complete_seconds(records, "local", False, False) == 0.0  # a sync save without a copy: with the loop
+    # the newest five of 1, 3, 1, 3, 1, 3, 1, 3 s
+    assert math.isclose(complete_seconds(records[:2] * 4, "local", True, True, last=5), (3 + 1 + 3 + 1 + 3) / 5)
+    auto = AutoInterval(3600.0, "test")
+    assert auto.update(0.01, complete_seconds(records, "local", False, True)) == max(young_daly(0.01, 3600.0), 2.0)
+
+
+def test_the_projection_with_the_copy_prints_what_the_checkpoints_guide_shows(capsys):
+    import shlex
+
+    from manual import ROOT, assert_shows, page_output, page_outputs
+    from recipe.goodput import main
+
+    key = "--peer bench/results/peer_restore.json"
+    cmd = next(c for _, c, _ in page_outputs() if c and key in c)  # (the page's command, run in the checkout)
+    main([str(ROOT / a) if a.endswith(".json") else a for a in shlex.split(cmd)[3:]])
+    shown = page_output("--peer bench/results/peer_restore.json")
+    assert_shows(shown, capsys.readouterr().out, "the projection with a copy on a partner (checkpoints guide)")

@@ -228,3 +228,69 @@ def test_the_supervisor_does_not_start_an_excluded_node_again(tmp_path, monkeypa
     # and a node already excluded is not started at all
     with pytest.raises(NodeExcluded, match=r"^node n2 is not used: it was excluded from this run by straggler"):
         _supervise(tmp_path / "a", [0], nodes=(1, 2), restarts=5)
+
+
+def test_fault_lose_node_names_a_node_of_the_job_and_corrupts_every_file_of_the_copies_held_for_it(tmp_path):
+    from pitstop.resilience.node_loss import corrupt, held_for
+
+    lose = OmegaConf.create({"_target_": "pitstop.resilience.node_loss.NodeLoss", "node": "n3", "step": 5})
+    with pytest.raises(ConfigError, match=r"^fault.node=n3 is not a node of this SLURM job \(n1, n2\)"):
+        check_node(lose, 2, SYNC, {"SLURM_JOB_NODELIST": "n[1-2]"})
+    copy = tmp_path / "peer" / "1" / "step_00000010"  # (node 1's copy, held by node 2 of the ring)
+    copy.mkdir(parents=True)
+    (copy / "__0_0.distcp").write_bytes(bytes(range(10)))
+    (copy / "CHECKSUMS").write_bytes(b"sums")
+    (tmp_path / "peer" / "0" / "step_00000010").mkdir(parents=True)  # (another node's copy: not the lost node's)
+    assert held_for(str(tmp_path), 1) == [str(copy)] and held_for(str(tmp_path), 9) == []
+    assert corrupt(str(copy)) == 1  # the data, not the manifest: only the checksums can tell
+    assert (copy / "__0_0.distcp").read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
+    assert (copy / "CHECKSUMS").read_bytes() == b"sums"
+
+
+def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_told(tmp_path, monkeypatch):
+    # real processes (forked), real SIGKILLs and dirs; the ring of ckpt.local.replicas over nodes n1, n2, n3: n2's
+    # copies are held by n3
+    import json
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from pitstop.ckpt.peer import ring
+    from pitstop.resilience.fault import FaultContext
+    from pitstop.resilience.node_loss import NodeLoss
+
+    nodes = ring(["n1", "n2", "n3"])
+
+    def run(here: str, partner: str, rank: int = 0) -> tuple[int | None, bool]:
+        """``after_step(5)`` in a process on node ``here``: how it ended (a signal, or None) and whether its local
+        dir is left."""
+        run_dir, root = tmp_path / f"{here}_{partner}", tmp_path / f"{here}_{partner}" / "shm"
+        (root / "step_00000005").mkdir(parents=True)
+        ckpt = SimpleNamespace(local=SimpleNamespace(root=str(root)), replicator=SimpleNamespace(ring=nodes))
+        ctx = FaultContext(str(run_dir), rank, 3, 10, 1, 0.0, ckpt)
+        monkeypatch.setenv("PITSTOP_NODE_NAME", here)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            fault = NodeLoss("n2", 5, partner)
+            fault.bind(ctx)
+            fault.after_step(4)
+            fault.after_step(5)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        return (os.WTERMSIG(status) if os.WIFSIGNALED(status) else None), root.exists()
+
+    assert run("n2", "keep") == (signal.SIGKILL, False)  # the lost node
+    assert run("n3", "keep") == (None, True) and run("n3", "corrupt") == (None, True)  # its partner, kept
+    assert run("n3", "lost") == (signal.SIGKILL, False)  # its partner, lost too
+    assert run("n1", "lost") == (None, True)  # not its partner
+    # corrupt: as the job restarts (the loss on record), the partner's first rank corrupts the copies it holds, once
+    run_dir = tmp_path / "n3_corrupt"
+    copy = run_dir / "shm" / "peer" / "1" / "step_00000005"
+    copy.mkdir(parents=True)
+    (copy / "__1_0.distcp").write_bytes(b"abc")
+    (run_dir / "faults.jsonl").write_text(json.dumps({"key": "lose_node@5/n2/rank1", "time": 0, "pid": 1}) + "\n")
+    ckpt = SimpleNamespace(local=SimpleNamespace(root=str(run_dir / "shm")), replicator=SimpleNamespace(ring=nodes))
+    monkeypatch.setenv("PITSTOP_NODE_NAME", "n3")
+    for _ in range(2):  # (the next restart does not flip it back)
+        NodeLoss("n2", 5, "corrupt").bind(FaultContext(str(run_dir), 2, 3, 10, 1, 0.0, ckpt))
+    assert (copy / "__1_0.distcp").read_bytes() == b"a" + bytes([ord("b") ^ 0xFF]) + b"c"

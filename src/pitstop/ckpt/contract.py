@@ -60,6 +60,11 @@ class StrategyLike(Protocol):
 
     def barrier(self) -> None: ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    @property
+    def replicated(self) -> bool: ...  # every rank holds the whole model (DDP)
+
 
 class TrainStateLike(Protocol):
     """What a checkpoint holds besides model and optimizer tensors (``pitstop.train.runner.TrainState``)."""
@@ -139,10 +144,15 @@ class Checkpointer(ABC):
 
     @abstractmethod
     def setup(
-        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+        self,
+        strategy: StrategyLike,
+        report: Callable[[dict, int], None],
+        intervals: IntervalPolicy | None = None,
+        node: str | None = None,
     ) -> None:
         """Bind to the job: ``strategy`` (ranks, collectives), ``report(metrics, step)`` (per-save costs),
-        ``intervals``: what ``interval=auto`` knows of the job's failures (ignored by fixed intervals)."""
+        ``intervals``: what ``interval=auto`` knows of the job's failures (ignored by fixed intervals), ``node``:
+        this process's node name (the local tier's copies go to another node)."""
 
     @abstractmethod
     def restore(self, target: Target, at_most: int | None = None) -> int | None:
@@ -191,6 +201,7 @@ class SaveRecord:
     block_seconds: float = 0.0
     total_seconds: float | None = None
     finished: float | None = None  # when the write became durable (set from the writer's thread)
+    copied: float | None = None  # ckpt.local.replicas: when its copy to the partner node ended (the copy's thread)
     bytes: int = 0
     error: str | None = None
 

@@ -34,8 +34,9 @@ from pitstop.ckpt.contract import (
 )
 from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
+from pitstop.ckpt.peer_copy import Replicator
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.ckpt.tiers import Tier, local_settings
+from pitstop.ckpt.tiers import Tier, complete_seconds, copied, figures, local_settings
 from pitstop.errors import CheckpointError, ConfigError
 from pitstop.goodput.interval import AutoInterval, IntervalPolicy
 
@@ -102,10 +103,16 @@ class CheckpointManager(Checkpointer):
         self._closed = False
         self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
         self.last_started = self.last_durable = self.last_committed = None
+        self.replicator: Replicator | None = None  # ckpt.local.replicas=1: made in setup()
+        self.restored_from: str | None = None  # the tier the restore read: local, peer or durable
 
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(
-        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+        self,
+        strategy: StrategyLike,
+        report: Callable[[dict, int], None],
+        intervals: IntervalPolicy | None = None,
+        node: str | None = None,
     ) -> None:
         self.strategy, self.report = strategy, report
         self.rank, self.world_size = strategy.rank, strategy.world_size
@@ -123,9 +130,11 @@ class CheckpointManager(Checkpointer):
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
         self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
+        timeout = getattr(getattr(strategy, "inner", strategy), "timeout", None) or 3 * orphans.ORPHAN_WAIT
+        if self.local is not None and self._local_cfg["replicas"]:
+            self.replicator = Replicator.start(strategy, self.local, node, timeout, self.name, self.full_state)
         # (before anything is restored or saved: see pitstop.ckpt.orphans; ranks of other machines wait meanwhile in
         # the next collective, within the group's timeout)
-        timeout = getattr(getattr(strategy, "inner", strategy), "timeout", None) or 3 * orphans.ORPHAN_WAIT
         orphans.end_orphans(self.root, min(orphans.ORPHAN_WAIT, timeout / 3))
         self._setup_backend()
 
@@ -169,23 +178,40 @@ class CheckpointManager(Checkpointer):
     # ---- restore (with fallback: .restore) ---------------------------------------------------------
     def restore(self, target: Target, at_most: int | None = None) -> int | None:
         self._sd.info(target)  # per-run analysis for saves, done during setup rather than at the first save
+        peers = self.replicator
+        if peers is not None and at_most is None:  # (before training: a local dir too small for two copies)
+            peers.check_space(fallback.state_bytes(self.strategy, self.root, target), self.strategy.replicated)
         if self.load_spec in (None, "none", False) and at_most is None:
             return None
         if at_most is not None and self._purger is not None:  # (retention still deleting: done before the listing)
             self._purger.submit(int).result()
         local_root = self.local.root if self.local is not None else None
         spec = self.load_spec if at_most is None else "auto"
-        choice = fallback.candidates(self.strategy, self.root, local_root, spec, at_most)
+        # (with copies on peers, a node's local dir alone never holds a whole checkpoint: see .peer)
+        listed = local_root if peers is None else None
+        choice = fallback.candidates(self.strategy, self.root, listed, spec, at_most)
         if not choice and at_most is not None:
             return None
         explicit = spec != "auto"
-        load = lambda path: self._load(path, target)  # noqa: E731
-        return fallback.first_loadable(
-            self.strategy, choice, explicit, load, self.root, local_root, lambda: target.state.step
+        tiers: dict[str, str] = {}
+        if peers is not None and at_most is None and spec == "auto":
+            choice, tiers = fallback.with_peers(peers, choice)
+
+        def load(path: str) -> None:
+            self.restored_from = tiers.get(path) or fallback.tier_of(path, local_root)
+            self._load(path, target)
+
+        step = fallback.first_loadable(
+            self.strategy, choice, explicit, load, self.root, local_root, lambda: target.state.step, tiers
         )
+        if step is None:
+            self.restored_from = None
+        return step
 
     def discard_after(self, step: int) -> None:
         local_root = self.local.root if self.local is not None else None
+        if self.replicator is not None:  # (each node's own saves and copies: the copy in flight first)
+            self.replicator.discard_after(step)
         fallback.discard_after(self.strategy, self.root, local_root, step)
 
     def _load(self, path: str, target: Target) -> None:
@@ -224,9 +250,12 @@ class CheckpointManager(Checkpointer):
             throttle_mbps=self.throttle_mbps if tier is self.durable else None,
         )
         leftover: str | None = None
-        if self.rank == 0:
+        per_node = tier is self.local and self.replicator is not None  # (each node's leader cleans its own)
+        if self.rank == 0 or (per_node and self.replicator.leads):
             try:
                 layout.remove(record.path)  # a partial leftover of the same step (e.g. after a crash), if any
+                if per_node:
+                    self.replicator.forget(step)  # (and the copies of an earlier save of that step)
             except OSError as e:
                 leftover = one_line(e)
         try:
@@ -268,10 +297,8 @@ class CheckpointManager(Checkpointer):
         """Young–Daly from this attempt's measured blocking cost per save of ``tier`` (staging waits included)
         and, for async saves, never before the last one became durable."""
         cost = tier.blocked_total / max(tier.schedule.saves, 1)
-        ok = [
-            r.total_seconds for r in self.records[-10:] if r.error is None and r.total_seconds and r.tier == tier.name
-        ]
-        write = sum(ok[-5:]) / len(ok[-5:]) if ok and self.is_async else 0.0
+        replicated = tier is self.local and self.replicator is not None
+        write = complete_seconds(self.records[-10:], tier.name, self.is_async, replicated)
         moved = tier.schedule.measured(cost, write)
         if moved is not None:
             key = "ckpt_interval_seconds" if tier is self.durable else "ckpt_local_interval_seconds"
@@ -334,9 +361,15 @@ class CheckpointManager(Checkpointer):
             record.bytes = dir_bytes(record.path)
             if self._purger is not None:
                 tier = self._tier(record)
-                self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k, self.pinned)
-                if tier is self.durable and self.local is not None:  # local ones not newer are of no more use
-                    self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)
+                if tier is self.durable or self.replicator is None:  # (with copies, each node purges its own)
+                    self._purger.submit(self._purge, layout.purge, tier.root, tier.keep_last_k, self.pinned)
+                if tier is self.durable and self.local is not None and self.replicator is None:
+                    self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)  # (no more use)
+        if self.replicator is not None:  # the copy, in its own thread; a durable save purges the older local ones
+            if record.tier == "local":  # (a local save is complete once copied: what interval=auto measures)
+                self.replicator.copy(record.step, True).add_done_callback(lambda _: copied(record))
+            else:
+                self.replicator.purge(record.step)
         with self._lock:
             self._done.append(record)
 
@@ -356,6 +389,8 @@ class CheckpointManager(Checkpointer):
         record.error = one_line(error)
         self.failures += 1
         local = record.tier == "local"
+        if local and self.replicator is not None:  # (every rank takes part in each copy, or says why not)
+            self.replicator.copy(record.step, False)
         log.error(
             "%scheckpoint at step %d failed: %s (it is not committed; older checkpoints are intact%s)",
             "local-tier " if local else "",
@@ -404,6 +439,8 @@ class CheckpointManager(Checkpointer):
             self._shutdown()
         durable = [r for r in self.records if r.tier == "durable"]
         last = durable[-1] if durable else None
+        if self.replicator is not None:  # (the copy in flight first; every node frees its own local dir)
+            self.replicator.close(self.local is not None and last is not None and last.last and last.error is None)
         if self.local is not None and last is not None and last.last and last.error is None and self.rank == 0:
             shutil.rmtree(self.local.root, onerror=self._left_in_local)  # the run is complete: free the tmpfs
         if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
@@ -421,24 +458,15 @@ class CheckpointManager(Checkpointer):
 
     def stats(self) -> dict:
         """The durable tier's figures (``local_*``: the local tier's, when it is on)."""
-        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-
-        def figures(tier: str) -> dict:
-            records = [r for r in self.records if r.tier == tier]
-            ok = [r for r in records if r.error is None]
-            return {
-                "saves": len(ok),
-                "failures": sum(1 for r in records if r.error is not None),
-                "block_seconds_total": round(sum(r.block_seconds for r in records), 4),
-                "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
-                "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
-                "bytes_last": ok[-1].bytes if ok else 0,
-            }
-
-        out = {"backend": self.name, **figures("durable"), "purge_failures": self.purge_failures}
+        out = {"backend": self.name, **figures(self.records, "durable"), "purge_failures": self.purge_failures}
         if self.local is not None:
-            out.update({f"local_{k}": v for k, v in figures("local").items()})
+            out.update({f"local_{k}": v for k, v in figures(self.records, "local").items()})
             out["local_dir"] = self.local.root
+        if self.replicator is not None:
+            out.update(self.replicator.stats())
+            # (a local save's start to its copy's end: what ckpt.local.interval=auto waits for)
+            out["local_replicated_seconds_mean"] = round(complete_seconds(self.records, "local", True, True, None), 5)
+        out["restored_from"] = self.restored_from  # (local, peer or durable; None: started afresh)
         return out
 
     # ---- backend hook ---------------------------------------------------------------------------------

@@ -35,7 +35,11 @@ class NoCheckpoint(Checkpointer):
         self.root, self.last_started = None, None
 
     def setup(
-        self, strategy: StrategyLike, report: Callable[[dict, int], None], intervals: IntervalPolicy | None = None
+        self,
+        strategy: StrategyLike,
+        report: Callable[[dict, int], None],
+        intervals: IntervalPolicy | None = None,
+        node: str | None = None,
     ) -> None:
         pass
 

@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Callable
 
-from pitstop.ckpt import dcp, integrity, layout
+from pitstop.ckpt import dcp, integrity, layout, peer
 from pitstop.ckpt.contract import StrategyLike, Target, interrupt_in, one_line
 from pitstop.errors import CheckpointError, CorruptCheckpoint, FingerprintMismatch
 
@@ -135,6 +135,7 @@ def first_loadable(
     root: str,
     local_root: str | None,
     step: Callable[[], int],
+    tiers: dict[str, str] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int | None:
     """Load the first of ``choice`` that loads on every rank; its step, or None when there was none.
@@ -190,10 +191,58 @@ def first_loadable(
                     f"fix or move the directory, or set ckpt.load=none to start over"
                 ) from error
             continue
-        tier = "local" if local_root is not None and path.startswith(local_root + os.sep) else "durable"
+        tier = (tiers or {}).get(path) or tier_of(path, local_root)
         log.info("restored %s (step %d, %s tier) in %.2f s", path, step(), tier, time.perf_counter() - t0)
         return step()
     return None
+
+
+def tier_of(path: str, local_root: str | None) -> str:
+    return "local" if local_root is not None and path.startswith(local_root + os.sep) else "durable"
+
+
+def with_peers(replicator: Any, durable: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The candidates with the local tier replicated to peer nodes (:mod:`.peer`): the newest step every rank can get
+    from its node's dir, a peer's copy or the durable tier.  When the nodes and their copies hold a step at least as
+    new as the durable tier's newest, every node makes it whole in its own dir (this rank's path first, then the
+    durable ones); ``tiers``: that path's tier (``local``, or ``peer`` when a lost node's files came from a copy)."""
+    found = replicator.newest()
+    newest = layout.step_of(durable[0]) if durable and layout.is_step_dir(durable[0]) else -1
+    gone = peer.lost(replicator.held_by, max(newest, found[0] if found else -1))
+    if gone is not None and replicator.rank == 0:
+        nodes = ", ".join(str(n) for n in gone[1])
+        log.warning(
+            "the local checkpoint of step %d is lost: no node holds the files of the saving job's node(s) %s (the node "
+            "and its partner, both gone); restoring from %s",
+            gone[0],
+            nodes,
+            f"step {found[0]}, held by the nodes" if found and found[0] >= newest else "the durable tier",
+        )
+    if found is None or found[0] < newest:
+        return durable, {}
+    step, held_by = found
+    tier = replicator.assemble(step, held_by)
+    if tier is None:
+        return durable, {}
+    path = layout.step_dir(replicator.root, step)
+    return [path, *durable], {path: tier}
+
+
+def state_bytes(strategy: StrategyLike, root: str, target: Target) -> int:
+    """What one checkpoint of this job takes: the newest durable one's size, else the model's tensors three times
+    (parameters and two optimizer moments, as Adam keeps), summed over the ranks unless every rank holds the whole."""
+    from pitstop.ckpt.storage import dir_bytes
+
+    size = 0
+    if strategy.rank == 0:
+        found = [p for _, p, ok in layout.list_checkpoints(root) if ok]
+        size = dir_bytes(found[-1]) if found else 0
+    size = int(strategy.broadcast_object(size))
+    if size:
+        return size
+    tensors = [getattr(t, "_local_tensor", t) for t in target.model.state_dict().values()]
+    mine = 3 * sum(t.nbytes for t in tensors if hasattr(t, "nbytes"))
+    return mine if strategy.replicated else int(sum(strategy.all_gather_object(mine)))
 
 
 def load_into(

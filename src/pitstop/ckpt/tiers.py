@@ -5,6 +5,7 @@ schedule and the loop time spent in its saves."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from pitstop.config import checks
 from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pitstop.ckpt.contract import SaveRecord
     from pitstop.ckpt.schedule import SaveSchedule
     from pitstop.goodput.interval import AutoInterval
 
@@ -39,6 +41,43 @@ class Tier:
         from pitstop.ckpt.schedule import SaveSchedule
 
         self.schedule = SaveSchedule(self.interval_steps, self.interval_seconds, self.save_last, auto)
+
+
+def copied(record: SaveRecord) -> None:
+    """(the copy's thread) A local save's copy to the partner node ended (``ckpt.local.replicas``)."""
+    record.copied = time.perf_counter()
+
+
+def complete_seconds(
+    records: list[SaveRecord], tier: str, is_async: bool, replicated: bool, last: int | None = 5
+) -> float:
+    """A save of ``tier``'s start to complete, the mean over its newest ``last`` good saves (None: all), for
+    ``interval=auto`` (never a save before the previous one is complete) and the summary: an async save is complete
+    once written; a local save copied to a partner node (``replicated``), once its copy ended, with any backend (the
+    copy is off the loop); a synchronous save without a copy, when the loop goes on (0)."""
+    if replicated:
+        done = [r.copied - r.started for r in records if r.tier == tier and r.error is None and r.copied]
+    elif is_async:
+        done = [r.total_seconds for r in records if r.tier == tier and r.error is None and r.total_seconds]
+    else:
+        return 0.0
+    done = done[-last:] if last else done
+    return sum(done) / len(done) if done else 0.0
+
+
+def figures(records: list[SaveRecord], tier: str) -> dict:
+    """A tier's figures for ``summary.json``: its saves, failures and their costs."""
+    mine = [r for r in records if r.tier == tier]
+    ok = [r for r in mine if r.error is None]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "saves": len(ok),
+        "failures": sum(1 for r in mine if r.error is not None),
+        "block_seconds_total": round(sum(r.block_seconds for r in mine), 4),
+        "block_seconds_mean": round(mean([r.block_seconds for r in ok]), 5),
+        "total_seconds_mean": round(mean([r.total_seconds or 0.0 for r in ok]), 5),
+        "bytes_last": ok[-1].bytes if ok else 0,
+    }
 
 
 LOCAL_AUTO_DIR = f"/dev/shm/pitstop-{os.getuid()}"  # (per user: the local tier's dir must be this user's alone)
@@ -77,7 +116,13 @@ def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async:
             f"ckpt.local.keep_last_k must be an integer >= {2 if is_async else 1}"
             f"{' with async saves (the newest may still be in flight)' if is_async else ''}, got {keep!r}"
         )
+    replicas = local.get("replicas", 0)
+    if replicas not in (0, 1) or isinstance(replicas, bool):
+        raise ConfigError(
+            f"ckpt.local.replicas={replicas!r}: use 1 (a copy of each local save on another node) or 0 (none)"
+        )
     return {
+        "replicas": int(replicas),
         "dir": where,
         "interval_steps": None if interval == "auto" else steps,
         "interval_seconds": None if interval == "auto" else seconds,

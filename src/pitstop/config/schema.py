@@ -30,6 +30,7 @@ from pitstop.config.schema_loop import (
     Bitflip,
     Bug,
     Crash,
+    LoseNode,
     NoFault,
     NonFinite,
     NullLogger,
@@ -102,6 +103,12 @@ class LocalTier:
         None, "auto: Young-Daly from this tier's own measured save cost (replaces the two above)"
     )
     keep_last_k: int = key(2, "newest complete local checkpoints kept")
+    replicas: int = key(
+        0,
+        "1: every local save is also held by a partner on another node (a node holds its own and its partner's "
+        "files); 0: off",
+        check=OneOf(0, 1),
+    )
 
 
 @dataclass
@@ -350,6 +357,7 @@ SCHEMAS = {
         "nonfinite": NonFinite,
         "poison": Poison,
         "bad_node": BadNode,
+        "lose_node": LoseNode,
         "slow_rank": SlowRank,
     },
     "logger": {"none": NullLogger, "mlflow": MLflow},

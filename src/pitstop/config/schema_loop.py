@@ -159,6 +159,22 @@ class BadNode(NoFault):
     )
 
 
+@dataclass
+class LoseNode(NoFault):
+    """``fault=lose_node``: a node is lost at a step (``resilience/node_loss.py``): its processes clear its local
+    checkpoint tier and are killed, once per run dir; ``partner`` says what befalls the node holding its copies."""
+
+    _target_: str = "pitstop.resilience.node_loss.NodeLoss"
+    node: str = key(MISSING, "the node's name as pitstop names it: PITSTOP_NODE_NAME, else SLURMD_NODENAME, else host")
+    step: int = key(MISSING, "the step at whose end it is lost", check=Integer())
+    partner: str = key(
+        "keep",
+        "the node holding its copies (ckpt.local.replicas): keep | corrupt (a byte flipped in each of their files: "
+        "the restart finds them wrong: the durable tier) | lost (lost too: the durable tier)",
+        check=OneOf("keep", "corrupt", "lost"),
+    )
+
+
 # ---- logger --------------------------------------------------------------------------------------------
 
 

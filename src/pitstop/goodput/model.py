@@ -195,3 +195,41 @@ def fmt_duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds / 60:.1f} min"
     return f"{seconds:.2f} s"
+
+
+def replicated_at_scale(
+    nodes: int,
+    node_mtbf: float,
+    node_share: float,
+    replace_cost: float,
+    restart_cost: float,
+    local: tuple[float, float, float | None],
+    durable: tuple[float, float, float | None],
+    peer_recovery: float,
+    durable_recovery: float,
+    replicas: bool,
+) -> dict:
+    """The job of :func:`at_scale` with a local tier (``ckpt.local``), with or without its copy on a partner node
+    (``ckpt.local.replicas=1``). ``local`` and ``durable``: each tier's (blocking cost C, save start -> complete W,
+    interval T or None for its Young–Daly interval at the job's MTBF) per save, as measured (the local one with its
+    copy when ``replicas``). A share ``node_share`` of the failures takes a node: a replacement joins after
+    ``replace_cost``, and the job recovers in ``peer_recovery`` (its ranks restore from the partner's copy, and half a
+    local cycle is done again) or, without the copy, ``durable_recovery`` (from the durable tier, and half a durable
+    cycle); both as measured from the loss to the first step, without the steps done again (the model adds them).
+    The other failures restart the processes (``restart_cost``, the local restore included) and redo half a local
+    cycle. A node and its partner lost within one recovery is left out (its share is that recovery over the
+    partner's MTBF: ~1e-6). :func:`two_tier_goodput` gives the goodput."""
+    mtbf = node_mtbf / nodes
+    (cl, wl, tl), (cd, wd, td) = local, durable
+    q = min(max(float(node_share), 0.0), 1.0)
+    r = (1 - q) * restart_cost + q * (replace_cost + (peer_recovery if replicas else durable_recovery))
+    tl = tl or max(young_daly(cl, mtbf), wl, 1e-3)
+    td = td or max(young_daly(cd, mtbf), wd, tl)
+    return {
+        "nodes": nodes,
+        "mtbf": mtbf,
+        "restart": r,
+        "local_interval": tl,
+        "durable_interval": td,
+        "goodput": two_tier_goodput(tl, td, mtbf, cl, cd, r, wl, wd, 1.0 if replicas else 1.0 - q),
+    }

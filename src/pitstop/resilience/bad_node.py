@@ -46,11 +46,12 @@ def unwritable(fault: Any, node: str) -> bool:
 
 
 def check_node(fault: Any, max_nodes: int, ckpt: Any = None, env: Mapping[str, str] = os.environ) -> None:
-    """Refuse a ``fault.node`` the job does not have: under SLURM the allocation's node list says which nodes it has;
-    elsewhere a job of one node has this node alone (a job of several nodes cannot tell: any other name may be one of
-    its nodes). ``how=unwritable`` needs a checkpoint dir (``ckpt``, the config's section: not ``ckpt=none``)."""
-    if fault is None or not str(fault.get("_target_", "")).endswith(".BadNode"):
-        return
+    """Refuse a ``fault.node`` (``fault=bad_node``, ``fault=lose_node``) the job does not have: under SLURM the
+    allocation's node list says which nodes it has; elsewhere a job of one node has this node alone (a job of several
+    nodes cannot tell: any other name may be one of its nodes). ``how=unwritable`` needs a checkpoint dir (``ckpt``,
+    the config's section: not ``ckpt=none``)."""
+    if fault is None or not str(fault.get("_target_", "")).endswith((".BadNode", ".NodeLoss")):
+        return  # (fault=lose_node names its node the same way)
     node = str(fault.get("node"))
     if fault.get("how") == "unwritable" and (ckpt is None or str(ckpt.get("_target_", "")).endswith(".NoCheckpoint")):
         raise ConfigError(

@@ -134,7 +134,7 @@ class Runner:
             hold.callback(self._release_ckpt)
             goodput = self.records.goodput
             intervals = assembly.interval_policy(cfg, goodput.failures(), goodput.job_seconds())
-            self.ckpt.setup(self.strategy, self.records.report, intervals)
+            self.ckpt.setup(self.strategy, self.records.report, intervals, node_name())
             self.rollbacks = Rollback(self.strategy, self.ckpt, self.target, self.loader, self.run_state)
             self.records.samples = assembly.build_sample_log(
                 cfg, self.run_dir, self.strategy, self.accum, self._taking, self.loader, hold

@@ -1,0 +1,446 @@
+"""The local tier's copy on a peer node, over the job's own process group (``ckpt.local.replicas=1``; who holds
+what: :mod:`pitstop.ckpt.peer`).
+
+A dedicated gloo group (made at setup on every rank; used only by this module's one thread, never by the loop's)
+carries raw bytes: sizes first, then each file as a ``uint8`` tensor.  Nothing received is unpickled, and nothing
+is believed before it is checked: a file is named by its index in the checkpoint's own manifest (sealed, read by
+:func:`pitstop.ckpt.integrity.read_manifest`), its size must be the manifest's before anything is allocated, and
+its length and CRC32C are checked once written.  A save is copied after the local save completed, in this thread
+(off the loop); a copy that fails (a partner gone: gloo's timeout; a file that does not check) is said once, and
+the local tier goes on without copies; the durable tier is never affected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pitstop.ckpt import integrity, layout, peer
+from pitstop.ckpt.contract import StrategyLike, one_line
+from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
+
+log = logging.getLogger("pitstop.ckpt")
+FINDINGS = (CorruptCheckpoint, CheckpointError, OSError)  # what a copy can find wrong (gloo's own errors stop it)
+KEY = "ckpt.local.replicas"
+
+
+class Replicator:
+    """One rank's part of the ring: it sends the files its rank wrote to its partner on the next node and holds the
+    previous node's (rank for rank)."""
+
+    def __init__(self, strategy: StrategyLike, root: str, node: str, keep: int, timeout: float):
+        self.strategy, self.root, self.keep, self.rank = strategy, root, keep, strategy.rank
+        names = [str(n) for n in strategy.all_gather_object(node)]
+        # One node left of a job that had several (an elastic job re-formed without the others): no copies now, but
+        # what this node holds (its own files and its copies) is restored from.
+        alone = len(set(names)) == 1 and strategy.any(os.path.isdir(os.path.join(root, peer.PEER_DIR)))
+        self.ring = peer.ring(names, alone_ok=alone)
+        self.node = self.ring.node_of[self.rank]
+        self.leads = self.ring.leader(self.node) == self.rank
+        self.group = None
+        if dist.is_available() and dist.is_initialized():
+            try:  # (gloo connects every pair of ranks here: a node that cannot be reached fails it)
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"{KEY}=1: the nodes ({', '.join(self.ring.nodes)}) cannot reach each other over the job's process "
+                    f"group for the copies ({one_line(e)}): check the nodes' network, or set {KEY}=0"
+                ) from None
+        self.broken: str | None = None
+        self._newest = -1  # the newest step handed to copy()
+        self.held_by: list[list[peer.Held]] = []  # what each node held at the restore
+        self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
+        if alone:
+            self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
+            log.warning(
+                "local checkpoints are not copied to a peer node: %s; the local tier goes on without copies",
+                self.broken,
+            )
+        else:
+            self._handshake()
+
+    @classmethod
+    def start(
+        cls, strategy: StrategyLike, local: Any, node: str | None, timeout: float, backend: str, full_state: bool
+    ) -> Replicator:
+        """The replicator of local tier ``local`` (a :class:`~pitstop.ckpt.tiers.Tier`); ConfigError for a backend
+        that writes no per-rank files, one node, or a partner that cannot be reached."""
+        if full_state:
+            raise ConfigError(
+                f"{KEY}=1 copies each rank's DCP files; ckpt={backend} writes one file from rank 0: use "
+                f"ckpt=sync_dcp or ckpt=async_dcp, or set {KEY}=0"
+            )
+        return cls(strategy, local.root, node or socket.gethostname(), local.keep_last_k, timeout)
+
+    def _handshake(self) -> None:
+        """Every rank greets its partner on both sides: one that cannot be reached stops the run here."""
+        to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
+        got = torch.zeros(1, dtype=torch.int64)
+        problem = None
+        try:
+            works = [dist.isend(torch.tensor([self.node]), to, group=self.group), dist.irecv(got, of, group=self.group)]
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            problem = one_line(e)
+        if problem is None and int(got) != self.ring.node_of[of]:
+            problem = f"it answered as node {int(got)}"
+        if self.strategy.any(problem is not None):
+            names = self.ring.nodes
+            raise ConfigError(
+                f"{KEY}=1: the partner node {names[self.ring.node_of[to]]} (rank {to}) or "
+                f"{names[self.ring.node_of[of]]} (rank {of}) cannot be reached from {names[self.node]} over the job's "
+                f"process group ({problem or 'on another rank'}): check the nodes' network, or set {KEY}=0"
+            )
+
+    # ---- at start -----------------------------------------------------------------------------------
+    def check_space(self, state_bytes: int, replicated: bool) -> None:
+        """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
+        ``state_bytes`` is this rank's state; with replicated state (DDP) a checkpoint holds it once."""
+        total = state_bytes if replicated or self.group is None else int(self._sum(state_bytes))
+        need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
+        usage = shutil.disk_usage(self.root)
+        problem = None
+        if self.leads and usage.free + _bytes_in(self.root) < need:
+            problem = (
+                f"{KEY}=1: the local dir {self.root} on node {self.ring.nodes[self.node]} has "
+                f"{usage.free / 2**20:.0f} MiB free, and a node holds its own checkpoint and its partner's "
+                f"({need / 2**20:.0f} MiB): make it larger (a bigger tmpfs or disk), or set {KEY}=0"
+            )
+        if self.strategy.any(problem is not None):
+            raise ConfigError(problem or f"{KEY}=1: a node's local dir is too small for two copies (see its log)")
+
+    def _sum(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return int(t)
+
+    # ---- after each local save --------------------------------------------------------------------------
+    def copy(self, step: int, ok: bool) -> Future:
+        """Copy local save ``step`` (``ok``: it completed on this rank) to the partner, in this module's thread.  A copy
+        that a newer save overtook before it began is skipped (on every rank: they agree), so copies never queue up
+        behind saves that come faster than they travel."""
+        self._newest = step
+        return self._pool.submit(self._guarded, self._copy, step, ok)
+
+    def purge(self, up_to: int | None = None) -> Future:
+        """A node's retention (its leader's; every ``keep_last_k`` copied saves and copies, or, with copies off,
+        every save), and with ``up_to`` what a durable save of that step made of no more use."""
+        return self._pool.submit(self._purge, up_to)
+
+    def _guarded(self, work: Any, *args: Any) -> None:
+        if self.broken is not None:
+            self._purge(None)  # (copies off: the node's own retention goes on)
+            return
+        try:
+            work(*args)
+        except Exception as e:  # noqa: BLE001 - any failure: the local tier goes on without copies, said once
+            self.broken = one_line(e)
+            log.warning(
+                "local checkpoints are no longer copied to the peer node (%s); the local tier goes on without "
+                "copies, the durable tier is unaffected",
+                self.broken,
+            )
+            self._purge(None)
+
+    def _purge(self, up_to: int | None) -> None:
+        if self.leads:
+            try:
+                peer.purge(self.root, self.keep, up_to, marked=self.broken is None)
+            except OSError as e:
+                log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
+
+    def forget(self, step: int) -> None:
+        """Remove this node's copies of ``step`` (a new save of that step begins: an earlier one's copy, from before a
+        restart, must not count for it)."""
+        for owner in _owners(self.root):
+            layout.remove(peer.copy_dir(self.root, owner, step))
+
+    def discard_after(self, step: int) -> None:
+        """Remove this node's saves and copies newer than ``step`` (a rollback abandoned their steps; a restart must
+        never resume from them), after the copy in flight."""
+        self._pool.submit(self._discard, step).result()
+
+    def _discard(self, step: int) -> None:
+        if not self.leads:
+            return
+        for where in [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]:
+            for s, path, _ in layout.list_checkpoints(where):
+                if s > step:
+                    try:
+                        layout.remove(path)
+                    except OSError as e:
+                        log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
+
+    def _copy(self, step: int, ok: bool) -> None:
+        t0 = time.perf_counter()
+        if not self._agree(ok and step == self._newest):
+            return
+        own = layout.step_dir(self.root, step)
+        sealed = b""
+        if self.rank == 0:
+            try:
+                sealed = integrity.read_file(os.path.join(own, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            except FINDINGS as e:  # (announced as 0 bytes: every rank stops copying, said once)
+                log.warning("local checkpoint of step %d: its manifest cannot be read: %s", step, one_line(e))
+        manifest = self._broadcast(sealed)
+        to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
+        src_node = self.ring.node_of[of]
+        there = peer.copy_dir(self.root, src_node, step)
+        if self.leads:  # (one writer per node; the others read it after the barrier)
+            os.makedirs(there, mode=0o700, exist_ok=True)
+            integrity.write_durable(there, integrity.MANIFEST, manifest, sync_dir=False)
+        self._agree(True)
+        files = integrity.read_manifest(there)
+        problem = None
+        try:
+            self._exchange(own, files, [self.rank], to, there, of)
+        except FINDINGS as e:
+            problem = one_line(e)
+        if not self._agree(problem is None):
+            log.warning("local checkpoint of step %d not copied to its peer: %s", step, problem or "see another rank")
+            return
+        nodes = len(self.ring.nodes)
+        if self.leads:
+            mine, theirs = self.ring.ranks_on(self.node), self.ring.ranks_on(src_node)
+            integrity.write_durable(there, peer.COPIED, peer.marker(step, src_node, nodes, theirs))
+            if not layout.is_file(os.path.join(own, integrity.MANIFEST)):  # (every holder can then send what it holds)
+                integrity.write_durable(own, integrity.MANIFEST, manifest, sync_dir=False)
+            integrity.write_durable(own, peer.REPLICATED, peer.marker(step, self.node, nodes, mine))
+            peer.purge(self.root, self.keep)
+        sent = sum(files[n]["bytes"] for n in peer.files_of(sorted(files), [self.rank]) if n in files)
+        self.copies.append((step, time.perf_counter() - t0, sent))
+        log.debug("local checkpoint of step %d copied to rank %d, rank %d's held", step, to, of)
+
+    # ---- the wire -----------------------------------------------------------------------------------
+    def _exchange(
+        self, src: str, files: dict[str, dict], ranks: list[int], to: int | None, dst: str, of: int | None
+    ) -> None:
+        """Send the files of ``src`` written by ``ranks`` to rank ``to`` and receive rank ``of``'s into ``dst``
+        (either side None: none), checked against ``files`` (the manifest).  Every announced file is received
+        before any is checked, so a bad one never leaves its sender waiting."""
+        names = sorted(files)
+        works, keep = [], []
+        if to is not None:
+            sent = [n for n in peer.files_of(names, ranks) if n != integrity.MANIFEST]
+            try:
+                blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
+            except FINDINGS:
+                dist.send(torch.tensor([-1]), to, group=self.group)  # (the receiver expects nothing more)
+                raise
+            head = [0, *(names.index(n) for n in sent), *(b.numel() for b in blobs)]
+            keep = [torch.tensor([len(sent)]), torch.tensor(head)]
+            works = [dist.isend(t, to, group=self.group) for t in keep]
+            works += [dist.isend(b, to, group=self.group) for b in blobs if b.numel()]
+            keep += blobs
+        if of is not None:
+            count = torch.zeros(1, dtype=torch.int64)
+            dist.recv(count, of, group=self.group)
+            n = int(count)
+            if n == -1:
+                raise CheckpointError(f"the peer rank {of} could not read its files (its log says why)")
+            if not 0 <= n <= len(names):
+                raise CheckpointError(f"the peer rank {of} announced {n} files of a checkpoint of {len(names)}")
+            head = torch.zeros(1 + 2 * n, dtype=torch.int64)
+            dist.recv(head, of, group=self.group)
+            index, sizes = head[1 : 1 + n].tolist(), head[1 + n :].tolist()
+            if any(not 0 <= i < len(names) or size != files[names[i]]["bytes"] for i, size in zip(index, sizes)):
+                raise CheckpointError(f"the peer rank {of} announced a file its checkpoint's manifest does not list")
+            bufs = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+            for buf in bufs:
+                if buf.numel():
+                    dist.recv(buf, of, group=self.group)
+            problem: CorruptCheckpoint | None = None
+            for i, buf in zip(index, bufs):
+                integrity.write_durable(dst, names[i], buf.numpy().tobytes(), sync_dir=False)
+                try:
+                    integrity.check_file(dst, names[i], files[names[i]])
+                except CorruptCheckpoint as e:
+                    problem = problem or e
+            if problem is not None:
+                raise problem
+        for w in works:
+            w.wait()
+        del keep
+
+    # ---- restore ----------------------------------------------------------------------------------------
+    def newest(self) -> tuple[int, list[list[peer.Held]]] | None:
+        """The newest step every saving node's files are held of, and what each node holds (the same on every
+        rank); None when there is none."""
+        mine = [tuple(vars(h).values()) for h in peer.holdings(self.root)] if self.leads else []
+        every = self.strategy.all_gather_object(mine)
+        held_by = [_held(every[self.ring.leader(n)]) for n in range(len(self.ring.nodes))]
+        step = peer.restorable(held_by)
+        self.held_by = held_by
+        return None if step is None else (step, held_by)
+
+    def assemble(self, step: int, held_by: list[list[peer.Held]]) -> str | None:
+        """Make every node's own dir of ``step`` whole (its own files, its copies, what the holders send), each
+        file checked; the tier it came from (``peer`` when some node's files exist only as a copy, else ``local``),
+        or None when it could not be made (said in one line; the durable tier is next)."""
+        target = layout.step_dir(self.root, step)
+        problem = None
+        for owner, frm, to, where in peer.plan(held_by, step):  # (every transfer is made, even after a finding)
+            if self.node not in (frm, to) or not self.leads:
+                continue
+            src = target if where == "own" else peer.copy_dir(self.root, owner, step)
+            ranks = next(list(h.ranks) for h in held_by[frm] if h.step == step and h.owner == owner)
+            try:
+                if frm == to:
+                    if where != "own":
+                        _copy_local(src, target, ranks)
+                elif self.node == frm:
+                    self._send_step(src, ranks, self.ring.leader(to))
+                else:
+                    self._recv_step(target, self.ring.leader(frm))
+            except FINDINGS as e:
+                problem = problem or one_line(e)
+        try:
+            if self.leads and problem is None:
+                integrity.verify(target)
+        except FINDINGS as e:
+            problem = one_line(e)
+        if not self._agree(problem is None):
+            log.warning(
+                "the local checkpoint of step %d cannot be made whole from the nodes and their peer copies (%s): "
+                "restoring from the durable tier",
+                step,
+                problem or "see another node's log",
+            )
+            return None
+        owners = {h.owner for held in held_by for h in held if h.step == step and h.where == "own"}
+        return "local" if owners == set(range(held_by_nodes(held_by, step))) else "peer"
+
+    def _send_step(self, src: str, ranks: list[int], to: int) -> None:
+        """The manifest of ``src`` and the files of ``ranks`` to rank ``to``; a manifest that cannot be read is
+        announced as 0 bytes (the receiver then expects nothing more) and raised here."""
+        try:
+            data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
+            files = integrity.read_manifest(src)
+        except FINDINGS:
+            dist.send(torch.tensor([0]), to, group=self.group)
+            raise
+        dist.send(torch.tensor([len(data)]), to, group=self.group)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self.group)
+        self._exchange(src, files, ranks, to, src, None)
+
+    def _recv_step(self, dst: str, of: int) -> None:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, of, group=self.group)
+        if not 0 < int(size) <= integrity.MANIFEST_MAX:
+            raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({int(size)} bytes)")
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(buf, of, group=self.group)
+        os.makedirs(dst, mode=0o700, exist_ok=True)
+        data = buf.numpy().tobytes()
+        have = os.path.join(dst, integrity.MANIFEST)
+        differs = layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data
+        if not differs:
+            integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
+        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)  # (checked against ours)
+        if differs:
+            raise CorruptCheckpoint(f"checkpoint {dst}: its {integrity.MANIFEST} is not the one rank {of} sent")
+
+    def _broadcast(self, data: bytes, src: int = 0) -> bytes:
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src, group=self.group)
+        n = int(size)
+        if not 0 < n <= integrity.MANIFEST_MAX:
+            raise CheckpointError(f"a checkpoint manifest of {n} bytes was announced")
+        mine = self.rank == src
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src, group=self.group)
+        return buf.numpy().tobytes()
+
+    def _agree(self, ok: bool) -> bool:
+        if self.group is None:
+            return ok
+        t = torch.tensor([int(bool(ok))], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(int(t))
+
+    def stats(self) -> dict:
+        """For ``summary.json``'s checkpoint section: the copies made, their mean time (from the local save's end to
+        every holder's acknowledgement, in this thread: off the loop), and why copies stopped, if they did."""
+        done = self.copies
+        mean = sum(c[1] for c in done) / len(done) if done else 0.0
+        return {
+            "local_replicas": 1,
+            "local_copies": len(done),
+            "local_copy_seconds_mean": round(mean, 5),
+            "local_copy_bytes_last": done[-1][2] if done else 0,
+            "local_copies_off": self.broken,
+        }
+
+    def close(self, remove: bool) -> None:
+        """Wait for the copy in flight; ``remove``: the run is complete, the node's local dir is freed."""
+        self._pool.shutdown(wait=True)
+        if remove and self.leads:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _read(path: str, name: str, nbytes: int) -> torch.Tensor:
+    with integrity.open_regular(os.path.join(path, name)) as f:
+        data = bytearray(f.read(nbytes + 1))
+    if len(data) != nbytes:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {name} is {len(data)} bytes, its manifest: {nbytes}")
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _bytes_in(root: str) -> int:
+    total = 0
+    for where, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(where, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def held_by_nodes(held_by: list[list[peer.Held]], step: int) -> int:
+    return next(h.nodes for held in held_by for h in held if h.step == step)
+
+
+def _held(rows: object) -> list[peer.Held]:
+    """What another rank said its node holds (the job's own ranks, over its process group), as typed rows."""
+    out = []
+    for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, tuple) and len(row) == 5:
+            step, owner, nodes, ranks, where = row
+            out.append(peer.Held(int(step), int(owner), int(nodes), tuple(int(r) for r in ranks), str(where)))
+    return out
+
+
+def _copy_local(src: str, dst: str, ranks: list[int]) -> None:
+    """The files of ``ranks`` from a copy this node holds (``src``) into its own step dir ``dst``, each checked."""
+    files = integrity.read_manifest(src)
+    os.makedirs(dst, mode=0o700, exist_ok=True)
+    for name in peer.files_of(sorted(files), ranks):
+        if name == integrity.MANIFEST:
+            data = integrity.read_file(os.path.join(src, name), integrity.MANIFEST_MAX)
+            integrity.write_durable(dst, name, data, sync_dir=False)
+            continue
+        there = os.path.join(dst, name)
+        if os.path.lexists(there):
+            os.remove(there)
+        try:  # (a second name for the same bytes: the node's memory holds them once; files are never changed in place)
+            os.link(os.path.join(src, name), there, follow_symlinks=False)
+        except OSError:
+            integrity.write_durable(dst, name, integrity.read_file(os.path.join(src, name)), sync_dir=False)
+        integrity.check_file(dst, name, files[name])
+
+
+def _owners(root: str) -> list[int]:
+    where = os.path.join(root, peer.PEER_DIR)
+    return sorted(int(o) for o in os.listdir(where) if o.isdigit()) if os.path.isdir(where) else []

@@ -1,0 +1,138 @@
+"""``fault=lose_node``: a node is lost at a step, as when its GPU fails and it is drained and replaced: every process
+of node ``fault.node`` clears the node's local checkpoint tier (``ckpt.local``: its own checkpoints and the copies
+it holds for its partner, ``ckpt.local.replicas``) and kills itself (SIGKILL) at the end of step ``fault.step``, once
+per run dir. The restarted job finds that node empty: its ranks restore from the copy its partner holds, or, without
+one, from the durable tier (``ckpt.dir``).
+
+``fault.partner`` says what happens to the node that holds the lost node's copies (the next node in the ring of
+``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it); ``corrupt`` (as the job restarts
+after the loss, before its restore, the partner's first process flips a byte in every data file of every copy the
+partner holds for the lost node: the restore finds the checksums wrong and falls back to the durable tier, said in
+one line); ``lost`` (the partner is lost too, as the node: then the durable tier). The durable tier is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from pitstop.errors import ConfigError
+from pitstop.resilience.fault import FaultContext, NoFault, _kill, check_step
+from pitstop.resilience.fault_record import fired_keys, note_fired, note_injected
+from pitstop.resilience.node_book import node_name
+
+log = logging.getLogger("pitstop.resilience.fault")
+
+PARTNER = ("keep", "corrupt", "lost")
+
+
+def local_root(checkpointer: Any) -> str | None:
+    """The run's local tier dir on this node (``ckpt.local``), or None when the tier is off."""
+    tier = getattr(checkpointer, "local", None)
+    return getattr(tier, "root", None) if tier is not None else None
+
+
+def ring_of(checkpointer: Any) -> Any:
+    """The ring of nodes of the local tier's copy (``pitstop.ckpt.peer.Ring``: who holds whose copy), or None when
+    the local tier is not copied (``ckpt.local.replicas=0``)."""
+    copier = getattr(checkpointer, "replicator", None)
+    return getattr(copier, "ring", None)
+
+
+def held_for(root: str, owner: int) -> list[str]:
+    """The dirs of the copies this node's local tier holds for node ``owner`` (its index in the ring): every step
+    dir under ``<root>/peer/<owner>/`` (``pitstop.ckpt.peer``'s layout)."""
+    from pitstop.ckpt.layout import is_step_dir
+
+    where = os.path.join(root, "peer", str(owner))
+    names = sorted(os.listdir(where)) if os.path.isdir(where) and not os.path.islink(where) else []
+    return [os.path.join(where, n) for n in names if is_step_dir(n) and os.path.isdir(os.path.join(where, n))]
+
+
+MARKERS = (".metadata", "CHECKSUMS", "COPIED", "REPLICATED", "COMMITTED")
+
+
+def corrupt(step_dir: str) -> int:
+    """Flip one byte in the middle of every non-empty data file of ``step_dir`` (its markers and checksum manifest
+    stay as they were: the copy looks whole, and only its checksums can tell). The number of files changed."""
+    changed = 0
+    for name in sorted(os.listdir(step_dir)):
+        path = os.path.join(step_dir, name)
+        if name in MARKERS or os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) == 0:
+            continue
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            f.flush()
+            os.fsync(f.fileno())
+        changed += 1
+    return changed
+
+
+class NodeLoss(NoFault):
+    name = "lose_node"
+
+    def __init__(self, node: str, step: int, partner: str = "keep", replica: int | str | None = None):
+        super().__init__(replica)
+        if partner not in PARTNER:
+            raise ConfigError(f"fault.partner={partner!r}: use one of {', '.join(PARTNER)}")
+        self.node, self.step, self.partner = str(node), int(step), partner
+        self.armed = False
+
+    def key(self) -> str:
+        return f"{self.name}@{self.step}/{self.node}"
+
+    def bind(self, ctx: FaultContext) -> None:
+        super().bind(ctx)
+        check_step(self.step, ctx)
+        self.here = node_name()
+        fired = fired_keys(ctx.run_dir)
+        # decided at start, by every process alone: all of a node's processes fire (each notes its own line)
+        self.armed = not any(k.startswith(self.key() + "/rank") for k in fired)
+        if self.partner == "corrupt" and not self.armed and self.key() + "/corrupt" not in fired:
+            self._corrupt_held()  # (the restart after the loss, before its restore: no copy is in flight now)
+
+    def _corrupt_held(self) -> None:
+        """On the lost node's partner, by its first rank alone (a byte flipped twice would be whole again): every copy
+        it holds for the lost node, corrupted."""
+        root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
+        if root is None or ring is None or self.node not in ring.nodes:
+            return
+        lost = ring.nodes.index(self.node)
+        holder = (lost + 1) % len(ring.nodes)
+        if ring.nodes[holder] != self.here or ring.leader(holder) != self.ctx.rank:
+            return
+        copies = held_for(root, lost)
+        files = sum(corrupt(c) for c in copies)
+        note_injected(self.ctx.run_dir, self.key() + "/corrupt", files=files, copies=len(copies))
+        log.warning(
+            "fault injection: node %s corrupted %d file(s) of the %d cop%s it holds for lost node %s",
+            self.here,
+            files,
+            len(copies),
+            "y" if len(copies) == 1 else "ies",
+            self.node,
+        )
+
+    def after_step(self, step: int) -> None:
+        if not self.armed or step != self.step:
+            return
+        self.armed = False
+        root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
+        if self.here == self.node:
+            self._lose(root, f"node {self.node} lost at step {step}")
+        elif self.partner == "lost" and ring is not None and self.node in ring.nodes:
+            lost = ring.nodes.index(self.node)
+            if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
+                self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
+
+    def _lose(self, root: str | None, why: str) -> None:
+        note_fired(self.ctx.run_dir, f"{self.key()}/rank{self.ctx.rank}")  # (before the kill: a launcher reads it)
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)  # (every process of the node: whichever comes first)
+            log.warning("fault injection: the local checkpoint tier of node %s is cleared (%s)", self.here, root)
+        _kill(why)
