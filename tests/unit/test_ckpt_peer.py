@@ -1,6 +1,6 @@
 """Who holds whose copy of the local tier (``ckpt.local.replicas=1``), what a node's dir holds, and which step a job
 restores from the nodes and their copies: pure logic on names and real dirs (the copies themselves travel in
-tests/system/test_ckpt_peer.py)."""
+tests/system/test_ckpt_peer_kills.py)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,9 @@ def test_a_nodes_holdings_are_read_from_its_markers_and_garbage_counts_as_not_he
     copy = tmp_path / "peer" / "1" / "step_00000008"
     copy.mkdir(parents=True)
     (copy / peer.COPIED).write_bytes(peer.marker(8, 1, 2, [1]))
-    for bad, text in [("step_00000010", peer.marker(9, 0, 2, [0])), ("step_00000012", b"{not json")]:
+    huge = peer.marker(14, 0, 10**12, [0])  # (a damaged count: restore would build range(nodes))
+    for bad, text in [("step_00000010", peer.marker(9, 0, 2, [0])), ("step_00000012", b"{not json"),
+                      ("step_00000014", huge)]:  # fmt: skip
         (tmp_path / bad).mkdir()
         (tmp_path / bad / peer.REPLICATED).write_bytes(text)
     wrong = tmp_path / "peer" / "0" / "step_00000008"  # (a copy under another owner's name)

@@ -367,7 +367,7 @@ class CheckpointManager(Checkpointer):
                     self._purger.submit(self._purge, layout.purge_up_to, self.local.root, record.step)  # (no more use)
         if self.replicator is not None:  # the copy, in its own thread; a durable save purges the older local ones
             if record.tier == "local":  # (a local save is complete once copied: what interval=auto measures)
-                self.replicator.copy(record.step, True).add_done_callback(lambda _: copied(record))
+                self.replicator.copy(record.step, True).add_done_callback(lambda f: f.result() and copied(record))
             else:
                 self.replicator.purge(record.step)
         with self._lock:

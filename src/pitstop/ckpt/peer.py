@@ -116,6 +116,9 @@ class Held:
     where: str  # "own" | "peer"
 
 
+MAX_NODES = 1 << 16  # (more nodes than any job has: a marker naming more is not pitstop's)
+
+
 def read_marker(path: str, name: str, step: int) -> Held | None:
     """The marker ``name`` of dir ``path`` (a checkpoint's own step dir or a copy), checked; None when it is absent or
     is not what pitstop writes (that dir then counts as not held)."""
@@ -130,7 +133,7 @@ def read_marker(path: str, name: str, step: int) -> Held | None:
     counts = [owner, nodes, *(ranks if isinstance(ranks, list) else [None])]
     if doc.get("step") != step or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
         return None
-    if not ranks or owner >= nodes:
+    if not ranks or owner >= nodes or nodes > MAX_NODES:  # (a damaged count must not size what restore builds)
         return None
     return Held(step, owner, nodes, tuple(ranks), "own" if name == REPLICATED else "peer")
 

@@ -106,8 +106,9 @@ class Replicator:
     # ---- at start -----------------------------------------------------------------------------------
     def check_space(self, state_bytes: int, replicated: bool) -> None:
         """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
-        ``state_bytes`` is this rank's state; with replicated state (DDP) a checkpoint holds it once."""
-        total = state_bytes if replicated or self.group is None else int(self._sum(state_bytes))
+        ``state_bytes`` is one checkpoint of the whole job (``restore.state_bytes``: already summed over the ranks);
+        with replicated state (DDP) a checkpoint holds it once."""
+        total = state_bytes
         need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
         usage = shutil.disk_usage(self.root)
         problem = None
@@ -119,11 +120,6 @@ class Replicator:
             )
         if self.strategy.any(problem is not None):
             raise ConfigError(problem or f"{KEY}=1: a node's local dir is too small for two copies (see its log)")
-
-    def _sum(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, group=self.group)
-        return int(t)
 
     # ---- after each local save --------------------------------------------------------------------------
     def copy(self, step: int, ok: bool) -> Future:
@@ -138,12 +134,13 @@ class Replicator:
         every save), and with ``up_to`` what a durable save of that step made of no more use."""
         return self._pool.submit(self._purge, up_to)
 
-    def _guarded(self, work: Any, *args: Any) -> None:
+    def _guarded(self, work: Any, *args: Any) -> bool:
+        """``work``'s answer (a copy: True once made), False when copies are off or it failed."""
         if self.broken is not None:
             self._purge(None)  # (copies off: the node's own retention goes on)
-            return
+            return False
         try:
-            work(*args)
+            return bool(work(*args))
         except Exception as e:  # noqa: BLE001 - any failure: the local tier goes on without copies, said once
             self.broken = one_line(e)
             log.warning(
@@ -152,6 +149,7 @@ class Replicator:
                 self.broken,
             )
             self._purge(None)
+            return False
 
     def _purge(self, up_to: int | None) -> None:
         if self.leads:
@@ -182,10 +180,11 @@ class Replicator:
                     except OSError as e:
                         log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
 
-    def _copy(self, step: int, ok: bool) -> None:
+    def _copy(self, step: int, ok: bool) -> bool:
+        """True once the copy is made and marked (REPLICATED); False when it was skipped or not agreed."""
         t0 = time.perf_counter()
         if not self._agree(ok and step == self._newest):
-            return
+            return False
         own = layout.step_dir(self.root, step)
         sealed = b""
         if self.rank == 0:
@@ -209,7 +208,7 @@ class Replicator:
             problem = one_line(e)
         if not self._agree(problem is None):
             log.warning("local checkpoint of step %d not copied to its peer: %s", step, problem or "see another rank")
-            return
+            return False
         nodes = len(self.ring.nodes)
         if self.leads:
             mine, theirs = self.ring.ranks_on(self.node), self.ring.ranks_on(src_node)
@@ -221,6 +220,7 @@ class Replicator:
         sent = sum(files[n]["bytes"] for n in peer.files_of(sorted(files), [self.rank]) if n in files)
         self.copies.append((step, time.perf_counter() - t0, sent))
         log.debug("local checkpoint of step %d copied to rank %d, rank %d's held", step, to, of)
+        return True
 
     # ---- the wire -----------------------------------------------------------------------------------
     def _exchange(
