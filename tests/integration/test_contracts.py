@@ -31,6 +31,9 @@ REQUIRED = {
         "bitflip": ["fault.step=3"],
         "poison": ["fault.sample=0000000"],
         "bad_node": ["fault.node=n1"],
+        "lose_node": ["fault.node=n1", "fault.step=3"],
+        "corrupt_peer_copy": ["fault.node=n1", "fault.step=3"],
+        "lose_node_and_partner": ["fault.node=n1", "fault.step=3"],
     }
 }
 
