@@ -84,6 +84,17 @@ def _names(root: str) -> list[str]:
         return []
 
 
+def free_dir(root: str, what: str = "the local tier") -> None:
+    """Remove the whole dir ``root`` (a run's local tier, freed or cleared): one warning per path that stays (a
+    permission, a busy mount), none for one already gone (another process of the node removed it first)."""
+
+    def left(_func: object, path: str, exc: tuple) -> None:
+        if not issubclass(exc[0], FileNotFoundError):
+            log.warning("%s could not be freed: %s stays (%s)", what, path, exc[1])
+
+    shutil.rmtree(root, onerror=left)
+
+
 def remove(path: str) -> None:
     """Remove a checkpoint dir (or what is left of one); nothing if it is not there.  The commit markers go first, so
     a removal cut short leaves a partial dir that no restore loads; OSError naming what is left if any of it stays

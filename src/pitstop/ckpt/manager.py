@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, Callable
 
 from pitstop import fsurl
@@ -36,9 +34,9 @@ from pitstop.ckpt.finite import NonFiniteState, refuse_nonfinite
 from pitstop.ckpt.formats import encode_json, read_checkpoint
 from pitstop.ckpt.peer_copy import Replicator
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.ckpt.tiers import Tier, complete_seconds, copied, figures, local_settings
+from pitstop.ckpt.tiers import Tier, complete_seconds, copied, figures, local_settings, open_local
 from pitstop.errors import CheckpointError, ConfigError
-from pitstop.goodput.interval import AutoInterval, IntervalPolicy
+from pitstop.goodput.interval import IntervalPolicy
 
 log = logging.getLogger("pitstop.ckpt")
 
@@ -129,7 +127,7 @@ class CheckpointManager(Checkpointer):
         strategy.barrier()
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
-        self._setup_local(lambda: policy.auto(key="ckpt.local.interval"))
+        self.local = open_local(strategy, self.root, self._local_cfg, lambda: policy.auto(key="ckpt.local.interval"))
         timeout = getattr(getattr(strategy, "inner", strategy), "timeout", None) or 3 * orphans.ORPHAN_WAIT
         if self.local is not None and self._local_cfg["replicas"]:
             self.replicator = Replicator.start(strategy, self.local, node, timeout, self.name, self.full_state)
@@ -137,40 +135,6 @@ class CheckpointManager(Checkpointer):
         # the next collective, within the group's timeout)
         orphans.end_orphans(self.root, min(orphans.ORPHAN_WAIT, timeout / 3))
         self._setup_backend()
-
-    def _setup_local(self, make_auto: Callable[[], AutoInterval]) -> None:
-        """The local tier lives in ``<ckpt.local.dir>/<run id>``: the run id is kept in ``ckpt.dir``, so a run dir
-        deleted and made again never resumes from a stale local checkpoint of the old one.  A local dir that
-        cannot be written is not fatal: the run goes on with the durable tier only, and says so."""
-        c = self._local_cfg
-        if c is None:
-            return
-        run_id = layout.run_id(self.root) if self.rank == 0 else None
-        run_id = self.strategy.broadcast_object(run_id)
-        root = os.path.join(c["dir"], run_id)
-        problem = None
-        try:
-            layout.check_writable(root, key="ckpt.local.dir", private=True)
-        except CheckpointError as e:
-            problem = str(e)
-        if self.strategy.any(problem is not None):  # every rank uses the local tier, or none does
-            log.warning(
-                "local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
-                problem or "not writable on another rank",
-            )
-            return
-        self.local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], False)
-        self.local.make_schedule(make_auto() if c["auto"] else None)
-        every = [
-            f"{c['interval_steps']} steps" if c["interval_steps"] else "",
-            f"{c['interval_seconds']} s" if c["interval_seconds"] else "",
-        ]
-        log.info(
-            "local checkpoint tier: %s (%s; keep %d)",
-            root,
-            "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e),
-            c["keep"],
-        )
 
     def _setup_backend(self) -> None:
         """Per-run resources of a backend (stagers, checkpoint processes)."""
@@ -442,16 +406,10 @@ class CheckpointManager(Checkpointer):
         if self.replicator is not None:  # (the copy in flight first; every node frees its own local dir)
             self.replicator.close(self.local is not None and last is not None and last.last and last.error is None)
         if self.local is not None and last is not None and last.last and last.error is None and self.rank == 0:
-            shutil.rmtree(self.local.root, onerror=self._left_in_local)  # the run is complete: free the tmpfs
+            layout.free_dir(self.local.root)  # the run is complete: free the tmpfs
         if last is not None and last.error is not None and (self.on_error == "raise" or last.last):
             # The final save failed (or failures must fail the run): never report success.
             raise CheckpointError(f"the last checkpoint (step {last.step}) failed: {last.error}")
-
-    def _left_in_local(
-        self, _func: Callable[..., object], path: str, exc: tuple[type[BaseException], BaseException, TracebackType]
-    ) -> None:
-        if not issubclass(exc[0], FileNotFoundError):
-            log.warning("the local tier could not be freed: %s stays (%s)", path, exc[1])
 
     def _shutdown(self) -> None:
         """Release per-run backend resources (also after a failure)."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pitstop.ckpt import integrity, layout, peer
 from pitstop.ckpt.contract import StrategyLike, one_line
+from pitstop.ckpt.storage import dir_bytes
 from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
 
 log = logging.getLogger("pitstop.ckpt")
@@ -112,7 +113,7 @@ class Replicator:
         need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
         usage = shutil.disk_usage(self.root)
         problem = None
-        if self.leads and usage.free + _bytes_in(self.root) < need:
+        if self.leads and usage.free + dir_bytes(self.root) < need:
             problem = (
                 f"{KEY}=1: the local dir {self.root} on node {self.ring.nodes[self.node]} has "
                 f"{usage.free / 2**20:.0f} MiB free, and a node holds its own checkpoint and its partner's "
@@ -386,7 +387,7 @@ class Replicator:
         """Wait for the copy in flight; ``remove``: the run is complete, the node's local dir is freed."""
         self._pool.shutdown(wait=True)
         if remove and self.leads:
-            shutil.rmtree(self.root, ignore_errors=True)
+            layout.free_dir(self.root)
 
 
 def _read(path: str, name: str, nbytes: int) -> torch.Tensor:
@@ -395,17 +396,6 @@ def _read(path: str, name: str, nbytes: int) -> torch.Tensor:
     if len(data) != nbytes:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {name} is {len(data)} bytes, its manifest: {nbytes}")
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _bytes_in(root: str) -> int:
-    total = 0
-    for where, _, names in os.walk(root):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(where, n)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def held_by_nodes(held_by: list[list[peer.Held]], step: int) -> int:

@@ -4,19 +4,24 @@ schedule and the loop time spent in its saves."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pitstop import fsurl
+from pitstop.ckpt import layout
 from pitstop.config import checks
-from pitstop.errors import ConfigError
+from pitstop.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from pitstop.ckpt.contract import SaveRecord
+    from pitstop.ckpt.contract import SaveRecord, StrategyLike
     from pitstop.ckpt.schedule import SaveSchedule
     from pitstop.goodput.interval import AutoInterval
+
+
+log = logging.getLogger("pitstop.ckpt")
 
 
 class Tier:
@@ -129,3 +134,40 @@ def local_settings(local: Mapping[str, Any] | None, durable_root: str, is_async:
         "auto": interval == "auto",
         "keep": keep,
     }
+
+
+def open_local(
+    strategy: StrategyLike, durable_root: str, c: dict | None, make_auto: Callable[[], AutoInterval]
+) -> Tier | None:
+    """The local tier lives in ``<ckpt.local.dir>/<run id>``: the run id is kept in ``ckpt.dir``, so a run dir
+    deleted and made again never resumes from a stale local checkpoint of the old one.  A local dir that
+    cannot be written is not fatal: the run goes on with the durable tier only, and says so."""
+    if c is None:
+        return None
+    run_id = layout.run_id(durable_root) if strategy.rank == 0 else None
+    run_id = strategy.broadcast_object(run_id)
+    root = os.path.join(c["dir"], run_id)
+    problem = None
+    try:
+        layout.check_writable(root, key="ckpt.local.dir", private=True)
+    except CheckpointError as e:
+        problem = str(e)
+    if strategy.any(problem is not None):  # every rank uses the local tier, or none does
+        log.warning(
+            "local checkpoint tier off: %s; saving to the durable tier (ckpt.dir) only",
+            problem or "not writable on another rank",
+        )
+        return None
+    local = Tier("local", root, c["keep"], c["interval_steps"], c["interval_seconds"], False)
+    local.make_schedule(make_auto() if c["auto"] else None)
+    every = [
+        f"{c['interval_steps']} steps" if c["interval_steps"] else "",
+        f"{c['interval_seconds']} s" if c["interval_seconds"] else "",
+    ]
+    log.info(
+        "local checkpoint tier: %s (%s; keep %d)",
+        root,
+        "interval=auto" if c["auto"] else "every " + " or ".join(e for e in every if e),
+        c["keep"],
+    )
+    return local

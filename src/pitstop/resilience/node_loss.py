@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from typing import Any
 
+from pitstop.ckpt import layout
 from pitstop.errors import ConfigError
 from pitstop.resilience.fault import FaultContext, NoFault, _kill, check_step
 from pitstop.resilience.fault_record import fired_keys, note_fired, note_injected
@@ -133,6 +133,6 @@ class NodeLoss(NoFault):
     def _lose(self, root: str | None, why: str) -> None:
         note_fired(self.ctx.run_dir, f"{self.key()}/rank{self.ctx.rank}")  # (before the kill: a launcher reads it)
         if root is not None:
-            shutil.rmtree(root, ignore_errors=True)  # (every process of the node: whichever comes first)
+            layout.free_dir(root, "the lost node's local tier")  # (every process of the node: whichever is first)
             log.warning("fault injection: the local checkpoint tier of node %s is cleared (%s)", self.here, root)
         _kill(why)
