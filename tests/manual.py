@@ -62,7 +62,7 @@ COMPOSED_ONLY = {
     "--peer bench/results/peer_restore.json": "reads the checkout's benchmark result (a user's project dir has none): "
     "unit/test_goodput_model.py runs it in the checkout and checks its excerpt",
     "python -m pytest tests/unit/test_schedule.py": "runs in the checkout (a user's project dir has no tests): "
-    "unit/test_docs_outputs.py runs it there",
+    "system/test_testing_guide.py runs it there",
     "model=resnet18 optim=adamw trainer.epochs=3": "resnet18 with adamw trains in experiment=digits_resnet18 below; "
     "trainer.epochs mode in integration/test_determinism.py and system/test_nodes.py",
 }

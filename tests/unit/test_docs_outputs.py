@@ -4,12 +4,7 @@ every excerpt is checked by a test that runs its command."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-
-import pytest
-
-from manual import ROOT, assert_shows, excerpt_missing, not_run, page_output, page_outputs, readme_commands
+from manual import ROOT, excerpt_missing, not_run, page_outputs, readme_commands
 
 RUN = """[2026-12-05 06:55:22,901][pitstop.launch][INFO] - node vm is healthy (0.07 s): 1 dir(s) writable
 [2026-12-05 06:55:23,100][pitstop.train][INFO] - step 25/25 loss 0.4132
@@ -50,13 +45,3 @@ def test_every_excerpt_follows_a_command_that_a_test_runs_and_checks_it_against(
                 f"{page.name}: the excerpt after {cmd!r} is checked by no test (test_readme does not run it: "
                 f"{why[:60]}...); call manual.page_output with part of the command in the test that does"
             )
-
-
-@pytest.mark.slow  # (a pytest in a subprocess: seconds)
-def test_running_one_test_file_prints_what_the_testing_guide_shows():
-    p = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/unit/test_schedule.py", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert_shows(page_output("python -m pytest tests/unit/test_schedule.py"), p.stdout + p.stderr, "one test file")
