@@ -150,12 +150,14 @@ def recovery(run_dir: str, lose_at: int) -> dict:
     with open(os.path.join(run_dir, "goodput.json")) as f:
         ledger = json.load(f)
     again = ledger["attempts"][-1]["buckets"]  # (the attempt after the loss)
+    gap = ledger["totals"].get("recovery_gap", 0.0)  # (between the attempts: the run's only restart)
     return {
         "seconds": first - lost,
         "resumed_from": summary.get("resumed_from"),
         "tier": summary["checkpoint"].get("restored_from"),
+        "booked": sorted(ledger.get("restore_by_tier", {})),  # (the ledger's: the restore booked by its tier)
         "parts": {
-            "restart": sum(again.get(k, 0.0) for k in ("recovery_gap", "program_start", "health", "init")),
+            "restart": gap + sum(again.get(k, 0.0) for k in ("program_start", "health", "init")),
             "restore": again.get("restore", 0.0),
             "redone": ledger["totals"].get("lost", 0.0),
         },
@@ -192,8 +194,11 @@ def main() -> None:
             if codes != [0, 0]:
                 raise SystemExit(f"{name}: the job did not recover: exit codes {codes} (logs in {tmp})")
             runs[name] = recovery(run_dir, a.lose_at)
-            if runs[name]["tier"] != name:
-                raise SystemExit(f"{name}: the job restored from the {runs[name]['tier']} tier (logs in {tmp})")
+            if runs[name]["tier"] != name or runs[name]["booked"] != [name]:
+                raise SystemExit(
+                    f"{name}: the job restored from the {runs[name]['tier']} tier, its ledger booked "
+                    f"{runs[name]['booked']} (logs in {tmp})"
+                )
     finally:
         if not runs or len(runs) == 2:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -146,6 +146,7 @@ ATTEMPT = record(
         "auto_restart": boolean,
         "restored": boolean,
         "resumed_from": optional(integer(0)),
+        "restored_from": optional(string),  # local | peer | durable | heal (others: not booked by tier)
         "start_method": optional(string),
         "saves": integer(0),
         "marks": mapping(mapping(SECONDS)),  # {step: the work done up to that checkpoint, per bucket}

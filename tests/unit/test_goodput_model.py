@@ -104,7 +104,24 @@ def test_account_moves_redone_work_to_lost():
     assert t["eval"] == 0.4 + 0.4 and t["other"] == 0.2  # eval of surviving steps only; its own bucket
     assert doc["restart_seconds"] == 1.0 + 0.5 + 0.3 + 0.2  # R: gap + program start + init + restore
     assert doc["restarts"] == 1 and doc["failures"] == 1
+    assert doc["restore_by_tier"] == {}  # (no attempt said where its state came from)
     check_account(doc)
+
+
+def test_the_account_books_each_restore_by_the_tier_it_read():
+    from pitstop.goodput.ledger import table
+
+    def attempt(start, resumed, tier, restore):
+        a = {"status": "failed", "start": start, "end": start + 5, "step": 10, "resumed_from": resumed,
+             "auto_restart": start > 0, "buckets": {"restore": restore, "compute": 4.0}, "marks": {}}  # fmt: skip
+        return a if tier is None else {**a, "restored_from": tier}
+
+    attempts = [attempt(0, None, None, 0.0), attempt(6, 0, "durable", 2.5), attempt(12, 10, "peer", 0.25),
+                attempt(18, 10, "peer", 0.5), attempt(24, 10, "lost-and-found", 9.0)]  # fmt: skip
+    doc = account(attempts)
+    assert doc["restore_by_tier"] == {"durable": {"seconds": 2.5, "count": 1}, "peer": {"seconds": 0.75, "count": 2}}
+    assert doc["totals"]["restore"] == 2.5 + 0.75 + 9.0  # (every restore is in the restore bucket, whatever its tier)
+    assert "restore by tier: durable 2.50 s (1x), peer 0.75 s (2x)" in table(doc)
 
 
 def test_an_attempt_killed_before_its_restore_does_not_throw_away_its_predecessors_work():

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from pitstop import fsurl
-from pitstop.ckpt import dcp, integrity, layout, orphans
+from pitstop.ckpt import dcp, integrity, layout, orphans, storage
 from pitstop.ckpt import restore as fallback
 from pitstop.ckpt.contract import (
     Checkpointer,
@@ -78,7 +78,7 @@ class CheckpointManager(Checkpointer):
         if fsurl.is_url(self.root):
             if throttle_mbps:
                 raise ConfigError(
-                    f"ckpt.throttle_mbps limits writes to a local dir; ckpt.dir={self.root} is remote: "
+                    f"ckpt.throttle_mbps limits reads and writes of a local dir; ckpt.dir={self.root} is remote: "
                     f"set ckpt.throttle_mbps=null (throttle the store itself instead)"
                 )
             fsurl.use_options(self.root, fsurl.storage_options(storage_options, "ckpt.storage_options"))
@@ -125,6 +125,8 @@ class CheckpointManager(Checkpointer):
             layout.check_writable(self.root)
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
         strategy.barrier()
+        if self.throttle_mbps:  # (a stand-in for a network volume: its restore reads at that speed too)
+            storage.slow_volume(self.root, self.throttle_mbps)
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
         self.local = open_local(strategy, self.root, self._local_cfg, lambda: policy.auto(key="ckpt.local.interval"))

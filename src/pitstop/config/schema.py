@@ -142,7 +142,9 @@ class Ckpt:
         check=OneOf("raise", "warn"),
     )
     throttle_mbps: Optional[float] = key(
-        None, "cap write bandwidth (MB/s): stand-in for a network volume in benchmarks", check=Positive(optional=True)
+        None,
+        "cap read and write bandwidth of a local ckpt.dir (MB/s): a stand-in for a network volume in benchmarks",
+        check=Positive(optional=True),
     )
     storage_options: Any = key(
         {},

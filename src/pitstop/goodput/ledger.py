@@ -76,6 +76,7 @@ JOB_BUCKETS = (
 )
 WORK = ("compute", "data_wait", "eval", "logging")  # what is redone when steps are redone
 MAX_MARKS = 16  # checkpoint marks kept per attempt (resumes come from recent checkpoints)
+TIERS = ("local", "peer", "durable", "heal")  # where a restore's state came from (heal: a live replica, strategy=ft)
 
 
 class Ledger:
@@ -207,9 +208,12 @@ class GoodputLog:
         return self.totals()["total"]
 
     # ---- updates ----------------------------------------------------------------------------------------
-    def resumed(self, step: int | None) -> None:
-        """The restore is done: this attempt continues from ``step`` (None: from the beginning)."""
+    def resumed(self, step: int | None, tier: str | None = None) -> None:
+        """The restore is done: this attempt continues from ``step`` (None: from the beginning), read from ``tier``
+        (one of ``TIERS``: where its state came from; the restore's seconds are booked by it)."""
         self.attempt.update(restored=True, resumed_from=step, step=step or 0)
+        if step is not None and tier in TIERS:
+            self.attempt["restored_from"] = tier
         prev = _last_restored(self.previous)
         if prev is not None:  # only the mark this resume used is still needed: keep the file small
             prev["marks"] = {k: v for k, v in prev.get("marks", {}).items() if k == str(step)}
@@ -313,6 +317,10 @@ def account(attempts: list[dict]) -> dict[str, Any]:
             gap = max(0.0, a.get("start", 0.0) - (prev.get("end") or a.get("start", 0.0)))
             t["recovery_gap"] += gap
             restart_costs.append(gap + sum(b.get(k, 0.0) for k in STARTUP) + b.get("startup", 0.0))
+    by_tier: dict[str, list[float]] = {}
+    for a in attempts:
+        if a.get("restored_from") in TIERS:
+            by_tier.setdefault(a["restored_from"], []).append((a.get("buckets") or {}).get("restore", 0.0))
     total = sum(t.values())
     totals = {k: round(v, 3) for k, v in t.items()}
     totals["total"] = round(total, 3)
@@ -322,6 +330,8 @@ def account(attempts: list[dict]) -> dict[str, Any]:
         "attempts_count": len(attempts),
         "restarts": max(0, len(attempts) - 1),
         "restart_seconds": round(sum(restart_costs) / len(restart_costs), 3) if restart_costs else None,
+        # the restores' seconds by where their state came from (local, peer, durable, heal), and how many
+        "restore_by_tier": {k: {"seconds": round(sum(v), 3), "count": len(v)} for k, v in sorted(by_tier.items())},
         "failures": sum(1 for a in attempts[:-1] if a.get("status") != "finished")
         + (1 if attempts and attempts[-1].get("status") == "failed" else 0),
     }
@@ -338,6 +348,9 @@ def table(doc: dict) -> str:
         if k in SOMETIMES and not totals.get(k):
             continue
         lines.append(f"  {k:<14} {totals[k]:>9.2f} s  {totals[k] / total * 100:5.1f}%")
+    if doc.get("restore_by_tier"):
+        parts = ", ".join(f"{k} {v['seconds']:.2f} s ({v['count']}x)" for k, v in doc["restore_by_tier"].items())
+        lines.append(f"  restore by tier: {parts}")
     if doc.get("restart_seconds") is not None:
         lines.append(f"  restart cost R {doc['restart_seconds']:>9.2f} s per automatic restart")
     return "\n".join(lines)

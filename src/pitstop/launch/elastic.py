@@ -23,7 +23,7 @@ from pitstop.launch import repeats, vetting
 from pitstop.launch.attempt import start_warm, worker
 from pitstop.launch.plan import LaunchPlan
 from pitstop.launch.failures import first_line, first_line_of, lost_peer, root_failure, silent_ranks
-from pitstop.launch.rendezvous import check_capacity, hosts_store, rendezvous
+from pitstop.launch.rendezvous import check_capacity, hosts_store, poll_sooner, rendezvous
 from pitstop.resilience.preempt import PREEMPTED_EXIT, Preempted
 from pitstop.resilience.watchdog import HUNG_EXIT
 from pitstop.parts import launch_facts
@@ -81,6 +81,7 @@ def elastic(cfg: DictConfig, job: LaunchPlan, run_dir: str) -> dict:
         store = rendezvous_store(endpoint if pinned else "127.0.0.1:0", job.rendezvous_timeout)
         endpoint = f"127.0.0.1:{store.port}"
     config = agent_config(job, endpoint, run_id, method, run_dir)
+    poll_sooner(config.max_nodes)
     nodes = job.nodes_text
     where = f"this node of {nodes} (rendezvous {endpoint}, max_restarts={job.restarts})"
     log.info("launching %d ranks on %s", job.ranks, where)

@@ -35,11 +35,18 @@ class Records:
         self.metrics_file.write({"step": step, **metrics, "time": round(time.time(), 3)})
 
     def started(
-        self, step: int, resumed_from: int | None, healed: bool, world_size: int, samples: int, epochs: int | None
+        self,
+        step: int,
+        resumed_from: int | None,
+        healed: bool,
+        world_size: int,
+        samples: int,
+        epochs: int | None,
+        tier: str | None = None,
     ) -> None:
         """After restore: the attempt's start in the goodput log, the sample log's header (the data the attempt
         starts from: ``samples`` per epoch, over ``epochs`` or to ``trainer.max_steps``) and a resume's event."""
-        self.goodput.resumed(resumed_from)
+        self.goodput.resumed(resumed_from, "heal" if healed else tier)
         self.goodput.write(step)
         if self.samples is not None:
             self.samples.header(resumed_from, world_size, samples, epochs, healed)

@@ -239,7 +239,13 @@ class Runner:
             self.total_steps = self.length.after_resume(self.step, self.total_steps)
         epochs = int(t.epochs) if t.max_steps is None else None
         self.records.started(
-            self.step, self.resumed_from, healed, self.strategy.world_size, self.data.index.num_samples("train"), epochs
+            self.step,
+            self.resumed_from,
+            healed,
+            self.strategy.world_size,
+            self.data.index.num_samples("train"),
+            epochs,
+            getattr(self.ckpt, "restored_from", None),
         )
         self.loader.warm()  # (loader=cached) the position's first shards, if not asked for at build
         if self.strategy.is_main:
