@@ -410,6 +410,8 @@ def test_a_node_lost_at_a_step_restores_its_ranks_from_the_partners_copy_to_the_
     assert s["params_sha256"] == ddp2
     ranks = "".join(p.read_text() for p in sorted((sweep / "0").glob("rank*.log")))  # (ranks but 0: rank*.log)
     assert "fault injection: SIGKILL (node n2 lost at step 72)" in log + ranks
+    booked = json.loads((sweep / "0" / "goodput.json").read_text())["restore_by_tier"]  # (the ledger, by tier)
+    assert list(booked) == [s["checkpoint"]["restored_from"]] and booked[s["checkpoint"]["restored_from"]]["count"] == 1
     if fault == "lose_node":
         step = int(log.split(", peer tier)")[0].rsplit("(step ", 1)[1])
         assert step in (65, 70) and s["checkpoint"]["restored_from"] == "peer", log[-3000:]
