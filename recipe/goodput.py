@@ -291,8 +291,9 @@ def scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: float, nodes, r: float, replace: float):
     """``--peer``: the job with a local tier, without and with its copy on a partner node, from the figures that
-    bench/peer_restore.py measured (a lost node's recovery from the peer and from the durable tier, without the steps
-    done again; each tier's save cost, the local one with and without its copy); the tiers' intervals from
+    bench/peer_restore.py measured (what a lost node's recovery from the peer and from the durable tier adds to a
+    restart: without the restart, which ``--restart-cost`` gives at the job's scale, and without the steps done again;
+    each tier's save cost, the local one with and without its copy); the tiers' intervals from
     ``--local-interval`` and ``--interval`` (else Young–Daly at each N)."""
     import json
 
@@ -301,7 +302,8 @@ def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: floa
     try:
         with open(a.peer) as f:
             fig = json.load(f)["figures"]
-        recovery = {k: fig["recovery"][k] - fig["parts"][k]["redone"] for k in ("peer", "durable")}
+        parts = {k: fig["parts"][k] for k in ("peer", "durable")}
+        recovery = {k: max(0.0, fig["recovery"][k] - v["redone"] - v["restart"]) for k, v in parts.items()}
         tl = parse_duration(a.local_interval) if a.local_interval else None
         td = parse_duration(a.interval[0]) if a.interval != p.get_default("interval") else None
         local = (fig["local_save"]["block"], fig["local_save"]["lag"], tl)
@@ -316,9 +318,9 @@ def peer_rows(p: argparse.ArgumentParser, a: argparse.Namespace, node_mtbf: floa
     )
     print(
         f"\nwith a local tier ({every}) and its copy on a partner node (ckpt.local.replicas=1), measured in "
-        f"{a.peer}: {q:.1%} of failures lose a node; its ranks recover from the peer in "
-        f"{fmt_duration(recovery['peer'])}, from the durable tier in {fmt_duration(recovery['durable'])} (to the "
-        f"first step, then half a cycle of that tier done again); a local save blocks {fmt_duration(local[0])} "
+        f"{a.peer}: {q:.1%} of failures lose a node; after its replacement and the restart its ranks recover from "
+        f"the peer in {fmt_duration(recovery['peer'])}, from the durable tier in {fmt_duration(recovery['durable'])} "
+        f"(to the first step, then half a cycle of that tier done again); a local save blocks {fmt_duration(local[0])} "
         f"({fmt_duration(replicated[0])} with its copy) and is complete after {fmt_duration(local[1])} "
         f"({fmt_duration(replicated[1])})"
     )

@@ -405,10 +405,11 @@ def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_on
     alone = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=False)
     copy = replicated_at_scale(*common, local, durable, 20.0, 200.0, replicas=True)
     m = 5000 * 3600.0 / 4096
-    # a lost node (60% of failures): a replacement (300 s), then the recovery from the peer (20 s) and half a local
-    # cycle redone, or from the durable tier (200 s) and half a durable cycle; the rest restart in place (60 s)
-    assert math.isclose(alone["restart"], 0.4 * 60 + 0.6 * (300 + 200))
-    assert math.isclose(copy["restart"], 0.4 * 60 + 0.6 * (300 + 20))
+    # a lost node (60% of failures): a replacement (300 s), the restart (60 s), then the recovery from the peer (20 s
+    # more) and half a local cycle redone, or from the durable tier (200 s more) and half a durable cycle; the rest
+    # restart in place (60 s)
+    assert math.isclose(alone["restart"], 0.4 * 60 + 0.6 * (300 + 60 + 200))
+    assert math.isclose(copy["restart"], 0.4 * 60 + 0.6 * (300 + 60 + 20))
     assert math.isclose(alone["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, alone["restart"], 0.5, 30, 0.4))
     assert math.isclose(copy["goodput"], two_tier_goodput(120, 1800, m, 0.05, 0.05, copy["restart"], 0.5, 30, 1.0))
     assert copy["goodput"] - alone["goodput"] > 0.05
@@ -418,18 +419,18 @@ def test_a_copy_on_a_partner_turns_a_lost_nodes_durable_recovery_into_a_local_on
     from recipe.goodput import main
 
     fig = {"local_save": {"block": 0.05, "lag": 0.5}, "replicated_save": {"block": 0.05, "lag": 0.5},
-           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 21, "durable": 230},
-           "parts": {"peer": {"redone": 1}, "durable": {"redone": 30}}}  # fmt: skip
+           "durable_save": {"block": 0.05, "lag": 30}, "recovery": {"peer": 26, "durable": 235},
+           "parts": {"peer": {"redone": 1, "restart": 5}, "durable": {"redone": 30, "restart": 5}}}  # fmt: skip
     (tmp_path / "peer.json").write_text(json.dumps({"figures": fig}))
     main(["--nodes", "1", "4096", "--node-mtbf", "5000h", "--peer", str(tmp_path / "peer.json"), "--interval",
           "30min", "--local-interval", "2min", "--restart-cost", "1min", "--replace-cost", "5min", "--replace-share",
           "0.6"])  # fmt: skip
     out = capsys.readouterr().out
-    assert "recover from the peer in 20.00 s, from the durable tier in 3.3 min" in out
+    assert "recover from the peer in 20.00 s, from the durable tier in 3.3 min" in out  # (less restart, redone)
     table = out.split("with copy")[1]  # (after the main table, the one with and without the copy)
     rows = [ln.split() for ln in table.splitlines() if ln.lstrip().startswith(("1 ", "4096 "))]
     assert [r[0] for r in rows] == ["1", "4096"] and math.isclose(
-        float(rows[1][-1]), (copy["goodput"] - alone["goodput"]) * 100, abs_tol=0.06
+        float(rows[1][-1]), (copy["goodput"] - alone["goodput"]) * 100, abs_tol=0.051
     )
 
 

@@ -213,16 +213,16 @@ def replicated_at_scale(
     (``ckpt.local.replicas=1``). ``local`` and ``durable``: each tier's (blocking cost C, save start -> complete W,
     interval T or None for its Young–Daly interval at the job's MTBF) per save, as measured (the local one with its
     copy when ``replicas``). A share ``node_share`` of the failures takes a node: a replacement joins after
-    ``replace_cost``, and the job recovers in ``peer_recovery`` (its ranks restore from the partner's copy, and half a
-    local cycle is done again) or, without the copy, ``durable_recovery`` (from the durable tier, and half a durable
-    cycle); both as measured from the loss to the first step, without the steps done again (the model adds them).
-    The other failures restart the processes (``restart_cost``, the local restore included) and redo half a local
-    cycle. A node and its partner lost within one recovery is left out (its share is that recovery over the
-    partner's MTBF: ~1e-6). :func:`two_tier_goodput` gives the goodput."""
+    ``replace_cost``, the job restarts (``restart_cost``) and restores in ``peer_recovery`` more (its ranks read the
+    partner's copy, and half a local cycle is done again) or, without the copy, ``durable_recovery`` more (the durable
+    tier, and half a durable cycle): what each tier adds to a restart, as measured, without the restart itself and
+    without the steps done again (the model adds them).  The other failures restart the processes (``restart_cost``,
+    the local restore included) and redo half a local cycle.  A node and its partner lost within one recovery is left
+    out (its share is that recovery over the partner's MTBF: ~1e-6). :func:`two_tier_goodput` gives the goodput."""
     mtbf = node_mtbf / nodes
     (cl, wl, tl), (cd, wd, td) = local, durable
     q = min(max(float(node_share), 0.0), 1.0)
-    r = (1 - q) * restart_cost + q * (replace_cost + (peer_recovery if replicas else durable_recovery))
+    r = (1 - q) * restart_cost + q * (replace_cost + restart_cost + (peer_recovery if replicas else durable_recovery))
     tl = tl or max(young_daly(cl, mtbf), wl, 1e-3)
     td = td or max(young_daly(cd, mtbf), wd, tl)
     return {
