@@ -108,24 +108,27 @@ class Replicator:
 
     # ---- at start -----------------------------------------------------------------------------------
     def check_space(self, state_bytes: int, replicated: bool) -> None:
-        """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
-        ``state_bytes`` is one checkpoint of the whole job (``restore.state_bytes``: already summed over the ranks);
-        with replicated state (DDP) a checkpoint holds it once."""
-        total = state_bytes
-        need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
-        problem = None
+        """ConfigError (on every rank, naming the node and the sizes) unless every node's local dir can hold its own
+        checkpoint and its partner's: ``state_bytes`` is one checkpoint of the whole job (``restore.state_bytes``:
+        already summed over the ranks); with replicated state (DDP) a checkpoint holds it once."""
+        need = peer.need_bytes(state_bytes, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
+        room, problem = need, None  # (a rank that does not lead measures nothing)
         try:
-            usage = shutil.disk_usage(self.root)
-            if self.leads and usage.free + dir_bytes(self.root) < need:
-                problem = (
-                    f"{KEY}=1: the local dir {self.root} on node {self.ring.nodes[self.node]} has "
-                    f"{usage.free / 2**20:.0f} MiB free, and a node holds its own checkpoint and its partner's "
-                    f"({need / 2**20:.0f} MiB): make it larger (a bigger tmpfs or disk), or set {KEY}=0"
-                )
+            if self.leads:
+                room = shutil.disk_usage(self.root).free + dir_bytes(self.root)
         except OSError as e:  # (before a collective: every rank hears of it)
             problem = f"{KEY}=1: the local dir {self.root} cannot be measured ({one_line(e)}): check ckpt.local.dir"
-        if self.strategy.any(problem is not None):
-            raise ConfigError(problem or f"{KEY}=1: a node's local dir is too small for two copies (see its log)")
+        every = self._gather([room, need, int(problem is not None)])
+        short = [(r, v) for r, v in enumerate(every) if len(v) == 3 and v[0] < v[1]]
+        if problem is None and short:
+            rank, (room, need, _) = short[0]
+            problem = (
+                f"{KEY}=1: the local dir (ckpt.local.dir) on node {self.ring.nodes[self.ring.node_of[rank]]} has "
+                f"{_size(room)} for checkpoints, and a node holds its own checkpoint and its partner's "
+                f"({_size(need)}): make it larger (a bigger tmpfs or disk), or set {KEY}=0"
+            )
+        if problem is not None or any(v[2] for v in every if len(v) == 3):
+            raise ConfigError(problem or f"{KEY}=1: a node's local dir cannot be measured (see its log)")
 
     # ---- after each local save --------------------------------------------------------------------------
     def copy(self, step: int, ok: bool) -> Future:
@@ -370,6 +373,10 @@ class Replicator:
         self._pool.shutdown(wait=True)
         if remove and self.leads:
             layout.free_dir(self.root)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 10 << 20 else f"{n / 2**10:.0f} KiB"
 
 
 def held_by_nodes(held_by: list[list[peer.Held]], step: int) -> int:
