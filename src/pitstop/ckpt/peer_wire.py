@@ -141,6 +141,11 @@ def exchange(
         if to is not None and not answer:
             sizes_out = []  # (refused: nothing more to send)
         short = _stream(group, readers, sizes_out, to, writers, [s for _, s in coming], of, chunk)
+        for fd in writers:  # (as durable as the marker written after it; a failure drops the copy)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                short = (short[0], short[1] or str(e))
         for fd in writers:
             os.close(fd)
         writers = []
