@@ -190,7 +190,11 @@ def _stream(
         if k < len(out):
             i, n = out[k]
             view = memoryview(send_buf)[:n]
-            got = _fill(readers[i], view) if read_bad is None else 0
+            got = 0
+            try:
+                got = _fill(readers[i], view) if read_bad is None else 0
+            except OSError as e:  # (an unreadable disk: the rest is sent as zeros)
+                read_bad = str(e)
             if got < n:
                 view[got:] = bytes(n - got)
                 read_bad = read_bad or f"a file ended {n - got} bytes early"
