@@ -36,9 +36,11 @@ JOB = [
 ]
 
 
-def agents(tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str = "2") -> dict[str, subprocess.Popen]:
-    """Node a's agent (it hosts the rendezvous), then node b's: their own names (PITSTOP_NODE_NAME), local dirs and
-    caches."""
+def agents(
+    tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str = "2", local: Path | None = None
+) -> dict[str, subprocess.Popen]:
+    """Node a's agent (it hosts the rendezvous: node b's starts once a's listens on its port), then node b's: their
+    own names (PITSTOP_NODE_NAME), local dirs (``local``: node b's) and caches."""
     port = free_port()
     out = {}
     for name in ("a", "b"):
@@ -49,7 +51,7 @@ def agents(tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str
             f"strategy.nnodes={nnodes}",
             f"strategy.rdzv_endpoint=127.0.0.1:{port}",
             f"run_dir={run_dir}",
-            f"ckpt.local.dir={tmp_path / ('shm_' + name)}",
+            f"ckpt.local.dir={local if local and name == 'b' else tmp_path / ('shm_' + name)}",
             "ckpt.local.interval_steps=2",
             "ckpt.local.replicas=1",
             f"paths.cache_dir={tmp_path / ('cache_' + name)}",
@@ -59,16 +61,33 @@ def agents(tmp_path, data_root, run_dir, extra: list[str], log: str, nnodes: str
             cmd = cli_cmd(args, data_root, tmp_path)
             out[name] = popen_cmd(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if name == "a":
-            wait_for(lambda: "launching 1 ranks" in (tmp_path / f"{log}_a.log").read_text(errors="replace"), 60)
-            time.sleep(1.5)
+            wait_for(lambda: listening(port), 60, out)
     return out
 
 
-def wait_for(cond, timeout: float) -> None:
+def listening(port: int) -> bool:
+    """Whether a socket of this machine listens on TCP ``port`` (the rendezvous store of node a's agent), as the
+    kernel lists it: nothing connects to it."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        if any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows):  # (0A: LISTEN)
+            return True
+    return False
+
+
+def wait_for(cond, timeout: float, procs: dict[str, subprocess.Popen] | None = None) -> None:
+    """Until ``cond()`` (what the run writes) holds; fails at once when an agent of ``procs`` ended first.  Checked
+    often: a tiny job's whole run is about a second, and the moment waited for must be caught before it ends."""
     deadline = time.monotonic() + timeout
     while not cond():
+        ended = {n: p.returncode for n, p in (procs or {}).items() if p.poll() is not None}
+        assert not ended, f"agent(s) ended ({ended}) before what the test waits for"
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(0.02)  # (a check's interval, not a moment: each check reads what the run wrote)
 
 
 def kill(procs: dict[str, subprocess.Popen]) -> None:
@@ -113,7 +132,7 @@ def lose_node_b(tmp_path, data_root, run_dir, after: int, extra: list[str]) -> i
     lose the job and node b's local dir; the newest step b's copy holds."""
     first = agents(tmp_path, data_root, run_dir, extra, "first")
     try:
-        wait_for(lambda: replicated(tmp_path / "shm_b", after), 180)
+        wait_for(lambda: replicated(tmp_path / "shm_b", after), 180, first)
     finally:
         kill(first)
     shutil.rmtree(tmp_path / "shm_b")  # (a replacement node: nothing of its own)
@@ -165,7 +184,7 @@ def test_a_job_that_re_forms_without_the_lost_node_restores_its_files_from_the_c
     elastic = ["trainer.max_restarts=2", "strategy.last_call_seconds=8"]
     procs = agents(tmp_path, data_root, run_dir, elastic, "elastic", nnodes="1:2")
     try:
-        wait_for(lambda: replicated(tmp_path / "shm_b", 8), 180)
+        wait_for(lambda: replicated(tmp_path / "shm_b", 8), 180, procs)
         signal_all([procs["b"].pid, *descendants(procs["b"].pid)], signal.SIGKILL)
         shutil.rmtree(tmp_path / "shm_b")
         assert procs["a"].wait(240) == 0, (tmp_path / "elastic_a.log").read_text()[-3000:]
@@ -176,3 +195,25 @@ def test_a_job_that_re_forms_without_the_lost_node_restores_its_files_from_the_c
     assert "no other node to hold a copy" in log
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["checkpoint"]["restored_from"] == "peer" and s["final_step"] == STEPS and s["world_size"] == 1
+
+
+def test_a_local_dir_too_small_for_two_copies_stops_both_nodes_before_training_in_one_line(data_root, tmp_path):
+    small = tmp_path / "shm_b"  # node b's local dir: a real tmpfs of 8 KiB
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a tmpfs cannot be mounted here: {mounted.stderr.decode(errors='replace').strip()[:200]}")
+    try:
+        procs = agents(tmp_path, data_root, tmp_path / "run", [], "small", local=small)
+        codes = {n: p.wait(120) for n, p in procs.items()}
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    for name in ("a", "b"):
+        said = (tmp_path / f"small_{name}.log").read_text(errors="replace")
+        last = [line for line in said.splitlines() if line.startswith("error: ")]
+        assert codes[name] == 2 and last, said[-3000:]
+        assert re.search(
+            r"ckpt.local.replicas=1: the local dir \(ckpt.local.dir\) on node b has \d+ KiB for checkpoints, and a "
+            r"node holds its own checkpoint and its partner's \(\d+ KiB\)", last[-1]), said[-3000:]  # fmt: skip
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "ckpt.local.replicas=1: the local dir" in log and not re.search(r"step \d+: \w+=", log)  # (no step)

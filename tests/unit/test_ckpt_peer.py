@@ -47,9 +47,12 @@ def test_the_restore_takes_the_newest_step_whose_every_node_is_held_somewhere():
 
 def test_the_plan_sends_a_lost_nodes_files_from_their_holder_the_manifests_owner_first():
     a = [held(8, 0, "own"), held(8, 1, "peer")]
-    assert peer.plan([a, []], 8) == [(0, 0, 0, "own"), (1, 0, 0, "peer"), (0, 0, 1, "own"), (1, 0, 1, "peer")]
+    assert peer.plan([a, []], 8) == [(0, 0, 0, "own"), (0, 0, 1, "own"), (1, 0, 0, "peer"), (1, 0, 1, "peer")]
     b = [held(8, 1, "own"), held(8, 0, "peer")]  # (re-formed: the saving job's node 1 is now first)
-    assert peer.plan([b, [held(8, 1, "peer")]], 8)[:2] == [(0, 0, 0, "peer"), (1, 0, 0, "own")]
+    assert peer.plan([b, [held(8, 1, "peer")]], 8)[:3] == [(0, 0, 0, "peer"), (0, 0, 1, "peer"), (1, 0, 0, "own")]
+    # saved with copies off (OWN): node 1 holds no manifest of its own, so it receives node 0's files (the
+    # manifest among them) before it sends its own
+    assert peer.plan([[held(8, 0, "own")], [held(8, 1, "own")]], 8)[1:3] == [(0, 0, 1, "own"), (1, 1, 0, "own")]
 
 
 def test_a_nodes_holdings_are_read_from_its_markers_and_garbage_counts_as_not_held(tmp_path):
@@ -107,3 +110,31 @@ def test_a_rollback_removes_a_nodes_newer_saves_and_copies_so_no_restart_resumes
     node.root, node.leads = str(tmp_path), True
     node._discard(5)
     assert [h.step for h in peer.holdings(str(tmp_path))] == [4, 4]
+
+
+def test_saves_made_with_copies_off_are_held_as_the_nodes_own_and_restorable_while_every_node_holds_its_own(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, node in ((a, 0), (b, 1)):
+        (root / "step_00000008").mkdir(parents=True)
+        (root / "step_00000008" / peer.REPLICATED).write_bytes(peer.marker(8, node, 2, [node]))
+        (root / "step_00000012").mkdir()  # (copies broke at run time: saved and marked OWN)
+        (root / "step_00000012" / peer.OWN).write_bytes(peer.marker(12, node, 2, [node]))
+    (a / "peer" / "1" / "step_00000008").mkdir(parents=True)
+    (a / "peer" / "1" / "step_00000008" / peer.COPIED).write_bytes(peer.marker(8, 1, 2, [1]))
+    held_by = [peer.holdings(str(a)), peer.holdings(str(b))]
+    assert held(12, 0, "own") in held_by[0] and held(12, 1, "own") in held_by[1]
+    assert peer.restorable(held_by) == 12  # (before: 8, the last replicated one, and 10 steps more to redo)
+    assert peer.restorable([held_by[0], []]) == 8  # node b lost: its own saves of 12 with it; 8 from a's copy
+    peer.purge(str(a), keep=1)  # (an OWN save counts for retention as a replicated one does)
+    assert sorted(p.name for p in a.glob("step_*")) == ["step_00000012"]
+
+
+def test_holdings_travel_as_int64_values_and_anything_else_does_not_decode():
+    rows = [held(8, 0, "own", ranks=[0, 1]), held(8, 1, "peer", ranks=[2, 3]), held(0, 2, "own", nodes=3)]
+    assert peer.decode(peer.encode(rows), world=4) == rows and peer.decode(peer.encode([]), world=4) == []
+    good = peer.encode(rows[:1])  # [1, step, owner, nodes, own, count, *ranks]
+    for bad in ([], [-1], [peer.MAX_NODES * 4 + 1], [2, *good[1:]], [*good, 0], good[:-1],
+                [1, -8, 0, 2, 1, 2, 0, 1], [1, 8, 2, 2, 1, 2, 0, 1], [1, 8, 0, peer.MAX_NODES + 1, 1, 2, 0, 1],
+                [1, 8, 0, 2, 7, 2, 0, 1], [1, 8, 0, 2, 1, 0], [1, 8, 0, 2, 1, 2, 0, -1]):  # fmt: skip
+        with pytest.raises(ValueError):
+            peer.decode(bad, world=4)

@@ -7,8 +7,9 @@ checksum manifest and ``.metadata``: a node's local dir alone never holds a whol
 across ranks are written once, by the lowest rank).  So the nodes form a ring, in the order of their first rank:
 node ``i``'s files are also held by node ``i+1`` (rank for rank, by local index), under
 ``<local root>/peer/<i>/step_X/``, verified against the manifest, and then marked ``COPIED``; the owner's own dir is
-marked ``REPLICATED`` once every copy of that step is acknowledged.  One node lost never takes a checkpoint's files
-and their only copy.  A restore takes the newest step whose every saving node's files are still held somewhere
+marked ``REPLICATED`` once every copy of that step is acknowledged; while copies are off (they broke at run time,
+or one node is left) each save is marked ``OWN`` instead, and counts while every saving node still holds its own
+files.  One node lost never takes a checkpoint's files and their only copy.  A restore takes the newest step whose every saving node's files are still held somewhere
 (own dir or copy): every node then assembles the whole step in its own dir (from its own files, its peer copies and
 what the holders send) and loads it as DCP does (resharded if the world size changed).
 """
@@ -26,6 +27,7 @@ from pitstop.errors import ConfigError
 PEER_DIR = "peer"  # <local root>/peer/<owner node index>/step_X/: the partner's files
 REPLICATED = "REPLICATED"  # in the owner's step dir: every copy of this step was verified by its holder
 COPIED = "COPIED"  # in the holder's peer/<i>/step_X/: this copy was verified against the manifest
+OWN = "OWN"  # in the owner's step dir, copies off: the node's own files of this save are whole (no copy anywhere)
 MARKER_MAX = 1 << 16
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
@@ -135,14 +137,15 @@ def read_marker(path: str, name: str, step: int) -> Held | None:
         return None
     if not ranks or owner >= nodes or nodes > MAX_NODES:  # (a damaged count must not size what restore builds)
         return None
-    return Held(step, owner, nodes, tuple(ranks), "own" if name == REPLICATED else "peer")
+    return Held(step, owner, nodes, tuple(ranks), "peer" if name == COPIED else "own")
 
 
 def holdings(root: str) -> list[Held]:
-    """What a node's local dir holds: its own replicated checkpoints and the copies it verified."""
+    """What a node's local dir holds: its own checkpoints that were replicated (or saved while copies were off:
+    ``OWN``) and the copies it verified."""
     out = []
     for step, path, _ in layout.list_checkpoints(root):
-        held = read_marker(path, REPLICATED, step)
+        held = read_marker(path, REPLICATED, step) or read_marker(path, OWN, step)
         if held is not None:
             out.append(held)
     peers = os.path.join(root, PEER_DIR)
@@ -191,15 +194,16 @@ def lost(held_by: list[list[Held]], newer_than: int) -> tuple[int, list[int]] | 
 
 def plan(held_by: list[list[Held]], step: int) -> list[tuple[int, int, int, str]]:
     """How every node gets the whole of ``step``: ``(owner, from node, to node, where)`` in a fixed order, the
-    owner of rank 0's files (the manifest, ``.metadata``) first for each node; ``from == to`` for files the node
-    holds itself (``where``: in its own dir or a copy), else the first node that holds them sends them."""
+    files of the owner of rank 0's (the manifest, ``.metadata``) to every node first (a node that saved with copies
+    off holds no manifest of its own: it sends its files once it has received one); ``from == to`` for files the
+    node holds itself (``where``: in its own dir or a copy), else the first node that holds them sends them."""
     of_step = [[h for h in held if h.step == step] for held in held_by]
     nodes = next(h.nodes for hs in of_step for h in hs)
     first = next(h.owner for hs in of_step for h in hs if 0 in h.ranks)
     owners = [first, *(o for o in range(nodes) if o != first)]
     out = []
-    for to, mine in enumerate(of_step):
-        for owner in owners:
+    for owner in owners:
+        for to, mine in enumerate(of_step):
             here = [h for h in mine if h.owner == owner]
             if here:
                 out.append((owner, to, to, here[0].where))
@@ -222,8 +226,48 @@ def purge(root: str, keep: int, up_to: int | None = None, marked: bool = True) -
     for where in dirs:
         name = REPLICATED if where == root else COPIED
         found = layout.list_checkpoints(where)
-        done = [s for s, p, _ in found if read_marker(p, name, s) is not None or (where == root and not marked)]
+        done = [
+            s
+            for s, p, _ in found
+            if read_marker(p, name, s) is not None
+            or (where == root and (not marked or read_marker(p, OWN, s) is not None))
+        ]
         floor = done[-keep] if len(done) >= keep else None
         for s, path, _ in found:
             if (up_to is not None and s <= up_to) or (floor is not None and s < floor):
                 layout.remove(path)
+
+
+MAX_HELD = 1 << 20  # int64 values of one node's encoded holdings (far more rows than keep_last_k makes)
+
+
+def encode(held: list[Held]) -> list[int]:
+    """A node's holdings as int64 values, to travel between nodes without pickles: the row count, then per row
+    ``step, owner, nodes, own (1) or peer (0), len(ranks), *ranks``."""
+    out = [len(held)]
+    for h in held:
+        out += [h.step, h.owner, h.nodes, int(h.where == "own"), len(h.ranks), *h.ranks]
+    return out
+
+
+def decode(values: list[int], world: int) -> list[Held]:
+    """What :func:`encode` made, checked (steps, ranks >= 0; an owner among its ``nodes``, at most
+    :data:`MAX_NODES`; at most ``MAX_NODES * world`` rows; nothing left over); ValueError naming what is wrong."""
+    if not values or not 0 <= values[0] <= MAX_NODES * max(1, world):
+        raise ValueError(f"a row count of {values[0] if values else None}")
+    out, at = [], 1
+    for _ in range(values[0]):
+        row = values[at : at + 5]
+        if len(row) < 5:
+            raise ValueError("a row cut short")
+        step, owner, nodes, own, count = row
+        ranks = values[at + 5 : at + 5 + count]
+        if step < 0 or not 0 <= owner < nodes <= MAX_NODES or own not in (0, 1) or not 0 < count == len(ranks):
+            raise ValueError(f"a row of step {step}, node {owner} of {nodes}, {count} ranks")
+        if min(ranks) < 0:
+            raise ValueError(f"a negative rank in the row of step {step}")
+        out.append(Held(step, owner, nodes, tuple(ranks), "own" if own else "peer"))
+        at += 5 + count
+    if at != len(values):
+        raise ValueError(f"{len(values) - at} values after the last row")
+    return out

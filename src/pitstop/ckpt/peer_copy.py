@@ -2,12 +2,13 @@
 what: :mod:`pitstop.ckpt.peer`).
 
 A dedicated gloo group (made at setup on every rank; used only by this module's one thread, never by the loop's)
-carries raw bytes: sizes first, then each file as a ``uint8`` tensor.  Nothing received is unpickled, and nothing
-is believed before it is checked: a file is named by its index in the checkpoint's own manifest (sealed, read by
-:func:`pitstop.ckpt.integrity.read_manifest`), its size must be the manifest's before anything is allocated, and
-its length and CRC32C are checked once written.  A save is copied after the local save completed, in this thread
-(off the loop); a copy that fails (a partner gone: gloo's timeout; a file that does not check) is said once, and
-the local tier goes on without copies; the durable tier is never affected.
+carries raw bytes (:mod:`pitstop.ckpt.peer_wire`: a header checked against the checkpoint's own manifest, the
+receiver's answer, then the files in chunks, each file's length and CRC32C checked once written).  Nothing received
+is unpickled: what the nodes hold travels as int64 values (:func:`pitstop.ckpt.peer.encode`).  A save is copied
+after the local save completed, in this thread (off the loop); whatever one rank finds (a file that does not check,
+a dir it cannot write) every rank agrees on before the next collective.  A copy that fails (a partner gone: gloo's
+timeout; a dir that cannot be written) is said once, and the local tier goes on without copies, each save then
+marked ``OWN`` by its node (restorable while every node holds its own files); the durable tier is never affected.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pitstop.ckpt import integrity, layout, peer
+from pitstop.ckpt import integrity, layout, peer, peer_wire
 from pitstop.ckpt.contract import StrategyLike, one_line
+from pitstop.ckpt.peer_wire import FINDINGS
 from pitstop.ckpt.storage import dir_bytes
-from pitstop.errors import CheckpointError, ConfigError, CorruptCheckpoint
+from pitstop.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("pitstop.ckpt")
-FINDINGS = (CorruptCheckpoint, CheckpointError, OSError)  # what a copy can find wrong (gloo's own errors stop it)
 KEY = "ckpt.local.replicas"
 
 
@@ -61,6 +62,7 @@ class Replicator:
         self.held_by: list[list[peer.Held]] = []  # what each node held at the restore
         self.copies: list[tuple[int, float, int]] = []  # (step, seconds from the save's end to every ack, bytes sent)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-peer")
+        self.chunk = peer_wire.CHUNK  # (bytes per message: what a copy holds of a file at a time)
         if alone:
             self.broken = f"the job runs on one node now ({names[0]}): no other node to hold a copy"
             log.warning(
@@ -106,21 +108,27 @@ class Replicator:
 
     # ---- at start -----------------------------------------------------------------------------------
     def check_space(self, state_bytes: int, replicated: bool) -> None:
-        """ConfigError (on every rank) unless this node's local dir can hold its own checkpoint and its partner's:
-        ``state_bytes`` is one checkpoint of the whole job (``restore.state_bytes``: already summed over the ranks);
-        with replicated state (DDP) a checkpoint holds it once."""
-        total = state_bytes
-        need = peer.need_bytes(total, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
-        usage = shutil.disk_usage(self.root)
-        problem = None
-        if self.leads and usage.free + dir_bytes(self.root) < need:
+        """ConfigError (on every rank, naming the node and the sizes) unless every node's local dir can hold its own
+        checkpoint and its partner's: ``state_bytes`` is one checkpoint of the whole job (``restore.state_bytes``:
+        already summed over the ranks); with replicated state (DDP) a checkpoint holds it once."""
+        need = peer.need_bytes(state_bytes, len(self.ring.ranks_on(self.node)), len(self.ring.node_of), replicated)
+        room, problem = need, None  # (a rank that does not lead measures nothing)
+        try:
+            if self.leads:
+                room = shutil.disk_usage(self.root).free + dir_bytes(self.root)
+        except OSError as e:  # (before a collective: every rank hears of it)
+            problem = f"{KEY}=1: the local dir {self.root} cannot be measured ({one_line(e)}): check ckpt.local.dir"
+        every = self._gather([room, need, int(problem is not None)])
+        short = [(r, v) for r, v in enumerate(every) if len(v) == 3 and v[0] < v[1]]
+        if problem is None and short:
+            rank, (room, need, _) = short[0]
             problem = (
-                f"{KEY}=1: the local dir {self.root} on node {self.ring.nodes[self.node]} has "
-                f"{usage.free / 2**20:.0f} MiB free, and a node holds its own checkpoint and its partner's "
-                f"({need / 2**20:.0f} MiB): make it larger (a bigger tmpfs or disk), or set {KEY}=0"
+                f"{KEY}=1: the local dir (ckpt.local.dir) on node {self.ring.nodes[self.ring.node_of[rank]]} has "
+                f"{_size(room)} for checkpoints, and a node holds its own checkpoint and its partner's "
+                f"({_size(need)}): make it larger (a bigger tmpfs or disk), or set {KEY}=0"
             )
-        if self.strategy.any(problem is not None):
-            raise ConfigError(problem or f"{KEY}=1: a node's local dir is too small for two copies (see its log)")
+        if problem is not None or any(v[2] for v in every if len(v) == 3):
+            raise ConfigError(problem or f"{KEY}=1: a node's local dir cannot be measured (see its log)")
 
     # ---- after each local save --------------------------------------------------------------------------
     def copy(self, step: int, ok: bool) -> Future:
@@ -135,13 +143,15 @@ class Replicator:
         every save), and with ``up_to`` what a durable save of that step made of no more use."""
         return self._pool.submit(self._purge, up_to)
 
-    def _guarded(self, work: Any, *args: Any) -> bool:
-        """``work``'s answer (a copy: True once made), False when copies are off or it failed."""
+    def _guarded(self, work: Any, step: int, ok: bool) -> bool:
+        """``work``'s answer (a copy: True once made), False when copies are off or it failed (the save is then
+        marked as its node's own, if it completed)."""
         if self.broken is not None:
+            self._own(step, ok)
             self._purge(None)  # (copies off: the node's own retention goes on)
             return False
         try:
-            return bool(work(*args))
+            return bool(work(step, ok))
         except Exception as e:  # noqa: BLE001 - any failure: the local tier goes on without copies, said once
             self.broken = one_line(e)
             log.warning(
@@ -149,8 +159,21 @@ class Replicator:
                 "copies, the durable tier is unaffected",
                 self.broken,
             )
+            self._own(step, ok)
             self._purge(None)
             return False
+
+    def _own(self, step: int, ok: bool) -> None:
+        """Copies off: mark local save ``step`` (``ok``: it completed) as this node's own (``OWN``), so a restart
+        takes it while every node still holds its own files; no collective (the group may be gone)."""
+        own = layout.step_dir(self.root, step)
+        if not (ok and self.leads and os.path.isdir(own)) or peer.read_marker(own, peer.REPLICATED, step):
+            return
+        try:
+            nodes, mine = len(self.ring.nodes), self.ring.ranks_on(self.node)
+            integrity.write_durable(own, peer.OWN, peer.marker(step, self.node, nodes, mine))
+        except OSError as e:
+            log.warning("local checkpoint of step %d cannot be marked as this node's own: %s", step, one_line(e))
 
     def _purge(self, up_to: int | None) -> None:
         if self.leads:
@@ -197,90 +220,64 @@ class Replicator:
         to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
         src_node = self.ring.node_of[of]
         there = peer.copy_dir(self.root, src_node, step)
-        if self.leads:  # (one writer per node; the others read it after the barrier)
-            os.makedirs(there, mode=0o700, exist_ok=True)
-            integrity.write_durable(there, integrity.MANIFEST, manifest, sync_dir=False)
-        self._agree(True)
-        files = integrity.read_manifest(there)
         problem = None
         try:
-            self._exchange(own, files, [self.rank], to, there, of)
+            if self.leads:  # (one writer per node; the others read it after the agreement)
+                os.makedirs(there, mode=0o700, exist_ok=True)
+                integrity.write_durable(there, integrity.MANIFEST, manifest, sync_dir=False)
+        except FINDINGS as e:
+            problem = one_line(e)
+        self._stop_unless(problem, "its copy dir cannot be written")
+        try:
+            files = integrity.read_manifest(there)
+        except FINDINGS as e:
+            problem, files = one_line(e), {}
+        self._stop_unless(problem, "the manifest of its copy cannot be read")
+        try:
+            peer_wire.exchange(self.group, own, files, [self.rank], to, there, of, self.chunk)
         except FINDINGS as e:
             problem = one_line(e)
         if not self._agree(problem is None):
             log.warning("local checkpoint of step %d not copied to its peer: %s", step, problem or "see another rank")
             return False
         nodes = len(self.ring.nodes)
-        if self.leads:
-            mine, theirs = self.ring.ranks_on(self.node), self.ring.ranks_on(src_node)
-            integrity.write_durable(there, peer.COPIED, peer.marker(step, src_node, nodes, theirs))
-            if not layout.is_file(os.path.join(own, integrity.MANIFEST)):  # (every holder can then send what it holds)
-                integrity.write_durable(own, integrity.MANIFEST, manifest, sync_dir=False)
-            integrity.write_durable(own, peer.REPLICATED, peer.marker(step, self.node, nodes, mine))
-            peer.purge(self.root, self.keep)
+        try:
+            if self.leads:
+                mine, theirs = self.ring.ranks_on(self.node), self.ring.ranks_on(src_node)
+                integrity.write_durable(there, peer.COPIED, peer.marker(step, src_node, nodes, theirs))
+                if not layout.is_file(os.path.join(own, integrity.MANIFEST)):  # (every holder can send what it holds)
+                    integrity.write_durable(own, integrity.MANIFEST, manifest, sync_dir=False)
+                integrity.write_durable(own, peer.REPLICATED, peer.marker(step, self.node, nodes, mine))
+        except FINDINGS as e:
+            problem = one_line(e)
+        self._stop_unless(problem, "its markers cannot be written")
+        self._purge(None)
         sent = sum(files[n]["bytes"] for n in peer.files_of(sorted(files), [self.rank]) if n in files)
         self.copies.append((step, time.perf_counter() - t0, sent))
         log.debug("local checkpoint of step %d copied to rank %d, rank %d's held", step, to, of)
         return True
 
-    # ---- the wire -----------------------------------------------------------------------------------
-    def _exchange(
-        self, src: str, files: dict[str, dict], ranks: list[int], to: int | None, dst: str, of: int | None
-    ) -> None:
-        """Send the files of ``src`` written by ``ranks`` to rank ``to`` and receive rank ``of``'s into ``dst``
-        (either side None: none), checked against ``files`` (the manifest).  Every announced file is received
-        before any is checked, so a bad one never leaves its sender waiting."""
-        names = sorted(files)
-        works, keep = [], []
-        if to is not None:
-            sent = [n for n in peer.files_of(names, ranks) if n != integrity.MANIFEST]
-            try:
-                blobs = [_read(src, n, files[n]["bytes"]) for n in sent]
-            except FINDINGS:
-                dist.send(torch.tensor([-1]), to, group=self.group)  # (the receiver expects nothing more)
-                raise
-            head = [0, *(names.index(n) for n in sent), *(b.numel() for b in blobs)]
-            keep = [torch.tensor([len(sent)]), torch.tensor(head)]
-            works = [dist.isend(t, to, group=self.group) for t in keep]
-            works += [dist.isend(b, to, group=self.group) for b in blobs if b.numel()]
-            keep += blobs
-        if of is not None:
-            count = torch.zeros(1, dtype=torch.int64)
-            dist.recv(count, of, group=self.group)
-            n = int(count)
-            if n == -1:
-                raise CheckpointError(f"the peer rank {of} could not read its files (its log says why)")
-            if not 0 <= n <= len(names):
-                raise CheckpointError(f"the peer rank {of} announced {n} files of a checkpoint of {len(names)}")
-            head = torch.zeros(1 + 2 * n, dtype=torch.int64)
-            dist.recv(head, of, group=self.group)
-            index, sizes = head[1 : 1 + n].tolist(), head[1 + n :].tolist()
-            if any(not 0 <= i < len(names) or size != files[names[i]]["bytes"] for i, size in zip(index, sizes)):
-                raise CheckpointError(f"the peer rank {of} announced a file its checkpoint's manifest does not list")
-            bufs = [torch.empty(size, dtype=torch.uint8) for size in sizes]
-            for buf in bufs:
-                if buf.numel():
-                    dist.recv(buf, of, group=self.group)
-            problem: CorruptCheckpoint | None = None
-            for i, buf in zip(index, bufs):
-                integrity.write_durable(dst, names[i], buf.numpy().tobytes(), sync_dir=False)
-                try:
-                    integrity.check_file(dst, names[i], files[names[i]])
-                except CorruptCheckpoint as e:
-                    problem = problem or e
-            if problem is not None:
-                raise problem
-        for w in works:
-            w.wait()
-        del keep
+    def _stop_unless(self, problem: str | None, what: str) -> None:
+        """Every rank agrees on what one found (a write of a node's leader, say): a CheckpointError on every rank
+        (copies stop, said once) unless no rank found anything."""
+        if not self._agree(problem is None):
+            where = f"node {self.ring.nodes[self.node]}"
+            raise CheckpointError(
+                f"{what} on {where}: {problem}" if problem else f"{what} on another node (see its log)"
+            )
 
     # ---- restore ----------------------------------------------------------------------------------------
     def newest(self) -> tuple[int, list[list[peer.Held]]] | None:
         """The newest step every saving node's files are held of, and what each node holds (the same on every
         rank); None when there is none."""
-        mine = [tuple(vars(h).values()) for h in peer.holdings(self.root)] if self.leads else []
-        every = self.strategy.all_gather_object(mine)
-        held_by = [_held(every[self.ring.leader(n)]) for n in range(len(self.ring.nodes))]
+        mine: list[peer.Held] = []
+        if self.leads:
+            try:
+                mine = peer.holdings(self.root)
+            except OSError as e:  # (before a collective: said, and this node holds nothing)
+                log.warning("the local dir %s cannot be listed (%s): this node restores nothing of it", self.root, e)
+        every = self._gather(peer.encode(mine))
+        held_by = [_held(every[self.ring.leader(n)], len(self.ring.node_of)) for n in range(len(self.ring.nodes))]
         step = peer.restorable(held_by)
         self.held_by = held_by
         return None if step is None else (step, held_by)
@@ -301,9 +298,9 @@ class Replicator:
                     if where != "own":
                         _copy_local(src, target, ranks)
                 elif self.node == frm:
-                    self._send_step(src, ranks, self.ring.leader(to))
+                    peer_wire.send_step(self.group, src, ranks, self.ring.leader(to), self.chunk)
                 else:
-                    self._recv_step(target, self.ring.leader(frm))
+                    peer_wire.recv_step(self.group, target, self.ring.leader(frm), self.chunk)
             except FINDINGS as e:
                 problem = problem or one_line(e)
         try:
@@ -322,35 +319,23 @@ class Replicator:
         owners = {h.owner for held in held_by for h in held if h.step == step and h.where == "own"}
         return "local" if owners == set(range(held_by_nodes(held_by, step))) else "peer"
 
-    def _send_step(self, src: str, ranks: list[int], to: int) -> None:
-        """The manifest of ``src`` and the files of ``ranks`` to rank ``to``; a manifest that cannot be read is
-        announced as 0 bytes (the receiver then expects nothing more) and raised here."""
-        try:
-            data = integrity.read_file(os.path.join(src, integrity.MANIFEST), integrity.MANIFEST_MAX)
-            files = integrity.read_manifest(src)
-        except FINDINGS:
-            dist.send(torch.tensor([0]), to, group=self.group)
-            raise
-        dist.send(torch.tensor([len(data)]), to, group=self.group)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self.group)
-        self._exchange(src, files, ranks, to, src, None)
-
-    def _recv_step(self, dst: str, of: int) -> None:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, of, group=self.group)
-        if not 0 < int(size) <= integrity.MANIFEST_MAX:
-            raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({int(size)} bytes)")
-        buf = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(buf, of, group=self.group)
-        os.makedirs(dst, mode=0o700, exist_ok=True)
-        data = buf.numpy().tobytes()
-        have = os.path.join(dst, integrity.MANIFEST)
-        differs = layout.is_file(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data
-        if not differs:
-            integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
-        self._exchange(dst, integrity.read_manifest(dst), [], None, dst, of)  # (checked against ours)
-        if differs:
-            raise CorruptCheckpoint(f"checkpoint {dst}: its {integrity.MANIFEST} is not the one rank {of} sent")
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's int64 ``values`` (an all_gather of their counts, then of the values padded to the longest);
+        CheckpointError on every rank when a count is beyond :data:`peer.MAX_HELD`."""
+        if self.group is None:
+            return [values]
+        world = dist.get_world_size(self.group)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([len(values)], dtype=torch.int64), group=self.group)
+        sizes = [int(c) for c in counts]
+        if not all(0 < n <= peer.MAX_HELD for n in sizes):
+            raise CheckpointError(f"the ranks announced holdings of {sizes} values (at most {peer.MAX_HELD})")
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=torch.int64)
+        padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros(longest, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(out, padded, group=self.group)
+        return [t[:n].tolist() for t, n in zip(out, sizes)]
 
     def _broadcast(self, data: bytes, src: int = 0) -> bytes:
         size = torch.tensor([len(data)], dtype=torch.int64)
@@ -390,26 +375,22 @@ class Replicator:
             layout.free_dir(self.root)
 
 
-def _read(path: str, name: str, nbytes: int) -> torch.Tensor:
-    with integrity.open_regular(os.path.join(path, name)) as f:
-        data = bytearray(f.read(nbytes + 1))
-    if len(data) != nbytes:
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {name} is {len(data)} bytes, its manifest: {nbytes}")
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 10 << 20 else f"{n / 2**10:.0f} KiB"
 
 
 def held_by_nodes(held_by: list[list[peer.Held]], step: int) -> int:
     return next(h.nodes for held in held_by for h in held if h.step == step)
 
 
-def _held(rows: object) -> list[peer.Held]:
-    """What another rank said its node holds (the job's own ranks, over its process group), as typed rows."""
-    out = []
-    for row in rows if isinstance(rows, list) else []:
-        if isinstance(row, tuple) and len(row) == 5:
-            step, owner, nodes, ranks, where = row
-            out.append(peer.Held(int(step), int(owner), int(nodes), tuple(int(r) for r in ranks), str(where)))
-    return out
+def _held(values: list[int], world: int) -> list[peer.Held]:
+    """What a node's leader said its node holds (:func:`peer.encode`), checked; nothing when it does not decode (said:
+    every rank decodes the same values, so every rank drops the same node's)."""
+    try:
+        return peer.decode(values, world)
+    except ValueError as e:
+        log.warning("a node's list of the local checkpoints it holds does not decode (%s): counted as none", e)
+        return []
 
 
 def _copy_local(src: str, dst: str, ranks: list[int]) -> None:

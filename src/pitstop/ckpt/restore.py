@@ -213,7 +213,7 @@ def with_peers(replicator: Any, durable: list[str]) -> tuple[list[str], dict[str
         nodes = ", ".join(str(n) for n in gone[1])
         log.warning(
             "the local checkpoint of step %d is lost: no node holds the files of the saving job's node(s) %s (the node "
-            "and its partner, both gone); restoring from %s",
+            "and its partner, both gone, or the node alone when the save was made with copies off); restoring from %s",
             gone[0],
             nodes,
             f"step {found[0]}, held by the nodes" if found and found[0] >= newest else "the durable tier",
