@@ -9,9 +9,10 @@ node ``i``'s files are also held by node ``i+1`` (rank for rank, by local index)
 ``<local root>/peer/<i>/step_X/``, verified against the manifest, and then marked ``COPIED``; the owner's own dir is
 marked ``REPLICATED`` once every copy of that step is acknowledged; while copies are off (they broke at run time,
 or one node is left) each save is marked ``OWN`` instead, and counts while every saving node still holds its own
-files.  One node lost never takes a checkpoint's files and their only copy.  A restore takes the newest step whose every saving node's files are still held somewhere
-(own dir or copy): every node then assembles the whole step in its own dir (from its own files, its peer copies and
-what the holders send) and loads it as DCP does (resharded if the world size changed).
+files.  One node lost never takes a checkpoint's files and their only copy.  A restore takes the newest step whose
+every saving node's files are still held somewhere (own dir or copy): every node then assembles the whole step in its
+own dir (from its own files, its peer copies and what the holders send) and loads it as DCP does (resharded if the
+world size changed).
 """
 
 from __future__ import annotations
