@@ -37,7 +37,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from pitstop import fsurl, statefile
-from pitstop.ckpt import storage
+from pitstop.ckpt import throttle
 from pitstop.errors import ConfigError, CorruptCheckpoint
 
 MANIFEST = "CHECKSUMS"
@@ -308,7 +308,7 @@ def open_regular(path: str) -> io.RawIOBase:
     """A local file opened for reading only if it is a regular file reached without a link
     (:func:`pitstop.statefile.open_fd`): a FIFO or a device would hang or never end a read, a link reads what it
     points at; either is CorruptCheckpoint.  Under a dir that stands in for a network volume
-    (:func:`pitstop.ckpt.storage.slow_volume`) its reads go at that volume's speed."""
+    (:func:`pitstop.ckpt.throttle.slow_volume`) its reads go at that volume's speed."""
     try:
         fd = statefile.open_fd(path)
     except statefile.NotPlain as e:
@@ -319,7 +319,7 @@ def open_regular(path: str) -> io.RawIOBase:
         raise CorruptCheckpoint(
             f"{path} is a {e.kind}, not a regular file: a checkpoint holds regular files only"
         ) from None
-    return storage.reader(path, io.FileIO(fd, "rb", closefd=True))
+    return throttle.reader(path, io.FileIO(fd, "rb", closefd=True))
 
 
 def open_file(url_or_path: str) -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from pitstop import fsurl
-from pitstop.ckpt import dcp, integrity, layout, orphans, storage
+from pitstop.ckpt import dcp, integrity, layout, orphans, throttle
 from pitstop.ckpt import restore as fallback
 from pitstop.ckpt.contract import (
     Checkpointer,
@@ -126,7 +126,7 @@ class CheckpointManager(Checkpointer):
             self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-ckpt-purge")
         strategy.barrier()
         if self.throttle_mbps:  # (a stand-in for a network volume: its restore reads at that speed too)
-            storage.slow_volume(self.root, self.throttle_mbps)
+            throttle.slow_volume(self.root, self.throttle_mbps)
         policy = (intervals or IntervalPolicy()).prefer(self.mtbf_seconds, "ckpt.mtbf_seconds")
         self.durable.make_schedule(policy.auto() if self.auto else None)
         self.local = open_local(strategy, self.root, self._local_cfg, lambda: policy.auto(key="ckpt.local.interval"))

@@ -1,129 +1,15 @@
-"""Storage targets for checkpoints: local files with fsync, optionally bandwidth-limited.
-
-``throttle_mbps`` turns a local directory into a stand-in for a network volume: every write of a
-checkpoint file goes through :class:`ThrottledFile`, which sleeps so that the writer never exceeds the
-given rate (a token bucket over wall-clock time), and every read of a file under it (a restore's checks and
-its load) through :class:`ThrottledReader` at the same rate (:func:`slow_volume`: a volume is slow both ways).
-It is used by the benchmarks (a restore from the durable tier at a network volume's speed) and by tests that
-need a save to take long enough to be killed mid-write.
-"""
+"""Storage targets for checkpoints: local files with fsync, optionally bandwidth-limited (``ckpt.throttle_mbps``:
+:mod:`pitstop.ckpt.throttle`), and their sizes."""
 
 from __future__ import annotations
 
-import io
 import os
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-
-class ThrottledFile(io.RawIOBase):
-    """A writable file that passes bytes through at most ``mbps`` MB/s (1 MB = 1e6 bytes)."""
-
-    def __init__(self, raw: IO[bytes], mbps: float):
-        super().__init__()
-        self.raw, self.rate = raw, float(mbps) * 1e6
-        self.t0, self.sent = time.monotonic(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b).cast("B")
-        chunk = 1 << 20
-        for i in range(0, len(view), chunk):
-            part = view[i : i + chunk]
-            self.raw.write(part)
-            self.sent += len(part)
-            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
-            if ahead > 0:
-                time.sleep(ahead)
-        return len(view)
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def seekable(self) -> bool:
-        return self.raw.seekable()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.raw.seek(offset, whence)
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-            self.raw.close()
-        super().close()
-
-
-class ThrottledReader(io.RawIOBase):
-    """A readable file (seekable, as DCP's reads need) that passes bytes through at most ``mbps`` MB/s."""
-
-    def __init__(self, raw: io.FileIO, mbps: float):
-        super().__init__()
-        self.raw, self.rate = raw, float(mbps) * 1e6
-        self.t0, self.got = time.monotonic(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b).cast("B")[: 1 << 20]  # (at most 1 MB a call: the wait follows the bytes)
-        n = self.raw.readinto(view) or 0
-        self.got += n
-        ahead = self.got / self.rate - (time.monotonic() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
-        return n
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.raw.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        self.raw.close()
-        super().close()
-
-
-_SLOW: dict[str, float] = {}  # a dir's real path -> MB/s: reads of files under it are throttled (slow_volume)
-
-
-def slow_volume(root: str, mbps: float | None) -> None:
-    """Make ``root`` (a local dir: the durable tier with ``ckpt.throttle_mbps``) read like a network volume of
-    ``mbps`` MB/s in this process (None: at full speed again); its writes are throttled where they are made."""
-    key = os.path.realpath(root)
-    if mbps:
-        _SLOW[key] = float(mbps)
-    else:
-        _SLOW.pop(key, None)
-
-
-def reader(path: str, raw: io.FileIO) -> io.RawIOBase:
-    """``raw`` (a file opened at ``path`` for reading), throttled when it lies under a :func:`slow_volume`."""
-    if _SLOW:
-        where = os.path.realpath(os.path.dirname(path))
-        for root, mbps in _SLOW.items():
-            if where == root or where.startswith(root + os.sep):
-                return ThrottledReader(raw, mbps)
-    return raw
+from pitstop.ckpt.throttle import ThrottledFile
 
 
 @contextmanager

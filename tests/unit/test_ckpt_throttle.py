@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pitstop.ckpt import integrity, storage
+from pitstop.ckpt import integrity, storage, throttle
 from pitstop.ckpt.formats import dcp_reader
 from pitstop.ckpt.sync_dcp import dcp_writer
 
@@ -29,7 +29,7 @@ def test_a_checkpoint_under_a_slow_volume_is_read_at_its_speed_and_elsewhere_at_
     for root in (slow, fast):
         dcp.save(state(), storage_writer=dcp_writer(str(root / "step_1"), None), no_dist=True)
     nbytes = sum(f["bytes"] for f in integrity.read_manifest(str(slow / "step_1")).values())
-    storage.slow_volume(str(slow), 4.0)
+    throttle.slow_volume(str(slow), 4.0)
     try:
         t0 = time.monotonic()
         integrity.verify(str(fast / "step_1"))
@@ -42,30 +42,30 @@ def test_a_checkpoint_under_a_slow_volume_is_read_at_its_speed_and_elsewhere_at_
         dcp.load(got, storage_reader=dcp_reader(str(slow / "step_1")), no_dist=True)  # (DCP's reads: the same files)
         loaded = time.monotonic() - t0
     finally:
-        storage.slow_volume(str(slow), None)
+        throttle.slow_volume(str(slow), None)
     assert nbytes > 0.75 * MB
     assert checked >= nbytes / (4.0 * MB) * 0.95 > 5 * full, (checked, full)
     assert loaded >= 0.75 * MB / (4.0 * MB) * 0.95, loaded
     assert torch.equal(got["w"], state()["w"]) and torch.equal(got["b"], state()["b"])
     # the volume back at full speed: not throttled any more
     with integrity.open_regular(str(next((slow / "step_1").glob("*.distcp")))) as f:
-        assert not isinstance(f, storage.ThrottledReader)
+        assert not isinstance(f, throttle.ThrottledReader)
 
 
 def test_a_throttled_reader_seeks_and_reads_what_the_file_holds(tmp_path):
     data = bytes(range(256)) * 4096  # 1 MiB
     (tmp_path / "f").write_bytes(data)
-    storage.slow_volume(str(tmp_path), 8.0)
+    throttle.slow_volume(str(tmp_path), 8.0)
     try:
         with integrity.open_regular(str(tmp_path / "f")) as f:
-            assert isinstance(f, storage.ThrottledReader)
+            assert isinstance(f, throttle.ThrottledReader)
             f.seek(1000)
             assert f.read(10) == data[1000:1010] and f.tell() == 1010
             t0 = time.monotonic()
             rest = f.read()
             took = time.monotonic() - t0
     finally:
-        storage.slow_volume(str(tmp_path), None)
+        throttle.slow_volume(str(tmp_path), None)
     assert rest == data[1010:]
     assert took >= len(data) / (8.0 * MB) * 0.9, took
 
