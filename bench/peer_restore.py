@@ -6,8 +6,8 @@ adds to each local save (``ckpt.local.replicas=1``, issue 50).
 
 One job, two "nodes" on this machine (pitstop's launcher twice, ``strategy.nnodes=2``, one rank each, each node its
 own ``PITSTOP_NODE_NAME`` and its own local dir), ddp on the quick start's CNN, async DCP saves: the durable tier
-(``ckpt.dir``) every ``--durable-every`` steps, written through ``ckpt.throttle_mbps`` (a network volume's speed),
-the local tier every ``--local-every`` steps. ``fault=lose_node`` loses node n2 at the end of step ``--lose-at``
+(``ckpt.dir``) every ``--durable-every`` steps, written and read through ``ckpt.throttle_mbps`` (a network volume's
+speed), the local tier every ``--local-every`` steps. ``fault=lose_node`` loses node n2 at the end of step ``--lose-at``
 (its rank killed, its local dir cleared); the launchers restart both ranks (``trainer.max_restarts=1``). Run side by
 side, equal work (the same steps, seed, data and loss):
 
@@ -23,10 +23,12 @@ parameters as a third run without a loss (params_sha256): the figures are of run
 Target: recovery from the peer >= 5x faster than from the durable tier; the loop's blocking time per local save
 unchanged within noise (<= 1.25x).
 
-What it leaves out: reads of the durable tier are not throttled (only its writes are), so the durable recovery's
-extra cost is the older step and the steps done again, not a slow read; both "nodes" share one machine's memory,
-disk and cores, and the copy crosses loopback, not a network; a small CNN (a few MB of state), where the restart
-itself (processes, rendezvous, process groups) is a large part of either recovery.
+What it leaves out: both "nodes" share one machine's memory, disk and cores, and the copy crosses loopback, not a
+network; a small CNN (under 1 MB of state), so the durable tier's slow reads cost little here (at 20 MB/s, ~0.1 s
+for the restore's check and load) and its extra cost is the older step and the steps done again; the restart itself
+(processes, rendezvous, process groups: about a second here, minutes at scale, where a replacement node must also
+join) is paid by both and is a large part of either recovery here (``recipe.goodput --peer`` adds the restart and
+replacement at the job's scale to what each tier adds to it).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ FIGURES = {
     "lose_at": ("", "the step at whose end node n2 is lost (fault=lose_node)", None),
     "local_every": ("", "local tier: a save every this many steps", None),
     "durable_every": ("", "durable tier: a save every this many steps", None),
-    "throttle_mbps": ("MB/s", "the durable tier's write bandwidth (ckpt.throttle_mbps)", None),
+    "throttle_mbps": ("MB/s", "the durable tier's bandwidth, reads and writes (ckpt.throttle_mbps)", None),
     "recovery.peer": ("s", "a lost node, replicated local tier: from the loss to the first productive step", None),
     "recovery.durable": ("s", "the same without the copy: restored from the durable tier", None),
     "recovery.speedup": ("x", "recovery from the durable tier over recovery from the peer", ">= 5"),

@@ -2,7 +2,8 @@
 goes through :class:`ThrottledFile`, which sleeps so that the writer never exceeds the given rate (a token bucket over
 wall-clock time), and every read of a file under a :func:`slow_volume` (a restore's checks and its load, through
 :func:`pitstop.ckpt.integrity.open_regular`) through :class:`ThrottledReader` at the same rate: a volume is slow both
-ways.  Used by the benchmarks (a restore from the durable tier at a network volume's speed) and by tests that need a
+ways (but for a ``torch.save`` checkpoint's load, which maps its file into memory: its checks are throttled).  Used
+by the benchmarks (a restore from the durable tier at a network volume's speed) and by tests that need a
 save to take long enough to be killed mid-write.
 """
 
@@ -72,12 +73,18 @@ class ThrottledReader(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b).cast("B")[: 1 << 20]  # (at most 1 MB a call: the wait follows the bytes)
-        n = self.raw.readinto(view) or 0
-        self.got += n
-        ahead = self.got / self.rate - (time.monotonic() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
+        """Fills ``b`` as a file on a disk does (a short read only at the end of the file: callers read a small file
+        whole with one ``read(n)``), 1 MB at a time, each followed by its wait."""
+        view, n = memoryview(b).cast("B"), 0
+        while n < len(view):
+            got = self.raw.readinto(view[n : n + (1 << 20)]) or 0
+            if not got:
+                break
+            n += got
+            self.got += got
+            ahead = self.got / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
         return n
 
     def seekable(self) -> bool:

@@ -126,11 +126,8 @@ def poll_sooner(max_nodes: int) -> float | None:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     delay, holder = getattr(dr, "_delay", None), getattr(dr, "_BackendRendezvousStateHolder", None)
-    if (
-        not callable(delay)
-        or holder is None
-        or "cache_duration" not in getattr(holder.__init__, "__code__", ()).co_varnames
-    ):
+    params = getattr(getattr(getattr(holder, "__init__", None), "__code__", None), "co_varnames", ())
+    if not callable(delay) or holder is None or "cache_duration" not in params:
         return None
     wait = min(1.0, max(0.1, max_nodes / 1000))
     poll = getattr(delay, "pitstop_original", delay)
