@@ -122,7 +122,8 @@ def poll_sooner(max_nodes: int) -> float | None:
     every restart of a job on several nodes waits about a second for nothing (1.0 of the 1.4 s from a lost node to
     its ranks' restart, measured by ``bench/peer_restore.py``).  Both become ``max_nodes / 1000`` s, between 0.1 and
     torch's 1 s (the store then answers at most ~1,000 such reads a second whatever the job's size, as with torch's
-    own at 1,000 nodes).  Returns the new wait, or None where this torch lacks either piece (nothing changed)."""
+    own at 1,000 nodes), and the random wait before a first restart's join (up to 0.3 s, to spread the nodes' joins)
+    shrinks in proportion.  Returns the new wait, or None where this torch lacks either piece (nothing changed)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     delay, holder = getattr(dr, "_delay", None), getattr(dr, "_BackendRendezvousStateHolder", None)
@@ -134,6 +135,8 @@ def poll_sooner(max_nodes: int) -> float | None:
     init = getattr(holder.__init__, "pitstop_original", holder.__init__)
 
     def sooner(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):  # (a first restart's jitter, (0, 0.3) s, spreads nodes' joins: as much less)
+            seconds = (seconds[0] * wait, seconds[1] * wait)
         poll(seconds=wait if seconds == 1 else seconds)
 
     def fresher(self: object, backend: object, settings: object, cache_duration: float = wait) -> None:
