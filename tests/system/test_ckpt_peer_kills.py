@@ -128,11 +128,13 @@ def references(data_root, tmp_path_factory):
 
 
 def lose_node_b(tmp_path, data_root, run_dir, after: int, extra: list[str]) -> int:
-    """Run until node b's local save of a step past ``after`` (and newer than the durable tier's) is copied, then
-    lose the job and node b's local dir; the newest step b's copy holds."""
+    """Run until a local save of a step past ``after`` (and newer than the durable tier's) is copied both ways (each
+    node's leader marks its own REPLICATED after the agreement, in its own time: b's marker alone does not say a's is
+    written), then lose the job and node b's local dir; the newest step b's copy holds."""
     first = agents(tmp_path, data_root, run_dir, extra, "first")
+    both = lambda: set(replicated(tmp_path / "shm_a", after)) & set(replicated(tmp_path / "shm_b", after))  # noqa: E731
     try:
-        wait_for(lambda: replicated(tmp_path / "shm_b", after), 180, first)
+        wait_for(both, 180, first)
     finally:
         kill(first)
     shutil.rmtree(tmp_path / "shm_b")  # (a replacement node: nothing of its own)

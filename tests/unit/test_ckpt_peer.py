@@ -4,6 +4,8 @@ tests/system/test_ckpt_peer_kills.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pitstop.ckpt import integrity, peer
@@ -71,6 +73,31 @@ def test_a_nodes_holdings_are_read_from_its_markers_and_garbage_counts_as_not_he
     wrong.mkdir(parents=True)
     (wrong / peer.COPIED).write_bytes(peer.marker(8, 1, 2, [1]))
     assert peer.holdings(str(tmp_path)) == [held(8, 0, "own"), held(8, 1, "peer")]
+
+
+def test_a_marker_that_is_a_link_or_a_fifo_counts_as_not_held_and_retention_goes_on(tmp_path):
+    (tmp_path / "step_00000008").mkdir()
+    (tmp_path / "step_00000008" / peer.REPLICATED).write_bytes(peer.marker(8, 0, 2, [0]))
+    real = tmp_path / "marker"  # (a link to a marker that would count if it were followed)
+    real.write_bytes(peer.marker(10, 0, 2, [0]))
+    (tmp_path / "step_00000010").mkdir()
+    (tmp_path / "step_00000010" / peer.REPLICATED).symlink_to(real)
+    (tmp_path / "step_00000012").mkdir()
+    os.mkfifo(tmp_path / "step_00000012" / peer.OWN)  # (a FIFO: a read would wait for a writer)
+    for step, make in ((8, None), (10, "link"), (12, "fifo")):
+        copy = tmp_path / "peer" / "1" / f"step_{step:08d}"
+        copy.mkdir(parents=True)
+        if make == "link":
+            (copy / peer.COPIED).symlink_to(real)
+        elif make == "fifo":
+            os.mkfifo(copy / peer.COPIED)
+        else:
+            (copy / peer.COPIED).write_bytes(peer.marker(step, 1, 2, [1]))
+    assert peer.holdings(str(tmp_path)) == [held(8, 0, "own"), held(8, 1, "peer")]
+    peer.purge(str(tmp_path), keep=1)  # (the unmarked are newer than the newest marked: they stay, nothing raises)
+    assert len(list(tmp_path.glob("**/step_*"))) == 6
+    peer.purge(str(tmp_path), keep=1, up_to=12)
+    assert list(tmp_path.glob("**/step_*")) == []
 
 
 def test_a_nodes_retention_keeps_its_newest_replicated_saves_and_copies(tmp_path):

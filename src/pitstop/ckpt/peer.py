@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from pitstop.ckpt import integrity, layout
-from pitstop.errors import ConfigError
+from pitstop.errors import CheckpointError, ConfigError
 
 PEER_DIR = "peer"  # <local root>/peer/<owner node index>/step_X/: the partner's files
 REPLICATED = "REPLICATED"  # in the owner's step dir: every copy of this step was verified by its holder
@@ -124,11 +124,11 @@ MAX_NODES = 1 << 16  # (more nodes than any job has: a marker naming more is not
 
 def read_marker(path: str, name: str, step: int) -> Held | None:
     """The marker ``name`` of dir ``path`` (a checkpoint's own step dir or a copy), checked; None when it is absent or
-    is not what pitstop writes (that dir then counts as not held)."""
+    is not what pitstop writes (a link, a FIFO, garbage: that dir then counts as not held)."""
     try:
         with integrity.open_regular(os.path.join(path, name)) as f:
             doc = json.loads(f.read(MARKER_MAX + 1)[:MARKER_MAX])
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):  # (open_regular: CorruptCheckpoint for a link or a FIFO)
         return None
     if not isinstance(doc, dict):
         return None

@@ -172,14 +172,15 @@ class Replicator:
         try:
             nodes, mine = len(self.ring.nodes), self.ring.ranks_on(self.node)
             integrity.write_durable(own, peer.OWN, peer.marker(step, self.node, nodes, mine))
-        except OSError as e:
+        except FINDINGS as e:
             log.warning("local checkpoint of step %d cannot be marked as this node's own: %s", step, one_line(e))
 
     def _purge(self, up_to: int | None) -> None:
+        """The node leader's retention, alone (no collective): whatever it finds is said, and the checkpoints stay."""
         if self.leads:
             try:
                 peer.purge(self.root, self.keep, up_to, marked=self.broken is None)
-            except OSError as e:
+            except FINDINGS as e:
                 log.warning("local checkpoint retention failed: %s; the checkpoint stays (ckpt.local.keep_last_k)", e)
 
     def forget(self, step: int) -> None:
@@ -194,15 +195,21 @@ class Replicator:
         self._pool.submit(self._discard, step).result()
 
     def _discard(self, step: int) -> None:
+        """The node leader's part of a rollback, alone (the other ranks go on to the next collective): what it cannot
+        list or remove is said, never raised."""
         if not self.leads:
             return
-        for where in [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]:
-            for s, path, _ in layout.list_checkpoints(where):
-                if s > step:
-                    try:
-                        layout.remove(path)
-                    except OSError as e:
-                        log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
+        try:
+            dirs = [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]
+            found = [(s, path) for where in dirs for s, path, _ in layout.list_checkpoints(where) if s > step]
+        except FINDINGS as e:
+            log.error("the local dir %s cannot be listed to remove the rolled-back steps: %s", self.root, e)
+            return
+        for _, path in found:
+            try:
+                layout.remove(path)
+            except FINDINGS as e:
+                log.error("checkpoint %s of rolled-back steps could not be removed: %s", path, e)
 
     def _copy(self, step: int, ok: bool) -> bool:
         """True once the copy is made and marked (REPLICATED); False when it was skipped or not agreed."""
@@ -234,7 +241,7 @@ class Replicator:
             problem, files = one_line(e), {}
         self._stop_unless(problem, "the manifest of its copy cannot be read")
         try:
-            peer_wire.exchange(self.group, own, files, [self.rank], to, there, of, self.chunk)
+            peer_wire.exchange(self.group, own, files, [self.rank], to, there, of, [of], self.chunk)
         except FINDINGS as e:
             problem = one_line(e)
         if not self._agree(problem is None):
@@ -274,7 +281,7 @@ class Replicator:
         if self.leads:
             try:
                 mine = peer.holdings(self.root)
-            except OSError as e:  # (before a collective: said, and this node holds nothing)
+            except FINDINGS as e:  # (before a collective: said, and this node holds nothing)
                 log.warning("the local dir %s cannot be listed (%s): this node restores nothing of it", self.root, e)
         every = self._gather(peer.encode(mine))
         held_by = [_held(every[self.ring.leader(n)], len(self.ring.node_of)) for n in range(len(self.ring.nodes))]
@@ -300,7 +307,7 @@ class Replicator:
                 elif self.node == frm:
                     peer_wire.send_step(self.group, src, ranks, self.ring.leader(to), self.chunk)
                 else:
-                    peer_wire.recv_step(self.group, target, self.ring.leader(frm), self.chunk)
+                    peer_wire.recv_step(self.group, target, self.ring.leader(frm), ranks, self.chunk)
             except FINDINGS as e:
                 problem = problem or one_line(e)
         try:

@@ -4,11 +4,13 @@ dedicated gloo group, as raw bytes, in chunks.
 Every transfer is a fixed sequence that both sides always finish, whatever either finds wrong, so a sender never
 waits for gloo's timeout on a receiver that gave up:
 
-1. a header of fixed size (``1 + 2 * files in the manifest`` int64, known to both from the manifest they share):
-   how many files, their indices in the manifest and their sizes (``-1`` files: the sender cannot read its own);
-2. the receiver's answer (1: send, 0: refused), after it checked the header against the manifest (each index in
-   range and once, each size the manifest's) and opened the files it will write: nothing is allocated or written
-   before that, and a refused sender sends nothing more;
+1. a header of fixed size (``2 + 2 * files in the manifest`` int64, known to both from the manifest they share):
+   how many files, their indices in the manifest and their sizes (``-1`` files: the sender cannot read its own), and
+   the sender's chunk size;
+2. the receiver's answer (1: send, 0: refused), after it checked the header against the manifest and against what it
+   expects of that sender (exactly the files of the ranks it holds for: none missing, none more; each size the
+   manifest's; the same chunk size as its own) and opened the files it will write: nothing is allocated, removed or
+   written before that, and a refused sender sends nothing more;
 3. the bytes, in chunks of at most :data:`CHUNK` (a sender reads each chunk into one buffer, a receiver receives
    into one buffer and appends to the file: two chunks in memory however large a shard); a receiver that cannot
    write a chunk goes on receiving the rest;
@@ -52,20 +54,41 @@ def _one(value: int | None, to: int | None, of: int | None, group) -> int:
     return int(got)
 
 
-def check_head(head: list[int], files: dict[str, dict], of: int) -> list[tuple[str, int]]:
-    """The files (name, bytes) that header ``head`` announces, checked against the manifest ``files``; a
-    CheckpointError naming peer rank ``of`` for a count, an index or a size that is not the manifest's."""
+def sent_by(files: dict[str, dict], ranks: list[int]) -> list[str]:
+    """The files of a manifest that a transfer of ``ranks``' files carries (the manifest itself travels before)."""
+    return [n for n in peer.files_of(sorted(files), ranks) if n != integrity.MANIFEST]
+
+
+def check_head(
+    head: list[int], files: dict[str, dict], of: int, expect: list[str], chunk: int
+) -> list[tuple[str, int]]:  # fmt: skip
+    """The files (name, bytes) that header ``head`` announces, checked against the manifest ``files`` and the files
+    ``expect``-ed of that sender; a CheckpointError naming peer rank ``of`` for a count, an index or a size that is
+    not the manifest's, a set of files that is not exactly ``expect`` (a copy cut short would count as whole; a file
+    this rank holds would be replaced), or a chunk size that is not ``chunk``."""
     names, total = sorted(files), len(files)
     n = head[0]
     if n == -1:
         raise CheckpointError(f"the peer rank {of} could not read its checkpoint files (its log says why)")
     if not 0 <= n <= total:
         raise CheckpointError(f"the peer rank {of} announced {n} files of a checkpoint whose manifest lists {total}")
+    if head[-1] != chunk:
+        raise CheckpointError(
+            f"the peer rank {of} sends in chunks of {head[-1]} bytes, this rank receives in chunks of {chunk} "
+            f"(peer_wire.CHUNK): run the same pitstop on every node"
+        )
     index, sizes = head[1 : 1 + n], head[1 + total : 1 + total + n]
     if len(set(index)) != n or any(not 0 <= i < total for i in index):
         raise CheckpointError(
             f"the peer rank {of} announced file indices {index[:8]} of a manifest of {total} files (out of range or "
             f"twice): not a checkpoint of this job"
+        )
+    named = {names[i] for i in index}
+    if named != set(expect):
+        missing, more = sorted(set(expect) - named), sorted(named - set(expect))
+        raise CheckpointError(
+            f"the peer rank {of} announced {n} files, not the {len(expect)} of the ranks this rank receives from it "
+            f"(missing: {missing[:4]}, not theirs: {more[:4]}): refused, nothing written"
         )
     out = []
     for i, size in zip(index, sizes):
@@ -95,19 +118,20 @@ def _fill(f, view: memoryview) -> int:
 
 def exchange(
     group, src: str, files: dict[str, dict], ranks: list[int], to: int | None, dst: str, of: int | None,
-    chunk: int = CHUNK,
+    expect: list[int], chunk: int = CHUNK,
 ) -> None:  # fmt: skip
     """Send the files of ``src`` written by ``ranks`` to rank ``to`` and receive rank ``of``'s into ``dst`` (either
-    side None: none), checked against the manifest ``files`` that both sides hold."""
+    side None: none), checked against the manifest ``files`` that both sides hold: ``of`` must send exactly the files
+    written by ranks ``expect``."""
     names, total = sorted(files), len(files)
-    width = 1 + 2 * total
+    width = 2 + 2 * total
     readers, writers, mine, problem = [], [], None, None
     try:
         out = None
         sizes_out: list[int] = []
         if to is not None:
             out = torch.full((width,), -1, dtype=torch.int64)
-            sent = [n for n in peer.files_of(names, ranks) if n != integrity.MANIFEST]
+            sent = sent_by(files, ranks)
             try:
                 for name in sent:
                     readers.append(integrity.open_regular(os.path.join(src, name)))
@@ -120,6 +144,7 @@ def exchange(
                 out[0] = len(sent)
                 out[1 : 1 + len(sent)] = torch.tensor([names.index(n) for n in sent], dtype=torch.int64)
                 out[1 + total : 1 + total + len(sent)] = torch.tensor(sizes_out, dtype=torch.int64)
+                out[-1] = chunk
             except FINDINGS as e:
                 mine, sizes_out = e, []
                 out.fill_(-1)
@@ -128,7 +153,7 @@ def exchange(
         coming: list[tuple[str, int]] = []
         if got is not None:
             try:
-                coming = check_head(got.tolist(), files, of)
+                coming = check_head(got.tolist(), files, of, sent_by(files, expect), chunk)
                 os.makedirs(dst, mode=0o700, exist_ok=True)
                 for name, _ in coming:  # (a name that is a link to another file is replaced, never written through)
                     there = os.path.join(dst, name)
@@ -146,9 +171,8 @@ def exchange(
                 os.fsync(fd)
             except OSError as e:
                 short = (short[0], short[1] or str(e))
-        for fd in writers:
-            os.close(fd)
-        writers = []
+        while writers:  # (each fd leaves the list before it is closed: the finally never closes one twice)
+            os.close(writers.pop())
         if problem is None and short[1] is not None:
             problem = OSError(f"writing the copy from peer rank {of} into {dst}: {short[1]}")
         for name, _ in coming if problem is None else []:
@@ -160,8 +184,8 @@ def exchange(
     finally:
         for f in readers:
             f.close()
-        for fd in writers:
-            os.close(fd)
+        while writers:
+            os.close(writers.pop())
     if problem is not None:
         raise problem
     if mine is not None:
@@ -230,12 +254,14 @@ def send_step(group, src: str, ranks: list[int], to: int, chunk: int = CHUNK) ->
     _pair(buf, to, None, None, group)
     if not _one(None, None, to, group):
         raise CheckpointError(f"the peer rank {to} refused the manifest of {src} (its log says why)")
-    exchange(group, src, files, ranks, to, src, None, chunk)
+    exchange(group, src, files, ranks, to, src, None, [], chunk)
 
 
-def recv_step(group, dst: str, of: int, chunk: int = CHUNK) -> None:
+def recv_step(group, dst: str, of: int, ranks: list[int], chunk: int = CHUNK) -> None:
     """Receive what :func:`send_step` sends into checkpoint dir ``dst``: the manifest (kept if ``dst`` has none; one
-    that differs from ``dst``'s own is refused), then the files, checked against it."""
+    that differs from ``dst``'s own is refused; ``dst`` must be a dir of its own, not a link; the manifest is checked
+    from the bytes received before it is written, and removed again when it does not read back as a manifest), then
+    the files of ``ranks``, checked against it."""
     size = _one(None, None, of, group)
     ok = 0 < size <= integrity.MANIFEST_MAX
     _one(int(ok), of, None, group)
@@ -243,19 +269,28 @@ def recv_step(group, dst: str, of: int, chunk: int = CHUNK) -> None:
         raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({size} bytes)")
     buf = torch.empty(size, dtype=torch.uint8)
     _pair(None, None, buf, of, group)
-    problem, files = None, {}
+    problem, files, wrote = None, {}, False
+    have = os.path.join(dst, integrity.MANIFEST)
     try:
-        os.makedirs(dst, mode=0o700, exist_ok=True)
+        if os.path.lexists(dst):
+            integrity.check_dir(dst)  # (a link: never written through)
         data = buf.numpy().tobytes()
-        have = os.path.join(dst, integrity.MANIFEST)
+        integrity.unseal(data, dst, f"the {integrity.MANIFEST} sent by peer rank {of}")
+        os.makedirs(dst, mode=0o700, exist_ok=True)
         if os.path.lexists(have) and integrity.read_file(have, integrity.MANIFEST_MAX) != data:
             raise CorruptCheckpoint(f"checkpoint {dst}: its {integrity.MANIFEST} is not the one rank {of} sent")
         if not os.path.lexists(have):
             integrity.write_durable(dst, integrity.MANIFEST, data, sync_dir=False)
+            wrote = True
         files = integrity.read_manifest(dst)
     except FINDINGS as e:
         problem = e
+        if wrote:  # (a manifest that does not read back must not stay: a later restore of this step would refuse)
+            try:
+                os.remove(have)
+            except OSError:
+                pass
     _one(int(problem is None), of, None, group)
     if problem is not None:
         raise problem
-    exchange(group, dst, files, [], None, dst, of, chunk)
+    exchange(group, dst, files, [], None, dst, of, ranks, chunk)
