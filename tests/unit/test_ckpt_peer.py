@@ -120,8 +120,10 @@ def test_a_step_whose_node_and_partner_are_both_gone_is_named_with_the_nodes_los
     assert peer.lost(three, 10) is None  # (not newer than what is restored: nothing lost)
 
 
-def test_a_node_needs_room_for_its_ranks_share_twice_or_the_whole_checkpoint_twice_when_replicated():
-    assert peer.need_bytes(800, node_ranks=2, world=8, replicated=False) == 400
+def test_a_node_needs_room_for_its_share_twice_and_a_whole_checkpoint_or_twice_the_whole_when_replicated():
+    assert peer.need_bytes(800, node_ranks=2, world=8, replicated=False) == 800  # (a restore makes the step whole)
+    assert peer.need_bytes(800, node_ranks=4, world=8, replicated=False) == 800  # (two nodes: own + partner's)
+    assert peer.need_bytes(900, node_ranks=1, world=2, replicated=False) == 900
     assert peer.need_bytes(800, node_ranks=2, world=8, replicated=True) == 1600
 
 

@@ -161,10 +161,13 @@ def holdings(root: str) -> list[Held]:
 
 
 def need_bytes(total: int, node_ranks: int, world: int, replicated: bool) -> int:
-    """What a node's local dir must hold for its own and its partner's files of one checkpoint of ``total`` bytes: its
-    ranks' share twice, or, with replicated state (DDP: the lowest rank writes what every rank holds), the whole
-    checkpoint twice (the node of rank 0 holds nearly all of it)."""
-    return 2 * (total if replicated else total * node_ranks // max(1, world))
+    """What a node's local dir must hold of one checkpoint of ``total`` bytes: its own files and its partner's (its
+    ranks' share twice), and, at a restore, the whole checkpoint (:func:`plan` makes every node's own dir whole: what
+    it holds is linked, what others send is new bytes); with replicated state (DDP: the lowest rank writes what every
+    rank holds) the whole checkpoint twice (the node of rank 0 holds nearly all of it, its partner a copy)."""
+    if replicated:
+        return 2 * total
+    return max(2 * (total * node_ranks // max(1, world)), total)
 
 
 def restorable(held_by: list[list[Held]]) -> int | None:
