@@ -151,6 +151,23 @@ def test_a_fifo_in_place_of_a_file_is_refused_at_once_and_hangs_nothing(tmp_path
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.timeout(30)  # (the bug hangs on the FIFO: fail soon)
+def test_a_link_or_fifo_left_at_a_files_temporary_name_is_replaced_never_written_through_nor_waited_on(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    step = tmp_path / "step_00000004"
+    step.mkdir()
+    (step / "COPIED.tmp").symlink_to(outside)
+    os.mkfifo(step / "OWN.tmp")  # (no reader: a plain open() for writing would wait for one forever)
+    t0 = time.monotonic()
+    integrity.write_durable(str(step), "COPIED", b"copied")
+    integrity.write_durable(str(step), "OWN", b"own")
+    assert time.monotonic() - t0 < 10
+    assert (step / "COPIED").read_bytes() == b"copied" and (step / "OWN").read_bytes() == b"own"
+    assert outside.read_bytes() == b"keep" and not (step / "COPIED").is_symlink()
+    assert sorted(p.name for p in step.iterdir()) == ["COPIED", "OWN"]
+
+
 def test_a_step_dir_that_links_to_another_runs_checkpoint_is_never_loaded_nor_deleted_through(tmp_path, caplog):
     other = write(tmp_path / "other_run" / "checkpoints", step=12)
     root = tmp_path / "run" / "checkpoints"

@@ -229,7 +229,10 @@ def _write_durable(path: str, name: str, data: bytes, sync_dir: bool) -> None:
     from pitstop.ckpt.storage import fsync_dir
 
     tmp = os.path.join(path, name + ".tmp")
-    with open(tmp, "wb") as f:
+    if os.path.lexists(tmp):  # (a write that died before its rename; a link or FIFO put there: never written through)
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
