@@ -167,3 +167,17 @@ def test_holdings_travel_as_int64_values_and_anything_else_does_not_decode():
                 [1, 8, 0, 2, 7, 2, 0, 1], [1, 8, 0, 2, 1, 0], [1, 8, 0, 2, 1, 2, 0, -1]):  # fmt: skip
         with pytest.raises(ValueError):
             peer.decode(bad, world=4)
+
+
+def test_a_copy_dir_is_never_made_through_a_link_below_the_local_root(tmp_path):
+    from pitstop.errors import CorruptCheckpoint
+
+    root, outside = tmp_path / "local", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    made = peer.make_copy_dir(str(root), 0, 10)
+    assert made == peer.copy_dir(str(root), 0, 10) and os.path.isdir(made) and os.stat(made).st_mode & 0o777 == 0o700
+    (root / peer.PEER_DIR / "1").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(CorruptCheckpoint, match="symbolic link"):
+        peer.make_copy_dir(str(root), 1, 10)
+    assert list(outside.iterdir()) == []

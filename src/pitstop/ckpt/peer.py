@@ -104,6 +104,20 @@ def copy_dir(root: str, owner: int, step: int) -> str:
     return os.path.join(root, PEER_DIR, str(owner), os.path.basename(layout.step_dir(root, step)))
 
 
+def make_copy_dir(root: str, owner: int, step: int) -> str:
+    """The dir of node ``owner``'s copy of ``step`` under local root ``root``, made (0700) where missing;
+    CorruptCheckpoint where a part of it below the root is a link or not a dir (a copy is never written through a
+    link to elsewhere)."""
+    path, where = copy_dir(root, owner, step), root
+    for part in os.path.relpath(path, root).split(os.sep):
+        where = os.path.join(where, part)
+        if os.path.lexists(where):
+            integrity.check_dir(where)
+        else:
+            os.mkdir(where, 0o700)
+    return path
+
+
 def marker(step: int, owner: int, nodes: int, ranks: list[int]) -> bytes:
     return json.dumps({"step": step, "owner": owner, "nodes": nodes, "ranks": ranks}, sort_keys=True).encode()
 

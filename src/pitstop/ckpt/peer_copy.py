@@ -230,7 +230,7 @@ class Replicator:
         problem = None
         try:
             if self.leads:  # (one writer per node; the others read it after the agreement)
-                os.makedirs(there, mode=0o700, exist_ok=True)
+                peer.make_copy_dir(self.root, src_node, step)
                 integrity.write_durable(there, integrity.MANIFEST, manifest, sync_dir=False)
         except FINDINGS as e:
             problem = one_line(e)
