@@ -87,11 +87,11 @@ def test_an_unreachable_lighthouse_is_refused_in_one_line_naming_the_key(make_cf
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    group = ["strategy=ft", "strategy.replicas=1", "strategy.replica_id=0", "strategy.timeout=2"]
+    group = ["strategy=ft", "strategy.replicas=1", "strategy.replica_id=0", "strategy.timeout=0.5"]
     cfg = make_cfg(*group, f"strategy.lighthouse=127.0.0.1:{port}")
     t0 = time.monotonic()
     message = refused(cfg)
-    assert message.startswith(f"strategy.lighthouse=127.0.0.1:{port} cannot be reached within strategy.timeout=2s")
+    assert message.startswith(f"strategy.lighthouse=127.0.0.1:{port} cannot be reached within strategy.timeout=0.5s")
     assert "start the job's Lighthouse or fix the address" in message and time.monotonic() - t0 < 30
 
 
