@@ -54,7 +54,7 @@ def test_a_dead_trainers_writer_is_waited_for_then_stopped_and_a_live_ones_left_
     caplog.set_level(logging.INFO, "pitstop.ckpt")
     root = tmp_folder / "ckpt"
     # (a writer that finishes the save it holds within the wait: waited for, never killed)
-    p, writer = trainer(root, 3, "die", tmp_folder)
+    p, writer = trainer(root, 1.5, "die", tmp_folder)
     p.wait()
     t0 = time.monotonic()
     assert orphans.end_orphans(str(root), wait=20) == 1

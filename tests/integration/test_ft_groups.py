@@ -130,11 +130,11 @@ def test_a_quorum_that_does_not_form_in_time_discards_the_step_and_the_group_goe
 def test_a_group_whose_peers_are_gone_for_good_ends_in_one_line_after_a_bounded_wait(lighthouse):
     """strategy.min_replicas=2 and the other group never comes (gone for good): each step is discarded, and each
     discarded step would look like progress to hang detection; the group ends after five times the longest wait for
-    peers (quorum_timeout + 2 x timeout = 1 + 2 x 1 s here) instead of discarding steps forever."""
+    peers (quorum_timeout + 2 x timeout = 1 + 2 x 0.5 s here) instead of discarding steps forever."""
     from pitstop.strategy.ft_quorum import PeersGone
 
     cfg = OmegaConf.create({**CONFIG, "strategy": {"replica_id": 0, "lighthouse": lighthouse}})
-    group = ft_strategy(replicas=2, replica_id=0, lighthouse=lighthouse, timeout=1, quorum_timeout=1, min_replicas=2,
+    group = ft_strategy(replicas=2, replica_id=0, lighthouse=lighthouse, timeout=0.5, quorum_timeout=1, min_replicas=2,
                         cpu_threads=1)  # fmt: skip
     group.expect_config(cfg)
     group.setup()
@@ -147,4 +147,4 @@ def test_a_group_whose_peers_are_gone_for_good_ends_in_one_line_after_a_bounded_
     assert not any(committed) and len(errors) == 1 and isinstance(errors[0], PeersGone), errors
     text = str(errors[0])
     assert "\n" not in text and "committed no step for" in text and "strategy.min_replicas=2" in text
-    assert group.give_up_seconds() == 15 and 15 <= took < 15 + 3 * group.peer_wait_seconds()
+    assert group.give_up_seconds() == 10 and 10 <= took < 10 + 3 * group.peer_wait_seconds()

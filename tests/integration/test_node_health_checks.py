@@ -1,19 +1,19 @@
 """Node health's checks themselves (pitstop.launch.health) on real dirs, a real filesystem's free space, a real matmul
 and a real fork of a warm server: a dir that cannot be written, a checkpoint dir without room (the room threshold
 raised, and a real 256 KiB tmpfs where this runs as root), a slow matmul against what peers recorded, and the checks run
-in a fork as a launcher runs them; a refused node in one line from the command, exit 2."""
+in a fork as a launcher runs them. (The command's side, a refused node in one line with exit 2 and a matmul an
+attempt records, starts processes: tests/system/test_node_health_cli.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import multiprocessing as mp
+import subprocess
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import cli
 from pitstop.launch import health
 from pitstop.launch.health import checks
 
@@ -108,30 +108,17 @@ def test_the_checks_run_in_a_fork_of_a_warm_server_as_a_launcher_runs_them(make_
     assert [o.check for o in report.outcomes] == ["dirs", "memory", "matmul"]
 
 
-def test_a_command_on_a_node_that_fails_its_check_stops_in_one_line(data_root, tmp_path):
-    run = tmp_path / "run"
-    args = ["debug=tiny", "ckpt=sync_save", "trainer.max_restarts=1", f"run_dir={run}"]
-    p = cli([*args, "fault=bad_node", "fault.node=n7", "fault.how=unwritable"], data_root, tmp_path,
-            env=dict(os.environ, PITSTOP_NODE_NAME="n7"))  # fmt: skip
-    assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1] == (
-        f"error: ckpt.dir {run}/checkpoints is not writable (fault=bad_node: unwritable (injected)) (node n7 failed "
-        "its health check 'dirs'); the job has no other node (strategy.nnodes=1): fix the node and run again"
+def test_the_bad_node_fault_makes_only_its_nodes_checkpoint_dir_unwritable(make_cfg, tmp_path):
+    # (fault=bad_node, how=unwritable: what the launcher's check on that node finds; the command's exit 2 and its
+    # one line, with no attempt started, are tests/system/test_node_health_cli.py's)
+    cfg = _cfg(make_cfg, tmp_path, "fault=bad_node", "fault.node=n7", "fault.how=unwritable")
+    report = checks(cfg, str(tmp_path / "run"), "n7")
+    assert report.line() == (
+        f"ckpt.dir {tmp_path / 'run'}/checkpoints is not writable (fault=bad_node: unwritable (injected)) "
+        "(node n7 failed its health check 'dirs')"
     )
-    assert not (run / "goodput.json").exists() and not (run / "checkpoints").exists()  # (no attempt started)
-
-
-def test_an_attempt_that_sets_up_records_its_nodes_matmul_as_the_next_checks_reference(data_root, tmp_path):
-    run = tmp_path / "run"
-    args = ["debug=tiny", "trainer.max_steps=2", "trainer.max_restarts=1", f"run_dir={run}"]
-    env = dict(os.environ, PITSTOP_NODE_NAME="n7")
-    for _ in range(2):  # (the second check compares against the first's record)
-        p = cli(args, data_root, tmp_path, env=env)
-        assert p.returncode == 0, p.stderr[-3000:]
-    (first,) = health.timings(str(run))["n7"][:1]
-    assert len(health.timings(str(run))["n7"]) == 2 and first > 0
-    said = p.stdout + p.stderr  # (the second launch's check line names the first's timing as its reference)
-    assert "node n7 is healthy" in said and f"(reference {first * 1e3:.2f} ms)" in said, said[-3000:]
+    report = checks(cfg, str(tmp_path / "run"), "n1")  # (another node of the job: its dir is writable)
+    assert report.failed is None, report.line()
 
 
 def test_too_little_free_memory_fails_memory_naming_the_key(make_cfg, tmp_path):

@@ -39,6 +39,11 @@ def test_no_option_pitstop_ships_looks_like_a_secret(group):
         for option in options:
             cfg = compose("train", overrides=[f"{group}={option}"], return_hydra_config=True)
             assert find_secrets(cfg) == [], f"{group}={option}"
+
+
+def test_the_prepare_config_looks_like_no_secret():
+    register()
+    with initialize_config_dir(os.path.abspath(CONF), version_base="1.3"):
         assert find_secrets(compose("prepare", return_hydra_config=True)) == []
 
 

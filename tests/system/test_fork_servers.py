@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # (real processes: a launcher and its children, each a fresh interpreter)
 
 SCRIPT = """
 import multiprocessing as mp, sys
