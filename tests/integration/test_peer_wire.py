@@ -22,6 +22,8 @@ import traceback
 import pytest
 import torch.multiprocessing as mp
 
+import ranks
+
 pytestmark = pytest.mark.slow  # (two processes, a real gloo group)
 
 TIMEOUT = 30  # seconds: the gloo group's; every scenario must end well within it
@@ -356,15 +358,7 @@ def results(tmp_path_factory) -> dict:
     for r in (0, 1):
         os.makedirs(tmp / str(r), exist_ok=True)
         procs.append(ctx.Process(target=_rank, args=(r, port, str(tmp), q)))
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = ranks.results(procs, q, 240)
     for r in (0, 1):
         assert "error" not in got[r], got[r]["error"]
     return got

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ranks
 from pitstop.strategy.ddp import DDP
 
 pytestmark = pytest.mark.slow
@@ -53,14 +54,6 @@ def test_a_background_saves_collectives_and_the_loops_own_never_pair_up(tmp_path
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=60) for _ in procs)  # (on one shared group: a hang)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = ranks.results(procs, out, 60)  # (on one shared group: a hang)
     for r in (0, 1):
         assert results[r] == {"save": 21, "any": True, "object": {"from": 0}}, results
