@@ -104,6 +104,15 @@ def copy_dir(root: str, owner: int, step: int) -> str:
     return os.path.join(root, PEER_DIR, str(owner), os.path.basename(layout.step_dir(root, step)))
 
 
+def owner_dirs(root: str) -> list[tuple[int, str]]:
+    """``(owner, dir)`` of the copies a node's local dir holds, per owner node (``<root>/peer/<owner>/``), by owner;
+    none when ``peer/`` is missing or a link (never listed, written or deleted through)."""
+    peers = os.path.join(root, PEER_DIR)
+    if not os.path.isdir(peers) or layout.is_link(peers):
+        return []
+    return sorted((int(o), os.path.join(peers, o)) for o in os.listdir(peers) if o.isdigit())
+
+
 def make_copy_dir(root: str, owner: int, step: int) -> str:
     """The dir of node ``owner``'s copy of ``step`` under local root ``root``, made (0700) where missing;
     CorruptCheckpoint where a part of it below the root is a link or not a dir (a copy is never written through a
@@ -163,13 +172,10 @@ def holdings(root: str) -> list[Held]:
         held = read_marker(path, REPLICATED, step) or read_marker(path, OWN, step)
         if held is not None:
             out.append(held)
-    peers = os.path.join(root, PEER_DIR)
-    for owner in sorted(os.listdir(peers)) if os.path.isdir(peers) and not layout.is_link(peers) else []:
-        if not owner.isdigit():
-            continue
-        for step, path, _ in layout.list_checkpoints(os.path.join(peers, owner)):
+    for owner, where in owner_dirs(root):
+        for step, path, _ in layout.list_checkpoints(where):
             held = read_marker(path, COPIED, step)
-            if held is not None and held.owner == int(owner):
+            if held is not None and held.owner == owner:
                 out.append(held)
     return out
 
@@ -236,12 +242,7 @@ def purge(root: str, keep: int, up_to: int | None = None, marked: bool = True) -
     """A node's retention: its own checkpoints and its copies beyond the newest ``keep`` replicated (or copied) ones
     (``marked`` False, copies off: beyond the newest ``keep`` of its own), and, with ``up_to`` (a durable save of
     that step is committed), every one not newer than it."""
-    dirs = [root] + [
-        os.path.join(root, PEER_DIR, o)
-        for o in (os.listdir(os.path.join(root, PEER_DIR)) if os.path.isdir(os.path.join(root, PEER_DIR)) else [])
-        if o.isdigit()
-    ]
-    for where in dirs:
+    for where in [root, *(d for _, d in owner_dirs(root))]:
         name = REPLICATED if where == root else COPIED
         found = layout.list_checkpoints(where)
         done = [

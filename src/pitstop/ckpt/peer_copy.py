@@ -186,7 +186,7 @@ class Replicator:
     def forget(self, step: int) -> None:
         """Remove this node's copies of ``step`` (a new save of that step begins: an earlier one's copy, from before a
         restart, must not count for it)."""
-        for owner in _owners(self.root):
+        for owner, _ in peer.owner_dirs(self.root):
             layout.remove(peer.copy_dir(self.root, owner, step))
 
     def discard_after(self, step: int) -> None:
@@ -200,7 +200,7 @@ class Replicator:
         if not self.leads:
             return
         try:
-            dirs = [self.root, *(os.path.join(self.root, peer.PEER_DIR, str(o)) for o in _owners(self.root))]
+            dirs = [self.root, *(d for _, d in peer.owner_dirs(self.root))]
             found = [(s, path) for where in dirs for s, path, _ in layout.list_checkpoints(where) if s > step]
         except FINDINGS as e:
             log.error("the local dir %s cannot be listed to remove the rolled-back steps: %s", self.root, e)
@@ -417,8 +417,3 @@ def _copy_local(src: str, dst: str, ranks: list[int]) -> None:
         except OSError:
             integrity.write_durable(dst, name, integrity.read_file(os.path.join(src, name)), sync_dir=False)
         integrity.check_file(dst, name, files[name])
-
-
-def _owners(root: str) -> list[int]:
-    where = os.path.join(root, peer.PEER_DIR)
-    return sorted(int(o) for o in os.listdir(where) if o.isdigit()) if os.path.isdir(where) else []

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from pitstop.ckpt import layout
+from pitstop.ckpt import integrity, layout, peer
 from pitstop.errors import ConfigError
 from pitstop.resilience.fault import FaultContext, NoFault, _kill, check_step
 from pitstop.resilience.fault_record import fired_keys, note_fired, note_injected
@@ -43,15 +43,12 @@ def ring_of(checkpointer: Any) -> Any:
 
 def held_for(root: str, owner: int) -> list[str]:
     """The dirs of the copies this node's local tier holds for node ``owner`` (its index in the ring): every step
-    dir under ``<root>/peer/<owner>/`` (``pitstop.ckpt.peer``'s layout)."""
-    from pitstop.ckpt.layout import is_step_dir
-
-    where = os.path.join(root, "peer", str(owner))
-    names = sorted(os.listdir(where)) if os.path.isdir(where) and not os.path.islink(where) else []
-    return [os.path.join(where, n) for n in names if is_step_dir(n) and os.path.isdir(os.path.join(where, n))]
+    dir under ``<root>/peer/<owner>/`` (``pitstop.ckpt.peer``'s layout; a link is never one)."""
+    where = dict(peer.owner_dirs(root)).get(owner)
+    return [path for _, path, _ in layout.list_checkpoints(where)] if where is not None else []
 
 
-MARKERS = (".metadata", "CHECKSUMS", "COPIED", "REPLICATED", "COMMITTED")
+MARKERS = (layout.DCP_MARKER, integrity.MANIFEST, peer.COPIED, peer.REPLICATED, peer.OWN, layout.SAVE_MARKER)
 
 
 def corrupt(step_dir: str) -> int:
