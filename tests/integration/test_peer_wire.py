@@ -89,7 +89,7 @@ def _scenarios(rank: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     from pitstop.ckpt import integrity, peer_wire, throttle
-    from pitstop.ckpt.peer_wire import _one, _pair
+    from pitstop.ckpt.peer_wire import one_int, _pair
 
     other, out = 1 - rank, {}
 
@@ -131,7 +131,7 @@ def _scenarios(rank: int, tmp: str) -> dict:
     def bad(head, into="bad"):  # rank 0 announces ``head`` (then sends nothing unless told to), rank 1 receives
         if rank == 0:  # (what rank 0's files are: .metadata and __0_0.distcp)
             _pair(torch.tensor(head, dtype=torch.int64), 1, None, None, None)
-            return _one(None, None, 1, None)  # (the receiver's answer)
+            return one_int(None, None, 1, None)  # (the receiver's answer)
         return peer_wire.exchange(None, own, files, [], None, os.path.join(tmp, into), 0, [0], CHUNK)
 
     def head(*announced, chunk=CHUNK):  # ``announced``: (name, bytes) in the header's order
@@ -172,7 +172,7 @@ def _scenarios(rank: int, tmp: str) -> dict:
 
     def manifest():  # a restore's transfer whose manifest is announced beyond MANIFEST_MAX
         if rank == 0:
-            return _one(integrity.MANIFEST_MAX + 1, 1, 1, None)
+            return one_int(integrity.MANIFEST_MAX + 1, 1, 1, None)
         return peer_wire.recv_step(None, os.path.join(tmp, "man"), 0, [0], CHUNK)
 
     run("manifest", manifest)
@@ -187,9 +187,9 @@ def _scenarios(rank: int, tmp: str) -> dict:
 
     def sent_manifest(data: bytes, dst: str):  # rank 0 sends ``data`` as a restore's manifest, rank 1 receives it
         if rank == 0:
-            _one(len(data), 1, 1, None)
+            one_int(len(data), 1, 1, None)
             _pair(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1, None, None, None)
-            return _one(None, None, 1, None)  # (the receiver's answer: 0, refused)
+            return one_int(None, None, 1, None)  # (the receiver's answer: 0, refused)
         return peer_wire.recv_step(None, dst, 0, [0], CHUNK)
 
     garbage, outside = os.path.join(tmp, "garbage"), os.path.join(tmp, "outside")

@@ -88,16 +88,13 @@ class Replicator:
     def _handshake(self) -> None:
         """Every rank greets its partner on both sides: one that cannot be reached stops the run here."""
         to, of = self.ring.send_to(self.rank), self.ring.recv_from(self.rank)
-        got = torch.zeros(1, dtype=torch.int64)
-        problem = None
+        got, problem = -1, None
         try:
-            works = [dist.isend(torch.tensor([self.node]), to, group=self.group), dist.irecv(got, of, group=self.group)]
-            for w in works:
-                w.wait()
+            got = peer_wire.one_int(self.node, to, of, self.group)
         except RuntimeError as e:
             problem = one_line(e)
-        if problem is None and int(got) != self.ring.node_of[of]:
-            problem = f"it answered as node {int(got)}"
+        if problem is None and got != self.ring.node_of[of]:
+            problem = f"it answered as node {got}"
         if self.strategy.any(problem is not None):
             names = self.ring.nodes
             raise ConfigError(

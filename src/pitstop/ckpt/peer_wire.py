@@ -47,7 +47,7 @@ def _pair(send: torch.Tensor | None, to: int | None, recv: torch.Tensor | None, 
         w.wait()
 
 
-def _one(value: int | None, to: int | None, of: int | None, group) -> int:
+def one_int(value: int | None, to: int | None, of: int | None, group) -> int:
     """Send ``value`` to ``to`` and receive one int64 from ``of``; what was received (0 when none)."""
     got = torch.zeros(1, dtype=torch.int64)
     _pair(None if value is None else torch.tensor([value], dtype=torch.int64), to, got, of, group)
@@ -162,7 +162,7 @@ def exchange(
                     writers.append(os.open(there, _CREATE, 0o600))
             except FINDINGS as e:
                 problem, coming = e, []
-        answer = _one(None if of is None else int(problem is None), of, to, group)
+        answer = one_int(None if of is None else int(problem is None), of, to, group)
         if to is not None and not answer:
             sizes_out = []  # (refused: nothing more to send)
         short = _stream(group, readers, sizes_out, to, writers, [s for _, s in coming], of, chunk)
@@ -246,13 +246,13 @@ def send_step(group, src: str, ranks: list[int], to: int, chunk: int = CHUNK) ->
         files = integrity.read_manifest(src)
     except FINDINGS as e:
         data, mine = b"", e
-    if not _one(len(data), to, to, group):
+    if not one_int(len(data), to, to, group):
         if mine is not None:
             raise mine
         raise CheckpointError(f"the peer rank {to} refused the manifest of {src} (its log says why)")
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     _pair(buf, to, None, None, group)
-    if not _one(None, None, to, group):
+    if not one_int(None, None, to, group):
         raise CheckpointError(f"the peer rank {to} refused the manifest of {src} (its log says why)")
     exchange(group, src, files, ranks, to, src, None, [], chunk)
 
@@ -262,9 +262,9 @@ def recv_step(group, dst: str, of: int, ranks: list[int], chunk: int = CHUNK) ->
     that differs from ``dst``'s own is refused; ``dst`` must be a dir of its own, not a link; the manifest is checked
     from the bytes received before it is written, and removed again when it does not read back as a manifest), then
     the files of ``ranks``, checked against it."""
-    size = _one(None, None, of, group)
+    size = one_int(None, None, of, group)
     ok = 0 < size <= integrity.MANIFEST_MAX
-    _one(int(ok), of, None, group)
+    one_int(int(ok), of, None, group)
     if not ok:
         raise CheckpointError(f"the peer rank {of} could not send the checkpoint's manifest ({size} bytes)")
     buf = torch.empty(size, dtype=torch.uint8)
@@ -290,7 +290,7 @@ def recv_step(group, dst: str, of: int, ranks: list[int], chunk: int = CHUNK) ->
                 os.remove(have)
             except OSError:
                 pass
-    _one(int(problem is None), of, None, group)
+    one_int(int(problem is None), of, None, group)
     if problem is not None:
         raise problem
     exchange(group, dst, files, [], None, dst, of, ranks, chunk)
