@@ -137,6 +137,8 @@ class Checkpointer(ABC):
     load_callbacks: tuple[Callable[[str], None], ...] = ()
     pinned: int | None = None
     """Retention keeps the newest checkpoint at or before this step (a rollback's target)."""
+    restored_from: str | None = None
+    """The tier the last restore read (``local``, ``peer`` or ``durable``); None: nothing was restored."""
 
     def on_load(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(path)`` as a restore starts reading a checkpoint it verified (fault injection)."""

@@ -102,7 +102,6 @@ class CheckpointManager(Checkpointer):
         self._sd = dcp.StateDicts(self.full_state)  # DCP's per-run state-dict analysis, kept
         self.last_started = self.last_durable = self.last_committed = None
         self.replicator: Replicator | None = None  # ckpt.local.replicas=1: made in setup()
-        self.restored_from: str | None = None  # the tier the restore read: local, peer or durable
 
     # ---- wiring -------------------------------------------------------------------------------------
     def setup(
@@ -164,7 +163,7 @@ class CheckpointManager(Checkpointer):
             choice, tiers = fallback.with_peers(peers, choice)
 
         def load(path: str) -> None:
-            self.restored_from = tiers.get(path) or fallback.tier_of(path, local_root)
+            self.restored_from = fallback.tier_of(path, local_root, tiers)
             self._load(path, target)
 
         step = fallback.first_loadable(

@@ -191,13 +191,17 @@ def first_loadable(
                     f"fix or move the directory, or set ckpt.load=none to start over"
                 ) from error
             continue
-        tier = (tiers or {}).get(path) or tier_of(path, local_root)
+        tier = tier_of(path, local_root, tiers)
         log.info("restored %s (step %d, %s tier) in %.2f s", path, step(), tier, time.perf_counter() - t0)
         return step()
     return None
 
 
-def tier_of(path: str, local_root: str | None) -> str:
+def tier_of(path: str, local_root: str | None, tiers: dict[str, str] | None = None) -> str:
+    """The tier checkpoint ``path`` is read from: as ``tiers`` names it (:func:`with_peers`: ``local`` or ``peer``),
+    else ``local`` under the local tier's root, else ``durable``."""
+    if tiers and path in tiers:
+        return tiers[path]
     return "local" if local_root is not None and path.startswith(local_root + os.sep) else "durable"
 
 

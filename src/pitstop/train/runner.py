@@ -245,7 +245,7 @@ class Runner:
             self.strategy.world_size,
             self.data.index.num_samples("train"),
             epochs,
-            getattr(self.ckpt, "restored_from", None),
+            self.ckpt.restored_from,
         )
         self.loader.warm()  # (loader=cached) the position's first shards, if not asked for at build
         if self.strategy.is_main:
