@@ -15,44 +15,54 @@ import time
 from typing import IO
 
 
-class ThrottledFile(io.RawIOBase):
-    """A writable file that passes bytes through at most ``mbps`` MB/s (1 MB = 1e6 bytes)."""
+MB_CHUNK = 1 << 20  # bytes passed to the file at a time, each followed by its wait
+
+
+class _Paced(io.RawIOBase):
+    """A file whose bytes pass at most ``mbps`` MB/s (1 MB = 1e6 bytes): a token bucket over wall-clock time."""
 
     def __init__(self, raw: IO[bytes], mbps: float):
         super().__init__()
         self.raw, self.rate = raw, float(mbps) * 1e6
-        self.t0, self.sent = time.monotonic(), 0
+        self.t0, self.moved = time.monotonic(), 0
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b).cast("B")
-        chunk = 1 << 20
-        for i in range(0, len(view), chunk):
-            part = view[i : i + chunk]
-            self.raw.write(part)
-            self.sent += len(part)
-            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
-            if ahead > 0:
-                time.sleep(ahead)
-        return len(view)
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
+    def _pace(self, n: int) -> None:
+        """``n`` more bytes passed: wait until the rate allows them."""
+        self.moved += n
+        ahead = self.moved / self.rate - (time.monotonic() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
 
     def tell(self) -> int:
         return self.raw.tell()
-
-    def seekable(self) -> bool:
-        return self.raw.seekable()
 
     def seek(self, offset: int, whence: int = 0) -> int:
         return self.raw.seek(offset, whence)
 
     def fileno(self) -> int:
         return self.raw.fileno()
+
+
+class ThrottledFile(_Paced):
+    """A writable file that passes bytes through at most ``mbps`` MB/s."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b).cast("B")
+        for i in range(0, len(view), MB_CHUNK):
+            part = view[i : i + MB_CHUNK]
+            self.raw.write(part)
+            self._pace(len(part))
+        return len(view)
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def seekable(self) -> bool:
+        return self.raw.seekable()
 
     def close(self) -> None:
         if not self.raw.closed:
@@ -61,43 +71,26 @@ class ThrottledFile(io.RawIOBase):
         super().close()
 
 
-class ThrottledReader(io.RawIOBase):
+class ThrottledReader(_Paced):
     """A readable file (seekable, as DCP's reads need) that passes bytes through at most ``mbps`` MB/s."""
-
-    def __init__(self, raw: io.FileIO, mbps: float):
-        super().__init__()
-        self.raw, self.rate = raw, float(mbps) * 1e6
-        self.t0, self.got = time.monotonic(), 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:  # type: ignore[override]
         """Fills ``b`` as a file on a disk does (a short read only at the end of the file: callers read a small file
-        whole with one ``read(n)``), 1 MB at a time, each followed by its wait."""
+        whole with one ``read(n)``), :data:`MB_CHUNK` at a time, each followed by its wait."""
         view, n = memoryview(b).cast("B"), 0
         while n < len(view):
-            got = self.raw.readinto(view[n : n + (1 << 20)]) or 0
+            got = self.raw.readinto(view[n : n + MB_CHUNK]) or 0
             if not got:
                 break
             n += got
-            self.got += got
-            ahead = self.got / self.rate - (time.monotonic() - self.t0)
-            if ahead > 0:
-                time.sleep(ahead)
+            self._pace(got)
         return n
 
     def seekable(self) -> bool:
         return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.raw.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
 
     def close(self) -> None:
         self.raw.close()
