@@ -251,6 +251,7 @@ def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_
     # real processes (forked), real SIGKILLs and dirs; the ring of ckpt.local.replicas over nodes n1, n2, n3: n2's
     # copies are held by n3
     import json
+    import logging
     import os
     import signal
     from types import SimpleNamespace
@@ -261,25 +262,43 @@ def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_
 
     nodes = ring(["n1", "n2", "n3"])
 
-    def run(here: str, partner: str, rank: int = 0) -> tuple[int | None, bool]:
-        """``after_step(5)`` in a process on node ``here``: how it ended (a signal, or None) and whether its local
-        dir is left."""
-        run_dir, root = tmp_path / f"{here}_{partner}", tmp_path / f"{here}_{partner}" / "shm"
+    def run(
+        here: str, partner: str, rank: int = 0, copies: dict | None = None, wait: bool = True, last: int = 5
+    ) -> tuple[int | None, bool]:
+        """``after_step(4..last)`` in a process on node ``here``, its replicator acknowledging a copy of save ``s``
+        after step ``k`` for each ``k: s`` of ``copies`` (default: one of step 5 before step 5 ends): how it ended (a
+        signal, or None) and whether its local dir is left; the kill's line is in ``<run_dir>/said``."""
+        tag = f"{here}_{partner}_{rank}_{wait}_{sorted((copies or {}).items())}"
+        run_dir, root = tmp_path / tag, tmp_path / tag / "shm"
         (root / "step_00000005").mkdir(parents=True)
-        ckpt = SimpleNamespace(local=SimpleNamespace(root=str(root)), replicator=SimpleNamespace(ring=nodes))
+        copier = SimpleNamespace(ring=nodes, broken=None, copies=[])
+        ckpt = SimpleNamespace(local=SimpleNamespace(root=str(root)), replicator=copier)
         ctx = FaultContext(str(run_dir), rank, 3, 10, 1, 0.0, ckpt)
         monkeypatch.setenv("PITSTOP_NODE_NAME", here)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
-            fault = NodeLoss("n2", 5, partner)
+            said = logging.FileHandler(run_dir / "said")
+            logging.getLogger("pitstop").addHandler(said)
+            fault = NodeLoss("n2", 5, partner, wait)
             fault.bind(ctx)
-            fault.after_step(4)
-            fault.after_step(5)
+            for step in range(4, last + 1):
+                copier.copies += [(s, 0.1, 10) for k, s in (copies or {4: 5}).items() if k == step - 1]
+                fault.after_step(step)
+                said.flush()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         return (os.WTERMSIG(status) if os.WIFSIGNALED(status) else None), root.exists()
 
     assert run("n2", "keep") == (signal.SIGKILL, False)  # the lost node
+    said = (next(tmp_path.glob("n2_keep_0_True_*")) / "said").read_text()
+    assert "SIGKILL (node n2 lost at step 5; its partner holds its copy of step 5)" in said
+    # no copy acknowledged by step 5: it waits for one (said once), and goes at the end of the step that finds it
+    assert run("n2", "keep", copies={7: 5}, last=9) == (signal.SIGKILL, False)
+    said = (next(tmp_path.glob("n2_keep_0_True_[[](7*")) / "said").read_text()
+    assert said.count("is lost once its partner holds a copy") == 1, said
+    assert "node n2 lost at step 8; its partner holds its copy of step 5" in said
+    assert run("n2", "keep", copies={}, last=9) == (None, True)  # (no copy ever: the run ends, the node not lost)
+    assert run("n2", "keep", copies={}, wait=False) == (signal.SIGKILL, False)  # (not waited for: at fault.step)
     assert run("n3", "keep") == (None, True) and run("n3", "corrupt") == (None, True)  # its partner, kept
     assert run("n3", "lost") == (signal.SIGKILL, False)  # its partner, lost too
     assert run("n1", "lost") == (None, True)  # not its partner
@@ -289,7 +308,8 @@ def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_
     copy.mkdir(parents=True)
     (copy / "__1_0.distcp").write_bytes(b"abc")
     (run_dir / "faults.jsonl").write_text(json.dumps({"key": "lose_node@5/n2/rank1", "time": 0, "pid": 1}) + "\n")
-    ckpt = SimpleNamespace(local=SimpleNamespace(root=str(run_dir / "shm")), replicator=SimpleNamespace(ring=nodes))
+    copier = SimpleNamespace(ring=nodes, broken=None, copies=[])
+    ckpt = SimpleNamespace(local=SimpleNamespace(root=str(run_dir / "shm")), replicator=copier)
     monkeypatch.setenv("PITSTOP_NODE_NAME", "n3")
     for _ in range(2):  # (the next restart does not flip it back)
         NodeLoss("n2", 5, "corrupt").bind(FaultContext(str(run_dir), 2, 3, 10, 1, 0.0, ckpt))

@@ -173,6 +173,12 @@ class LoseNode(NoFault):
         "the restart finds them wrong: the durable tier) | lost (lost too: the durable tier)",
         check=OneOf("keep", "corrupt", "lost"),
     )
+    wait_for_copy: bool = key(
+        True,
+        "lose it at the end of the first step from `step` on at which its partner holds a copy of one of its saves "
+        "(a loaded machine may not have copied one by `step`); false: at `step` whatever is held. Not with "
+        "partner=lost (both at `step`)",
+    )
 
 
 # ---- logger --------------------------------------------------------------------------------------------

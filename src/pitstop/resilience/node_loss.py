@@ -4,6 +4,12 @@ it holds for its partner, ``ckpt.local.replicas``) and kills itself (SIGKILL) at
 per run dir. The restarted job finds that node empty: its ranks restore from the copy its partner holds, or, without
 one, from the durable tier (``ckpt.dir``).
 
+``fault.wait_for_copy`` (on by default): the loss is meant to show what a copy buys, and on a loaded machine no copy
+may have travelled by ``fault.step`` (a copy overtaken by a newer save is skipped), so the node is lost at the end of
+the first step from ``fault.step`` on at which its partner holds a copy of one of its saves (what its replicator
+recorded as acknowledged), said in the kill's line; copies off or broken, at ``fault.step``. With ``partner=lost``
+both nodes are lost at ``fault.step`` (no copy survives either way, and both must fire in the same attempt).
+
 ``fault.partner`` says what happens to the node that holds the lost node's copies (the next node in the ring of
 ``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it); ``corrupt`` (as the job restarts
 after the loss, before its restore, the partner's first process flips a byte in every data file of every copy the
@@ -73,12 +79,21 @@ def corrupt(step_dir: str) -> int:
 class NodeLoss(NoFault):
     name = "lose_node"
 
-    def __init__(self, node: str, step: int, partner: str = "keep", replica: int | str | None = None):
+    def __init__(
+        self,
+        node: str,
+        step: int,
+        partner: str = "keep",
+        wait_for_copy: bool = True,
+        replica: int | str | None = None,
+    ):
         super().__init__(replica)
         if partner not in PARTNER:
             raise ConfigError(f"fault.partner={partner!r}: use one of {', '.join(PARTNER)}")
         self.node, self.step, self.partner = str(node), int(step), partner
+        self.wait_for_copy = bool(wait_for_copy) and partner != "lost"
         self.armed = False
+        self.waiting = False
 
     def key(self) -> str:
         return f"{self.name}@{self.step}/{self.node}"
@@ -115,14 +130,37 @@ class NodeLoss(NoFault):
             self.node,
         )
 
+    def _copied(self) -> tuple[bool, int | None]:
+        """Whether the lost node may go now, and the newest step of its saves its partner acknowledged a copy of
+        (None: none, or not waited for). Copies off (no replicator) or stopped (``broken``): it goes at once."""
+        copier = getattr(self.ctx.checkpointer, "replicator", None)
+        if not self.wait_for_copy or copier is None or copier.broken is not None:
+            return True, None
+        done = list(copier.copies)  # (appended by the copy's thread once every rank agreed it is held)
+        return bool(done), (max(s for s, _, _ in done) if done else None)
+
     def after_step(self, step: int) -> None:
-        if not self.armed or step != self.step:
+        if not self.armed or step < self.step or (step > self.step and not self.waiting):
             return
-        self.armed = False
         root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
         if self.here == self.node:
-            self._lose(root, f"node {self.node} lost at step {step}")
-        elif self.partner == "lost" and ring is not None and self.node in ring.nodes:
+            go, copied = self._copied()
+            if not go:
+                if not self.waiting:
+                    log.warning(
+                        "fault injection: node %s is lost once its partner holds a copy of one of its saves (none "
+                        "yet at step %d; fault.wait_for_copy=false: at fault.step whatever is held)",
+                        self.node,
+                        step,
+                    )
+                self.waiting = True
+                return
+            self.armed = False
+            held = "" if copied is None else f"; its partner holds its copy of step {copied}"
+            self._lose(root, f"node {self.node} lost at step {step}{held}")
+            return
+        self.armed = False
+        if self.partner == "lost" and ring is not None and self.node in ring.nodes:
             lost = ring.nodes.index(self.node)
             if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
                 self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
