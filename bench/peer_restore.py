@@ -24,6 +24,10 @@ parameters as a run without a loss (params_sha256): the figures are of runs that
 Target: recovery from the peer >= 5x faster than from the durable tier; the loop's blocking time per local save
 unchanged within noise (<= 1.25x).
 
+Each "node" gets its share of the machine's cores (``strategy.cpu_threads=1``): a rank of a one-rank node would
+otherwise take every core, and two ranks with two OpenMP threads each on two cores spin against each other for
+their first steps (~0.4 s of the first step of every attempt, measured; a real node's cores are its own).
+
 What it leaves out: both "nodes" share one machine's memory, disk and cores, and the copy crosses loopback, not a
 network; a small CNN (under 1 MB of state), so the durable tier's slow reads cost little here (at 20 MB/s, ~0.1 s
 for the restore's check and load) and its extra cost is the older step and the steps done again; the restart itself
@@ -90,6 +94,7 @@ def job(a: argparse.Namespace) -> list[str]:
         "strategy=ddp",
         "strategy.nproc_per_node=1",
         "strategy.nnodes=2",
+        "strategy.cpu_threads=1",  # (each "node" its own core, as a node has its own: see the module's docstring)
         "strategy.timeout=60",
         "logger=none",
         "trainer.progress_bar=false",

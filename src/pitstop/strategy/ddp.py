@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Callable, ContextManager, TypeVar
 
@@ -97,6 +98,8 @@ class DDP(Single):
         hosts = not use_agent and self.rank == 0
         if hosts and is_loopback(host):  # (a job on one machine: the launcher named loopback, see launch/elastic.py)
             return loopback_store(port, self.world_size, timeout)
+        if not use_agent and not hosts:  # (rank 0's fresh store may not listen yet: see wait_listening)
+            wait_listening(host, port, self.timeout, self.world_size)
         store = dist.TCPStore(host, port, self.world_size, is_master=hosts, timeout=timeout)
         if not use_agent:  # our rank 0 hosts a fresh store for this rendezvous round: no stale keys
             return store
@@ -183,6 +186,26 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def wait_listening(host: str, port: int, timeout: float, world_size: int) -> float:
+    """Wait until ``host:port`` (rank 0's store of this rendezvous round) accepts a connection, trying every
+    ``world_size / 10,000`` s (between 0.01 s and 1 s), at most ``timeout`` s; the seconds waited. A rank that asks
+    TCPStore to connect before rank 0 listens is put off by TCPStore's own back-off (~0.5 s, then ~1 s, measured on
+    torch 2.14) though rank 0 may listen a few ms later: every start and restart of a job whose ranks do not all
+    start at once paid it (up to 0.7 s of a 1.5 s recovery, ``bench/peer_restore.py``). Its own connection is made
+    after this one succeeded: at once. Probes stay under ~10,000 a second whatever the job's size; a store that never
+    listens is TCPStore's own error after this (its timeout), as before."""
+    every = min(1.0, max(0.01, world_size / 10_000))
+    t0 = time.monotonic()
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(every, 0.1)).close()
+            return time.monotonic() - t0
+        except OSError:
+            if time.monotonic() - t0 + every > timeout:
+                return time.monotonic() - t0
+            time.sleep(every)
 
 
 def loopback_store(port: int, world_size: int, timeout: timedelta, wait_for_workers: bool = True) -> dist.TCPStore:
