@@ -130,8 +130,13 @@ def references(data_root, tmp_path_factory):
 def lose_node_b(tmp_path, data_root, run_dir, after: int, extra: list[str]) -> int:
     """Run until a local save of a step past ``after`` (and newer than the durable tier's) is copied both ways (each
     node's leader marks its own REPLICATED after the agreement, in its own time: b's marker alone does not say a's is
-    written), then lose the job and node b's local dir; the newest step b's copy holds."""
-    first = agents(tmp_path, data_root, run_dir, extra, "first")
+    written), then lose the job and node b's local dir; the newest step b's copy holds. The job stops responding at
+    the end of step ``after + 3`` (rank 1 sleeps; no hang detection), before the next durable save (``after`` + 4,
+    a multiple of 6): that save's retention would otherwise remove the copies of its step and older ones if it came
+    before the loss (on a loaded machine it did)."""
+    assert (after + 4) % 6 == 0, "the stall must come before the next durable save (ckpt.interval_steps=6)"
+    stall = ["fault=stall", f"fault.step={after + 3}", "fault.rank=1", "trainer.hang.enabled=false"]
+    first = agents(tmp_path, data_root, run_dir, [*extra, *stall], "first")
     both = lambda: set(replicated(tmp_path / "shm_a", after)) & set(replicated(tmp_path / "shm_b", after))  # noqa: E731
     try:
         wait_for(both, 180, first)

@@ -262,18 +262,21 @@ def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_
 
     nodes = ring(["n1", "n2", "n3"])
 
+    runs = iter(range(100))
+
     def run(
-        here: str, partner: str, rank: int = 0, copies: dict | None = None, wait: bool = True, last: int = 5
-    ) -> tuple[int | None, bool]:
-        """``after_step(4..last)`` in a process on node ``here``, its replicator acknowledging a copy of save ``s``
-        after step ``k`` for each ``k: s`` of ``copies`` (default: one of step 5 before step 5 ends): how it ended (a
-        signal, or None) and whether its local dir is left; the kill's line is in ``<run_dir>/said``."""
-        tag = f"{here}_{partner}_{rank}_{wait}_{sorted((copies or {}).items())}"
-        run_dir, root = tmp_path / tag, tmp_path / tag / "shm"
+        here: str, partner: str, copies: dict | None = None, wait: bool = True, last: int = 5, broken: str | None = None
+    ) -> tuple[int | None, bool, str]:
+        """``after_step(4..last)`` in a process on node ``here`` (its own run dir), its replicator acknowledging a copy
+        of save ``s`` after step ``k`` for each ``k: s`` of ``copies`` (None: one of step 5 before step 5 ends), the
+        job's ranks agreeing as this one does (one process: ``any`` is its own flag): how it ended (a signal, or None),
+        whether its local dir is left, and what it logged."""
+        run_dir = tmp_path / f"{here}_{partner}_{next(runs)}"
+        root = run_dir / "shm"
         (root / "step_00000005").mkdir(parents=True)
-        copier = SimpleNamespace(ring=nodes, broken=None, copies=[])
+        copier = SimpleNamespace(ring=nodes, broken=broken, copies=[], strategy=SimpleNamespace(any=bool))
         ckpt = SimpleNamespace(local=SimpleNamespace(root=str(root)), replicator=copier)
-        ctx = FaultContext(str(run_dir), rank, 3, 10, 1, 0.0, ckpt)
+        ctx = FaultContext(str(run_dir), 0, 3, 10, 1, 0.0, ckpt)
         monkeypatch.setenv("PITSTOP_NODE_NAME", here)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
@@ -282,33 +285,43 @@ def test_fault_lose_node_kills_and_clears_the_lost_node_and_its_partner_only_as_
             fault = NodeLoss("n2", 5, partner, wait)
             fault.bind(ctx)
             for step in range(4, last + 1):
-                copier.copies += [(s, 0.1, 10) for k, s in (copies or {4: 5}).items() if k == step - 1]
+                acked = {4: 5} if copies is None else copies
+                copier.copies += [(s, 0.1, 10) for k, s in acked.items() if k == step - 1]
                 fault.after_step(step)
                 said.flush()
+            fault.close()
+            said.flush()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
-        return (os.WTERMSIG(status) if os.WIFSIGNALED(status) else None), root.exists()
+        said = (run_dir / "said").read_text() if (run_dir / "said").exists() else ""
+        return (os.WTERMSIG(status) if os.WIFSIGNALED(status) else None), root.exists(), said
 
-    assert run("n2", "keep") == (signal.SIGKILL, False)  # the lost node
-    said = (next(tmp_path.glob("n2_keep_0_True_*")) / "said").read_text()
+    lost, left, said = run("n2", "keep")  # the lost node
+    assert (lost, left) == (signal.SIGKILL, False)
     assert "SIGKILL (node n2 lost at step 5; its partner holds its copy of step 5)" in said
     # no copy acknowledged by step 5: it waits for one (said once), and goes at the end of the step that finds it
-    assert run("n2", "keep", copies={7: 5}, last=9) == (signal.SIGKILL, False)
-    said = (next(tmp_path.glob("n2_keep_0_True_[[](7*")) / "said").read_text()
+    lost, left, said = run("n2", "keep", copies={7: 5}, last=9)
+    assert (lost, left) == (signal.SIGKILL, False)
     assert said.count("is lost once its partner holds a copy") == 1, said
     assert "node n2 lost at step 8; its partner holds its copy of step 5" in said
-    assert run("n2", "keep", copies={}, last=9) == (None, True)  # (no copy ever: the run ends, the node not lost)
-    assert run("n2", "keep", copies={}, wait=False) == (signal.SIGKILL, False)  # (not waited for: at fault.step)
-    assert run("n3", "keep") == (None, True) and run("n3", "corrupt") == (None, True)  # its partner, kept
-    assert run("n3", "lost") == (signal.SIGKILL, False)  # its partner, lost too
-    assert run("n1", "lost") == (None, True)  # not its partner
+    # no copy ever: the run ends without the loss, said
+    lost, left, said = run("n2", "keep", copies={}, last=9)
+    assert (lost, left) == (None, True) and "n2 was not lost: the run ended before" in said, said
+    # copies stopped (a partner gone): at once; not waited for: at fault.step, whatever is held
+    lost, left, said = run("n2", "keep", copies={}, broken="gone")
+    assert (lost, left) == (signal.SIGKILL, False) and "SIGKILL (node n2 lost at step 5)" in said, said
+    lost, left, said = run("n2", "keep", copies={}, wait=False)
+    assert (lost, left) == (signal.SIGKILL, False) and "SIGKILL (node n2 lost at step 5)" in said, said
+    assert run("n3", "keep")[:2] == (None, True) and run("n3", "corrupt")[:2] == (None, True)  # its partner, kept
+    assert run("n3", "lost")[:2] == (signal.SIGKILL, False)  # its partner, lost too
+    assert run("n1", "lost")[:2] == (None, True)  # not its partner
     # corrupt: as the job restarts (the loss on record), the partner's first rank corrupts the copies it holds, once
     run_dir = tmp_path / "n3_corrupt"
     copy = run_dir / "shm" / "peer" / "1" / "step_00000005"
     copy.mkdir(parents=True)
     (copy / "__1_0.distcp").write_bytes(b"abc")
     (run_dir / "faults.jsonl").write_text(json.dumps({"key": "lose_node@5/n2/rank1", "time": 0, "pid": 1}) + "\n")
-    copier = SimpleNamespace(ring=nodes, broken=None, copies=[])
+    copier = SimpleNamespace(ring=nodes, broken=None, copies=[], strategy=SimpleNamespace(any=bool))
     ckpt = SimpleNamespace(local=SimpleNamespace(root=str(run_dir / "shm")), replicator=copier)
     monkeypatch.setenv("PITSTOP_NODE_NAME", "n3")
     for _ in range(2):  # (the next restart does not flip it back)

@@ -6,9 +6,11 @@ one, from the durable tier (``ckpt.dir``).
 
 ``fault.wait_for_copy`` (on by default): the loss is meant to show what a copy buys, and on a loaded machine no copy
 may have travelled by ``fault.step`` (a copy overtaken by a newer save is skipped), so the node is lost at the end of
-the first step from ``fault.step`` on at which its partner holds a copy of one of its saves (what its replicator
-recorded as acknowledged), said in the kill's line; copies off or broken, at ``fault.step``. With ``partner=lost``
-both nodes are lost at ``fault.step`` (no copy survives either way, and both must fire in the same attempt).
+the first step from ``fault.step`` on at which its partner holds a copy of one of its saves (what a replicator of the
+node recorded as acknowledged; every rank agrees on that step, so all of the node's processes go together), said in
+the kill's line; with copies off or stopped, at once. A run that ends first ends without the loss, said in one line.
+With ``partner=lost`` both nodes are lost at ``fault.step`` (no copy survives either way, and both must fire in the
+same attempt).
 
 ``fault.partner`` says what happens to the node that holds the lost node's copies (the next node in the ring of
 ``pitstop.ckpt.peer``): ``keep`` (nothing: the lost node's ranks restore from it); ``corrupt`` (as the job restarts
@@ -130,23 +132,27 @@ class NodeLoss(NoFault):
             self.node,
         )
 
-    def _copied(self) -> tuple[bool, int | None]:
-        """Whether the lost node may go now, and the newest step of its saves its partner acknowledged a copy of
-        (None: none, or not waited for). Copies off (no replicator) or stopped (``broken``): it goes at once."""
-        copier = getattr(self.ctx.checkpointer, "replicator", None)
-        if not self.wait_for_copy or copier is None or copier.broken is not None:
-            return True, None
+    def _copier(self) -> Any:
+        """The replicator whose acknowledged copies the loss waits for; None when it does not wait (not asked, copies
+        off, or ``partner=lost``)."""
+        return getattr(self.ctx.checkpointer, "replicator", None) if self.wait_for_copy else None
+
+    def _copied(self, copier: Any) -> tuple[bool, int | None]:
+        """Whether this process's replicator lets the lost node go now (a copy acknowledged, or copies stopped), and
+        the newest step of its saves acknowledged (None: none)."""
         done = list(copier.copies)  # (appended by the copy's thread once every rank agreed it is held)
-        return bool(done), (max(s for s, _, _ in done) if done else None)
+        newest = max(s for s, _, _ in done) if done else None
+        return bool(done) or copier.broken is not None, newest
 
     def after_step(self, step: int) -> None:
-        if not self.armed or step < self.step or (step > self.step and not self.waiting):
+        if not self.armed or step < self.step:
             return
         root, ring = local_root(self.ctx.checkpointer), ring_of(self.ctx.checkpointer)
-        if self.here == self.node:
-            go, copied = self._copied()
-            if not go:
-                if not self.waiting:
+        copier, held = self._copier(), None
+        if copier is not None:  # every rank, every step from fault.step on, until the loss: one small collective
+            go, held = self._copied(copier) if self.here == self.node else (False, None)
+            if not copier.strategy.any(go):
+                if not self.waiting and self.here == self.node:
                     log.warning(
                         "fault injection: node %s is lost once its partner holds a copy of one of its saves (none "
                         "yet at step %d; fault.wait_for_copy=false: at fault.step whatever is held)",
@@ -155,15 +161,24 @@ class NodeLoss(NoFault):
                     )
                 self.waiting = True
                 return
-            self.armed = False
-            held = "" if copied is None else f"; its partner holds its copy of step {copied}"
-            self._lose(root, f"node {self.node} lost at step {step}{held}")
+        elif step != self.step:
             return
-        self.armed = False
-        if self.partner == "lost" and ring is not None and self.node in ring.nodes:
+        self.armed = self.waiting = False
+        if self.here == self.node:
+            tail = "" if held is None else f"; its partner holds its copy of step {held}"
+            self._lose(root, f"node {self.node} lost at step {step}{tail}")
+        elif self.partner == "lost" and ring is not None and self.node in ring.nodes:
             lost = ring.nodes.index(self.node)
             if ring.nodes[(lost + 1) % len(ring.nodes)] == self.here:  # this node holds the lost node's copies
                 self._lose(root, f"node {self.here}, the partner of lost node {self.node}, lost too at step {step}")
+
+    def close(self) -> None:
+        if self.armed and self.waiting and self.here == self.node:
+            log.warning(
+                "fault injection: node %s was not lost: the run ended before its partner held a copy of one of its "
+                "saves (fault.wait_for_copy)",
+                self.node,
+            )
 
     def _lose(self, root: str | None, why: str) -> None:
         note_fired(self.ctx.run_dir, f"{self.key()}/rank{self.ctx.rank}")  # (before the kill: a launcher reads it)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import random
 import socket
 import time
 from datetime import timedelta
@@ -99,7 +100,9 @@ class DDP(Single):
         if hosts and is_loopback(host):  # (a job on one machine: the launcher named loopback, see launch/elastic.py)
             return loopback_store(port, self.world_size, timeout)
         if not use_agent and not hosts:  # (rank 0's fresh store may not listen yet: see wait_listening)
-            wait_listening(host, port, self.timeout, self.world_size)
+            t0 = time.monotonic()
+            if not wait_listening(host, port, self.timeout, self.world_size):  # (TCPStore's own error, in what is
+                timeout = timedelta(seconds=max(1.0, self.timeout - (time.monotonic() - t0)))  # left of the timeout)
         store = dist.TCPStore(host, port, self.world_size, is_master=hosts, timeout=timeout)
         if not use_agent:  # our rank 0 hosts a fresh store for this rendezvous round: no stale keys
             return store
@@ -188,24 +191,34 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def wait_listening(host: str, port: int, timeout: float, world_size: int) -> float:
-    """Wait until ``host:port`` (rank 0's store of this rendezvous round) accepts a connection, trying every
-    ``world_size / 10,000`` s (between 0.01 s and 1 s), at most ``timeout`` s; the seconds waited. A rank that asks
-    TCPStore to connect before rank 0 listens is put off by TCPStore's own back-off (~0.5 s, then ~1 s, measured on
-    torch 2.14) though rank 0 may listen a few ms later: every start and restart of a job whose ranks do not all
-    start at once paid it (up to 0.7 s of a 1.5 s recovery, ``bench/peer_restore.py``). Its own connection is made
-    after this one succeeded: at once. Probes stay under ~10,000 a second whatever the job's size; a store that never
-    listens is TCPStore's own error after this (its timeout), as before."""
-    every = min(1.0, max(0.01, world_size / 10_000))
+def wait_listening(host: str, port: int, timeout: float, world_size: int) -> bool:
+    """Wait until ``host:port`` (rank 0's store of this rendezvous round) accepts a connection, at most ``timeout`` s;
+    whether it does (False: it did not within the timeout, or the host cannot be reached: TCPStore's own error
+    follows). A rank that asks TCPStore to connect before rank 0 listens is put off by TCPStore's own
+    back-off (~0.5 s, then ~1 s, measured on torch 2.14) though rank 0 may listen a few ms later: every start and
+    restart of a job whose ranks do not all start at once paid it (up to 0.7 s of a 1.5 s recovery,
+    ``bench/peer_restore.py``). Its own connection is made after this one succeeded: at once.
+
+    A connection refused, reset or timed out is tried again every ``world_size / 10,000`` s (at least 0.01 s,
+    jittered): the probes stay under ~10,000 a second; a job of more than 10,000 ranks is left to TCPStore's own
+    back-off (it spreads its ranks' connects too: True at once). Anything else (a host that does not resolve or cannot
+    be reached) returns at once: TCPStore's own error names it, as before."""
+    if world_size > 10_000:
+        return True
+    every = max(0.01, world_size / 10_000)
+    address = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # ("[::1]": an IPv6 literal)
     t0 = time.monotonic()
     while True:
         try:
-            socket.create_connection((host, port), timeout=max(every, 0.1)).close()
-            return time.monotonic() - t0
+            socket.create_connection((address, port), timeout=max(every, 0.1)).close()
+            return True
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, socket.timeout):
+            pause = every * random.uniform(0.5, 1.5)
+            if time.monotonic() - t0 + pause > timeout:
+                return False
+            time.sleep(pause)
         except OSError:
-            if time.monotonic() - t0 + every > timeout:
-                return time.monotonic() - t0
-            time.sleep(every)
+            return False
 
 
 def loopback_store(port: int, world_size: int, timeout: timedelta, wait_for_workers: bool = True) -> dist.TCPStore:
