@@ -78,7 +78,7 @@ def test_a_rank_connects_to_rank_0s_store_as_soon_as_it_listens_not_after_tcpsto
     assert listening["store"].get("k") == b"v"  # (the store rank 0 hosts)
     when = [t for master, t in asked if not master]
     assert len(when) == 1 and when[0] >= listening["from"], (when, listening["from"])  # (not before it listens)
-    assert connected - listening["from"] < 0.4, connected - listening["from"]
+    assert connected - listening["from"] < 1.0, connected - listening["from"]  # (at once: loose, for a loaded machine)
     # nothing listens: it gives up after the timeout (TCPStore's own error follows, as before)
     with socket.socket() as bound:  # (a port held but not listening: refused)
         bound.bind(("127.0.0.1", 0))
