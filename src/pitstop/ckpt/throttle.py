@@ -42,6 +42,15 @@ class _Paced(io.RawIOBase):
     def fileno(self) -> int:
         return self.raw.fileno()
 
+    def seekable(self) -> bool:
+        return self.raw.seekable()
+
+    def close(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()  # (a writer's last bytes; nothing for a reader)
+            self.raw.close()
+        super().close()
+
 
 class ThrottledFile(_Paced):
     """A writable file that passes bytes through at most ``mbps`` MB/s."""
@@ -61,15 +70,6 @@ class ThrottledFile(_Paced):
         if not self.raw.closed:
             self.raw.flush()
 
-    def seekable(self) -> bool:
-        return self.raw.seekable()
-
-    def close(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-            self.raw.close()
-        super().close()
-
 
 class ThrottledReader(_Paced):
     """A readable file (seekable, as DCP's reads need) that passes bytes through at most ``mbps`` MB/s."""
@@ -88,13 +88,6 @@ class ThrottledReader(_Paced):
             n += got
             self._pace(got)
         return n
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.raw.close()
-        super().close()
 
 
 _SLOW: dict[str, float] = {}  # a dir's real path -> MB/s: reads of files under it are throttled (slow_volume)

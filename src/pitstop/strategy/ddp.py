@@ -212,7 +212,7 @@ def wait_listening(host: str, port: int, timeout: float, world_size: int) -> boo
         try:
             socket.create_connection((address, port), timeout=max(every, 0.1)).close()
             return True
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, socket.timeout):
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError):  # (socket.timeout is TimeoutError)
             pause = every * random.uniform(0.5, 1.5)
             if time.monotonic() - t0 + pause > timeout:
                 return False
