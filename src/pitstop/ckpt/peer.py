@@ -113,6 +113,11 @@ def owner_dirs(root: str) -> list[tuple[int, str]]:
     return sorted((int(o), os.path.join(peers, o)) for o in os.listdir(peers) if o.isdigit())
 
 
+def step_dirs(root: str) -> list[str]:
+    """The dirs a node's local tier keeps step dirs in: its own root, then each owner's copies (:func:`owner_dirs`)."""
+    return [root, *(d for _, d in owner_dirs(root))]
+
+
 def make_copy_dir(root: str, owner: int, step: int) -> str:
     """The dir of node ``owner``'s copy of ``step`` under local root ``root``, made (0700) where missing;
     CorruptCheckpoint where a part of it below the root is a link or not a dir (a copy is never written through a
@@ -242,7 +247,7 @@ def purge(root: str, keep: int, up_to: int | None = None, marked: bool = True) -
     """A node's retention: its own checkpoints and its copies beyond the newest ``keep`` replicated (or copied) ones
     (``marked`` False, copies off: beyond the newest ``keep`` of its own), and, with ``up_to`` (a durable save of
     that step is committed), every one not newer than it."""
-    for where in [root, *(d for _, d in owner_dirs(root))]:
+    for where in step_dirs(root):
         name = REPLICATED if where == root else COPIED
         found = layout.list_checkpoints(where)
         done = [

@@ -197,7 +197,7 @@ class Replicator:
         if not self.leads:
             return
         try:
-            dirs = [self.root, *(d for _, d in peer.owner_dirs(self.root))]
+            dirs = peer.step_dirs(self.root)
             found = [(s, path) for where in dirs for s, path, _ in layout.list_checkpoints(where) if s > step]
         except FINDINGS as e:
             log.error("the local dir %s cannot be listed to remove the rolled-back steps: %s", self.root, e)
